@@ -1,0 +1,65 @@
+// PhysicalBackend: the virtual-memory primitives behind a KV buffer.
+//
+// Two real implementations share this interface:
+//   HostBackend  Linux mmap + memfd (the analog of CUDA VMM on the host),
+//   CudaBackend  the CUDA driver VMM API, loaded at run time.
+// A "page" is one physical allocation of page_size() bytes, identified by an
+// opaque 64-bit handle. Unmapped virtual ranges always read as zeros.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace kvcached {
+
+using PageHandle = uint64_t;
+
+enum class DeviceKind { kHost = 1, kCuda = 2 };  // DLPack device codes kDLCPU / kDLCUDA
+
+class PhysicalBackend {
+ public:
+  virtual ~PhysicalBackend() = default;
+
+  virtual std::string name() const = 0;
+  virtual DeviceKind device_kind() const = 0;
+  virtual int device_id() const = 0;
+  // Page size in bytes; a multiple of the backend's mapping granularity.
+  virtual size_t page_size() const = 0;
+  // Smallest mapping unit of the backend (4 KiB host, cuMemGetAllocationGranularity on CUDA).
+  virtual size_t granularity() const = 0;
+
+  // Reserves `bytes` (a multiple of page_size) of virtual address space, aligned to
+  // page_size, that reads as zeros until pages are mapped.
+  virtual uintptr_t reserve(size_t bytes) = 0;
+  // Gives a reservation back. Every page mapped in it must have been unmapped.
+  virtual void free_range(uintptr_t base, size_t bytes) = 0;
+
+  // Creates (commits) one physical page. Throws PoolExhausted when the OS / driver has
+  // no memory left.
+  virtual PageHandle create_page() = 0;
+  // Releases one physical page; its memory goes back to the OS / driver.
+  virtual void release_page(PageHandle page) = 0;
+
+  // Physical memory committed by this backend right now (host: as the kernel reports it
+  // for the memfd; CUDA: pages created and not released, zero page included).
+  virtual size_t committed_bytes() const = 0;
+
+  // Maps pages[i] at addr + i * page_size, read-write, for i < n.
+  virtual void map(uintptr_t addr, const PageHandle* pages, size_t n) = 0;
+  // Unmaps n pages starting at addr; the range reads as zeros again.
+  virtual void unmap(uintptr_t addr, size_t n) = 0;
+};
+
+// page_size == 0 selects the default (2 MiB).
+std::shared_ptr<PhysicalBackend> make_host_backend(size_t page_size);
+// Throws BackendError when no CUDA driver or device is usable.
+std::shared_ptr<PhysicalBackend> make_cuda_backend(size_t page_size, int device);
+// Whether this build contains the CUDA backend and handlers.
+bool cuda_compiled();
+// (free, total) bytes of a CUDA device, from cuMemGetInfo; throws BackendError without CUDA.
+std::pair<size_t, size_t> cuda_mem_info(int device);
+
+}  // namespace kvcached

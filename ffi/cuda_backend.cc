@@ -1,0 +1,255 @@
+// CudaBackend: the CUDA driver VMM API (cuMemAddressReserve / Create / Map / SetAccess /
+// Unmap / Release). libcuda is opened at run time (never linked).
+//
+// Unmapped ranges are backed by one shared, zero-filled physical page so that stray or
+// padded reads never fault; writes are validated on the host before any kernel runs,
+// so the zero page is never written. Physical pages are created ahead by the PagePool
+// (cuMemCreate is the slow call); access is set once per contiguous run of pages.
+#include <dlfcn.h>
+
+#include <atomic>
+#include <mutex>
+#include <vector>
+
+#include "backend.h"
+#include "cuda_driver.h"
+#include "errors.h"
+
+namespace kvcached {
+
+namespace {
+
+template <typename F>
+void load(void* lib, F& fn, const char* name) {
+  fn = reinterpret_cast<F>(dlsym(lib, name));
+  if (fn == nullptr) throw BackendError(std::string("libcuda has no symbol ") + name);
+}
+
+CudaDriver load_driver() {
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) lib = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) throw BackendError("CUDA driver (libcuda.so.1) not found");
+  CudaDriver d{};
+  load(lib, d.cuInit, "cuInit");
+  load(lib, d.cuGetErrorString, "cuGetErrorString");
+  load(lib, d.cuDeviceGet, "cuDeviceGet");
+  load(lib, d.cuDeviceGetCount, "cuDeviceGetCount");
+  load(lib, d.cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+  load(lib, d.cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2");
+  load(lib, d.cuCtxPushCurrent, "cuCtxPushCurrent_v2");
+  load(lib, d.cuCtxPopCurrent, "cuCtxPopCurrent_v2");
+  load(lib, d.cuCtxSynchronize, "cuCtxSynchronize");
+  load(lib, d.cuMemGetInfo, "cuMemGetInfo_v2");
+  load(lib, d.cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity");
+  load(lib, d.cuMemAddressReserve, "cuMemAddressReserve");
+  load(lib, d.cuMemAddressFree, "cuMemAddressFree");
+  load(lib, d.cuMemCreate, "cuMemCreate");
+  load(lib, d.cuMemRelease, "cuMemRelease");
+  load(lib, d.cuMemMap, "cuMemMap");
+  load(lib, d.cuMemUnmap, "cuMemUnmap");
+  load(lib, d.cuMemSetAccess, "cuMemSetAccess");
+  load(lib, d.cuMemsetD8, "cuMemsetD8_v2");
+  const CUresult r = d.cuInit(0);
+  if (r != CUDA_SUCCESS) {
+    const char* msg = nullptr;
+    if (d.cuGetErrorString(r, &msg) != CUDA_SUCCESS || msg == nullptr) msg = "unknown error";
+    throw BackendError(std::string("cuInit failed: ") + msg);
+  }
+  return d;
+}
+
+// Makes the device's primary context current for the scope.
+class ScopedContext {
+ public:
+  explicit ScopedContext(CUcontext ctx) { cuda_check(cuda_driver().cuCtxPushCurrent(ctx), "cuCtxPushCurrent"); }
+  ~ScopedContext() {
+    CUcontext prev;
+    cuda_driver().cuCtxPopCurrent(&prev);
+  }
+};
+
+class CudaBackend final : public PhysicalBackend {
+ public:
+  CudaBackend(size_t page_size, int device) : device_id_(device) {
+    const CudaDriver& d = cuda_driver();
+    int count = 0;
+    cuda_check(d.cuDeviceGetCount(&count), "cuDeviceGetCount");
+    if (device < 0 || device >= count) {
+      throw BackendError("CUDA device " + std::to_string(device) + " out of range (" +
+                         std::to_string(count) + " devices)");
+    }
+    cuda_check(d.cuDeviceGet(&dev_, device), "cuDeviceGet");
+    cuda_check(d.cuDevicePrimaryCtxRetain(&ctx_, dev_), "cuDevicePrimaryCtxRetain");
+    ScopedContext scope(ctx_);
+    prop_ = {};
+    prop_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop_.location.id = device;
+    cuda_check(d.cuMemGetAllocationGranularity(&granularity_, &prop_,
+                                               CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+               "cuMemGetAllocationGranularity");
+    page_size_ = page_size == 0 ? (size_t{2} << 20) : page_size;
+    if (page_size_ % granularity_ != 0) {
+      throw Error("page_size " + std::to_string(page_size_) +
+                  " is not a multiple of the CUDA allocation granularity " +
+                  std::to_string(granularity_));
+    }
+    access_ = {};
+    access_.location = prop_.location;
+    access_.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    // The shared zero page behind every unmapped range.
+    cuda_check(d.cuMemCreate(&zero_page_, page_size_, &prop_, 0), "cuMemCreate(zero page)");
+    CUdeviceptr tmp;
+    cuda_check(d.cuMemAddressReserve(&tmp, page_size_, page_size_, 0, 0), "cuMemAddressReserve");
+    cuda_check(d.cuMemMap(tmp, page_size_, 0, zero_page_, 0), "cuMemMap(zero page)");
+    cuda_check(d.cuMemSetAccess(tmp, page_size_, &access_, 1), "cuMemSetAccess");
+    cuda_check(d.cuMemsetD8(tmp, 0, page_size_), "cuMemsetD8");
+    cuda_check(d.cuCtxSynchronize(), "cuCtxSynchronize");
+    cuda_check(d.cuMemUnmap(tmp, page_size_), "cuMemUnmap");
+    cuda_check(d.cuMemAddressFree(tmp, page_size_), "cuMemAddressFree");
+  }
+
+  ~CudaBackend() override {
+    const CudaDriver& d = cuda_driver();
+    d.cuMemRelease(zero_page_);
+    d.cuDevicePrimaryCtxRelease(dev_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  DeviceKind device_kind() const override { return DeviceKind::kCuda; }
+  int device_id() const override { return device_id_; }
+  size_t page_size() const override { return page_size_; }
+  size_t granularity() const override { return granularity_; }
+
+  uintptr_t reserve(size_t bytes) override {
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(ctx_);
+    CUdeviceptr base;
+    cuda_check(d.cuMemAddressReserve(&base, bytes, page_size_, 0, 0), "cuMemAddressReserve");
+    map_zero(base, bytes / page_size_);
+    return static_cast<uintptr_t>(base);
+  }
+
+  void free_range(uintptr_t base, size_t bytes) override {
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(ctx_);
+    cuda_check(d.cuCtxSynchronize(), "cuCtxSynchronize");
+    cuda_check(d.cuMemUnmap(base, bytes), "cuMemUnmap");
+    cuda_check(d.cuMemAddressFree(base, bytes), "cuMemAddressFree");
+  }
+
+  PageHandle create_page() override {
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(ctx_);
+    CUmemGenericAllocationHandle h;
+    const CUresult r = d.cuMemCreate(&h, page_size_, &prop_, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) throw PoolExhausted("CUDA device memory exhausted (cuMemCreate)");
+    cuda_check(r, "cuMemCreate");
+    ++live_pages_;
+    return static_cast<PageHandle>(h);
+  }
+
+  void release_page(PageHandle page) override {
+    ScopedContext scope(ctx_);
+    cuda_check(cuda_driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(page)),
+               "cuMemRelease");
+    --live_pages_;
+  }
+
+  size_t committed_bytes() const override {
+    return (live_pages_.load() + 1) * page_size_;  // + the zero page
+  }
+
+  void map(uintptr_t addr, const PageHandle* pages, size_t n) override {
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(ctx_);
+    const size_t bytes = n * page_size_;
+    cuda_check(d.cuMemUnmap(addr, bytes), "cuMemUnmap(zero page)");
+    for (size_t i = 0; i < n; ++i) {
+      const CUresult r = d.cuMemMap(addr + i * page_size_, page_size_, 0,
+                                    static_cast<CUmemGenericAllocationHandle>(pages[i]), 0);
+      if (r != CUDA_SUCCESS) {
+        if (i > 0) d.cuMemUnmap(addr, i * page_size_);
+        map_zero(addr, n);
+        cuda_check(r, "cuMemMap");
+      }
+    }
+    cuda_check(d.cuMemSetAccess(addr, bytes, &access_, 1), "cuMemSetAccess");
+  }
+
+  void unmap(uintptr_t addr, size_t n) override {
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(ctx_);
+    // Work enqueued before this call may still read the range: let it finish first.
+    cuda_check(d.cuCtxSynchronize(), "cuCtxSynchronize");
+    cuda_check(d.cuMemUnmap(addr, n * page_size_), "cuMemUnmap");
+    map_zero(addr, n);
+  }
+
+ private:
+  void map_zero(uintptr_t addr, size_t n) {
+    const CudaDriver& d = cuda_driver();
+    for (size_t i = 0; i < n; ++i) {
+      cuda_check(d.cuMemMap(addr + i * page_size_, page_size_, 0, zero_page_, 0), "cuMemMap(zero page)");
+    }
+    cuda_check(d.cuMemSetAccess(addr, n * page_size_, &access_, 1), "cuMemSetAccess");
+  }
+
+  int device_id_;
+  CUdevice dev_{};
+  CUcontext ctx_{};
+  CUmemAllocationProp prop_{};
+  CUmemAccessDesc access_{};
+  size_t granularity_ = 0;
+  size_t page_size_ = 0;
+  CUmemGenericAllocationHandle zero_page_{};
+  std::atomic<size_t> live_pages_{0};
+};
+
+}  // namespace
+
+const CudaDriver& cuda_driver() {
+  static std::once_flag once;
+  static CudaDriver driver;
+  static std::string error;
+  std::call_once(once, [] {
+    try {
+      driver = load_driver();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  if (!error.empty()) throw BackendError(error);
+  return driver;
+}
+
+void cuda_check(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return;
+  const char* msg = nullptr;
+  // Only reached after a successful load, so the table is valid here.
+  if (cuda_driver().cuGetErrorString(r, &msg) != CUDA_SUCCESS || msg == nullptr) msg = "unknown error";
+  throw BackendError(std::string(what) + " failed: " + msg + " (CUresult " + std::to_string(r) + ")");
+}
+
+std::shared_ptr<PhysicalBackend> make_cuda_backend(size_t page_size, int device) {
+  return std::make_shared<CudaBackend>(page_size, device);
+}
+
+bool cuda_compiled() { return true; }
+
+std::pair<size_t, size_t> cuda_mem_info(int device) {
+  const CudaDriver& d = cuda_driver();
+  CUdevice dev;
+  cuda_check(d.cuDeviceGet(&dev, device), "cuDeviceGet");
+  CUcontext ctx;
+  cuda_check(d.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain");
+  size_t free_b = 0, total_b = 0;
+  {
+    ScopedContext scope(ctx);
+    cuda_check(d.cuMemGetInfo(&free_b, &total_b), "cuMemGetInfo");
+  }
+  d.cuDevicePrimaryCtxRelease(dev);
+  return {free_b, total_b};
+}
+
+}  // namespace kvcached

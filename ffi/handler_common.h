@@ -1,0 +1,109 @@
+// Validation shared by the Host and CUDA FFI handlers: handle lookup, dtypes, shapes.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "errors.h"
+#include "kv_buffer.h"
+#include "registry.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace kvcached {
+namespace ffi = xla::ffi;
+
+inline ffi::Error invalid(const std::string& op, const std::string& msg) {
+  return ffi::Error::InvalidArgument("jax_kvcached." + op + ": " + msg);
+}
+
+// Translates a core exception into an FFI error.
+inline ffi::Error to_ffi_error(const std::string& op, const std::exception& e) {
+  if (dynamic_cast<const PoolExhausted*>(&e) != nullptr) {
+    return ffi::Error(ffi::ErrorCode::kResourceExhausted, "jax_kvcached." + op + ": " + e.what());
+  }
+  if (dynamic_cast<const Error*>(&e) != nullptr) return invalid(op, e.what());
+  return ffi::Error::Internal("jax_kvcached." + op + ": " + e.what());
+}
+
+// Looks a handle up; expected_kind rejects a host buffer on the CUDA platform and back.
+inline ffi::Error find_buffer(const std::string& op, uint64_t handle, DeviceKind expected_kind,
+                              std::shared_ptr<KVBuffer>* out) {
+  *out = lookup_buffer(handle);
+  if (!*out) return invalid(op, "unknown or closed KV cache handle " + std::to_string(handle));
+  if ((*out)->pool().backend().device_kind() != expected_kind) {
+    return invalid(op, "KV cache handle " + std::to_string(handle) + " belongs to the '" +
+                           (*out)->pool().backend().name() + "' backend, not this platform");
+  }
+  return ffi::Error::Success();
+}
+
+inline bool dtype_matches(ffi::DataType t, DType d) {
+  switch (d) {
+    case DType::kFloat32:
+      return t == ffi::DataType::F32;
+    case DType::kFloat16:
+      return t == ffi::DataType::F16;
+    case DType::kBFloat16:
+      return t == ffi::DataType::BF16;
+  }
+  return false;
+}
+
+inline std::string dims_text(ffi::AnyBuffer::Dimensions d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + (d.size() == 1 ? ",)" : ")");
+}
+
+// key and value must both be (n, num_kv_heads, head_dim) of the cache dtype, slots (n,),
+// layer a scalar.
+inline ffi::Error check_write_shapes(const KVBuffer& buf, ffi::AnyBuffer layer, ffi::AnyBuffer key,
+                                     ffi::AnyBuffer value, ffi::AnyBuffer slots) {
+  const KVLayout& l = buf.layout();
+  if (layer.element_type() != ffi::DataType::S32 || layer.element_count() != 1) {
+    return invalid("write_kv", "layer must be an int32 scalar");
+  }
+  if (slots.element_type() != ffi::DataType::S32 || slots.dimensions().size() != 1) {
+    return invalid("write_kv", "slots must be a 1-D int32 array");
+  }
+  const int64_t n = slots.dimensions()[0];
+  for (const ffi::AnyBuffer* b : {&key, &value}) {
+    const char* name = b == &key ? "key" : "value";
+    if (!dtype_matches(b->element_type(), l.dtype)) {
+      return invalid("write_kv", std::string(name) + " dtype does not match the cache dtype " +
+                                     dtype_name(l.dtype));
+    }
+    auto d = b->dimensions();
+    if (d.size() != 3 || d[0] != n || d[1] != l.num_kv_heads || d[2] != l.head_dim) {
+      return invalid("write_kv", std::string(name) + " shape " + dims_text(d) + " must be (" +
+                                     std::to_string(n) + ", " + std::to_string(l.num_kv_heads) +
+                                     ", " + std::to_string(l.head_dim) + ")");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_ids_shape(const std::string& op, const char* name, ffi::AnyBuffer ids) {
+  if (ids.element_type() != ffi::DataType::S32 || ids.dimensions().size() != 1) {
+    return invalid(op, std::string(name) + " must be a 1-D int32 array");
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_copy_shapes(ffi::AnyBuffer src, ffi::AnyBuffer dst) {
+  if (auto e = check_ids_shape("copy_blocks", "src", src); e.failure()) return e;
+  if (auto e = check_ids_shape("copy_blocks", "dst", dst); e.failure()) return e;
+  if (src.dimensions()[0] != dst.dimensions()[0]) {
+    return invalid("copy_blocks", "src and dst must have the same length");
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error check_token_out(const std::string& op, ffi::Result<ffi::AnyBuffer>& out) {
+  if (out->element_type() != ffi::DataType::S32 || out->element_count() != 1) {
+    return invalid(op, "the result token must be an int32 scalar");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace kvcached

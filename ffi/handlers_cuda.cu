@@ -1,0 +1,211 @@
+// XLA FFI handlers for the CUDA platform. Same operands and validation as the Host
+// handlers. Index operands live on the device, so each handler copies them to the host
+// and validates them before launching anything: a bad slot is an FFI error, never a
+// stray device write. Map and unmap are host calls; the backend's unmap waits for the
+// device first, so no kernel enqueued earlier can read a page after it is unmapped.
+// None of these handlers is command-buffer (CUDA graph) compatible: a replay would skip
+// their host work.
+#include <cuda_runtime_api.h>
+
+#include <mutex>
+#include <shared_mutex>
+#include <vector>
+
+#include "handler_common.h"
+#include "handlers.h"
+
+namespace kvcached {
+namespace {
+
+ffi::Error cuda_error(const std::string& op, cudaError_t e) {
+  return ffi::Error::Internal("jax_kvcached." + op + ": " + cudaGetErrorString(e));
+}
+
+// Copies a small int32 device array to the host (synchronously on `stream`).
+ffi::Error fetch(const std::string& op, cudaStream_t stream, ffi::AnyBuffer buf, std::vector<int32_t>* out) {
+  out->resize(buf.element_count());
+  if (out->empty()) return ffi::Error::Success();
+  cudaError_t e = cudaMemcpyAsync(out->data(), buf.untyped_data(), out->size() * sizeof(int32_t),
+                                  cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_error(op, e);
+}
+
+ffi::Error finish(const std::string& op, cudaStream_t stream, ffi::Result<ffi::AnyBuffer> token_out) {
+  const cudaError_t e = cudaMemsetAsync(token_out->untyped_data(), 0, sizeof(int32_t), stream);
+  return e == cudaSuccess ? ffi::Error::Success() : cuda_error(op, e);
+}
+
+template <typename Word>
+__global__ void write_rows(const Word* key, const Word* value, const int32_t* slots, int64_t n,
+                           int64_t words_per_row, Word* k_plane, Word* v_plane) {
+  const int64_t total = n * words_per_row;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / words_per_row;
+    const int64_t w = i - t * words_per_row;
+    const int32_t s = slots[t];
+    if (s < 0) continue;
+    k_plane[s * words_per_row + w] = key[i];
+    v_plane[s * words_per_row + w] = value[i];
+  }
+}
+
+template <typename Word>
+__global__ void copy_block_kernel(const int32_t* src, const int32_t* dst, int64_t n,
+                                  int64_t words_per_block, int64_t words_per_plane, Word* base) {
+  const int64_t plane = blockIdx.y;
+  Word* p = base + plane * words_per_plane;
+  const int64_t total = n * words_per_block;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t b = i / words_per_block;
+    const int64_t w = i - b * words_per_block;
+    p[dst[b] * words_per_block + w] = p[src[b] * words_per_block + w];
+  }
+}
+
+unsigned grid_for(int64_t work) {
+  const int64_t blocks = (work + 255) / 256;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
+}
+
+ffi::Error WriteKvCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
+                       ffi::AnyBuffer value, ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/,
+                       ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
+  std::shared_ptr<KVBuffer> buf;
+  if (auto e = find_buffer("write_kv", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  if (auto e = check_write_shapes(*buf, layer, key, value, slots); e.failure()) return e;
+  if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
+  std::vector<int32_t> host_layer, host_slots;
+  if (auto e = fetch("write_kv", stream, layer, &host_layer); e.failure()) return e;
+  if (auto e = fetch("write_kv", stream, slots, &host_slots); e.failure()) return e;
+  std::shared_lock<std::shared_mutex> lock(buf->mutex());
+  const std::string err = buf->check_write(host_layer[0], host_slots.data(), host_slots.size());
+  if (!err.empty()) return invalid("write_kv", err);
+  const int64_t n = static_cast<int64_t>(host_slots.size());
+  if (n > 0) {
+    const size_t row = buf->layout().row_bytes();
+    char* k_plane = reinterpret_cast<char*>(buf->base() + static_cast<size_t>(2 * host_layer[0]) * buf->plane_bytes());
+    char* v_plane = k_plane + buf->plane_bytes();
+    const auto* s = static_cast<const int32_t*>(slots.untyped_data());
+    if (row % 4 == 0) {
+      const int64_t wpr = static_cast<int64_t>(row / 4);
+      write_rows<uint32_t><<<grid_for(n * wpr), 256, 0, stream>>>(
+          static_cast<const uint32_t*>(key.untyped_data()), static_cast<const uint32_t*>(value.untyped_data()),
+          s, n, wpr, reinterpret_cast<uint32_t*>(k_plane), reinterpret_cast<uint32_t*>(v_plane));
+    } else {
+      const int64_t wpr = static_cast<int64_t>(row / 2);
+      write_rows<uint16_t><<<grid_for(n * wpr), 256, 0, stream>>>(
+          static_cast<const uint16_t*>(key.untyped_data()), static_cast<const uint16_t*>(value.untyped_data()),
+          s, n, wpr, reinterpret_cast<uint16_t*>(k_plane), reinterpret_cast<uint16_t*>(v_plane));
+    }
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error("write_kv", e);
+  }
+  return finish("write_kv", stream, token_out);
+}
+
+ffi::Error CopyBlocksCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst,
+                          ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
+  std::shared_ptr<KVBuffer> buf;
+  if (auto e = find_buffer("copy_blocks", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  if (auto e = check_copy_shapes(src, dst); e.failure()) return e;
+  if (auto e = check_token_out("copy_blocks", token_out); e.failure()) return e;
+  std::vector<int32_t> hs, hd;
+  if (auto e = fetch("copy_blocks", stream, src, &hs); e.failure()) return e;
+  if (auto e = fetch("copy_blocks", stream, dst, &hd); e.failure()) return e;
+  std::shared_lock<std::shared_mutex> lock(buf->mutex());
+  const std::string err = buf->check_copy(hs.data(), hd.data(), hs.size());
+  if (!err.empty()) return invalid("copy_blocks", err);
+  const int64_t n = static_cast<int64_t>(hs.size());
+  if (n > 0) {
+    const size_t bb = buf->layout().block_bytes();
+    const int64_t wpb = static_cast<int64_t>(bb / 2);
+    const int64_t wpp = static_cast<int64_t>(buf->plane_bytes() / 2);
+    const dim3 grid(grid_for(n * wpb), static_cast<unsigned>(buf->layout().num_planes()));
+    // check_copy() rejected repeated destinations and src/dst overlaps, so the copies
+    // are independent and may run in parallel.
+    copy_block_kernel<uint16_t><<<grid, 256, 0, stream>>>(
+        static_cast<const int32_t*>(src.untyped_data()), static_cast<const int32_t*>(dst.untyped_data()), n,
+        wpb, wpp, reinterpret_cast<uint16_t*>(buf->base()));
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error("copy_blocks", e);
+  }
+  return finish("copy_blocks", stream, token_out);
+}
+
+ffi::Error MapPagesCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
+                        ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
+  std::shared_ptr<KVBuffer> buf;
+  if (auto e = find_buffer("map_pages", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  if (auto e = check_ids_shape("map_pages", "page_ids", ids); e.failure()) return e;
+  if (auto e = check_token_out("map_pages", token_out); e.failure()) return e;
+  std::vector<int32_t> h;
+  if (auto e = fetch("map_pages", stream, ids, &h); e.failure()) return e;
+  try {
+    buf->map_pages(h.data(), h.size());
+  } catch (const std::exception& e) {
+    return to_ffi_error("map_pages", e);
+  }
+  return finish("map_pages", stream, token_out);
+}
+
+ffi::Error UnmapPagesCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
+                          ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
+  std::shared_ptr<KVBuffer> buf;
+  if (auto e = find_buffer("unmap_pages", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  if (auto e = check_ids_shape("unmap_pages", "page_ids", ids); e.failure()) return e;
+  if (auto e = check_token_out("unmap_pages", token_out); e.failure()) return e;
+  std::vector<int32_t> h;
+  // fetch() synchronizes the stream: every earlier read of these pages has finished.
+  if (auto e = fetch("unmap_pages", stream, ids, &h); e.failure()) return e;
+  try {
+    buf->unmap_pages(h.data(), h.size());
+  } catch (const std::exception& e) {
+    return to_ffi_error("unmap_pages", e);
+  }
+  return finish("unmap_pages", stream, token_out);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cuda, WriteKvCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<uint64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cuda, CopyBlocksCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<uint64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_map_pages_cuda, MapPagesCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<uint64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_unmap_pages_cuda, UnmapPagesCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<uint64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>());
+
+}  // namespace kvcached

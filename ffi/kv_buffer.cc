@@ -1,0 +1,295 @@
+#include "kv_buffer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "errors.h"
+
+namespace kvcached {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+  }
+  throw Error("unknown dtype");
+}
+
+std::string dtype_name(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+  }
+  return "unknown";
+}
+
+KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout)
+    : pool_(std::move(pool)), layout_(layout), page_size_(pool_->page_size()) {
+  if (layout.num_layers <= 0 || layout.num_kv_heads <= 0 || layout.head_dim <= 0 ||
+      layout.block_size <= 0 || layout.num_pages <= 0) {
+    throw Error("num_layers, num_kv_heads, head_dim, block_size and num_pages must be positive");
+  }
+  const size_t bb = layout.block_bytes();
+  if (bb > page_size_ || page_size_ % bb != 0) {
+    throw Error("a KV block of " + std::to_string(bb) + " bytes (block_size * num_kv_heads * "
+                "head_dim * itemsize) must divide the page size of " + std::to_string(page_size_) +
+                " bytes");
+  }
+  blocks_per_page_ = static_cast<int64_t>(page_size_ / bb);
+  plane_bytes_ = static_cast<size_t>(layout.num_pages) * page_size_;
+  base_ = pool_->backend().reserve(total_bytes());
+  phys_.resize(static_cast<size_t>(layout.num_pages));
+}
+
+KVBuffer::~KVBuffer() {
+  try {
+    close();
+    pool_->backend().free_range(base_, total_bytes());
+  } catch (...) {
+  }
+}
+
+void KVBuffer::check_open() const {
+  if (closed_) throw Error("the KV cache is closed");
+}
+
+void KVBuffer::check_ids(const int32_t* ids, size_t n, bool want_mapped) const {
+  std::vector<bool> seen(phys_.size(), false);
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t p = ids[i];
+    if (p < 0 || p >= layout_.num_pages) {
+      throw Error("page id " + std::to_string(p) + " out of range [0, " +
+                  std::to_string(layout_.num_pages) + ")");
+    }
+    if (seen[static_cast<size_t>(p)]) throw Error("page id " + std::to_string(p) + " given twice");
+    seen[static_cast<size_t>(p)] = true;
+    const bool mapped = !phys_[static_cast<size_t>(p)].empty();
+    if (mapped != want_mapped) {
+      throw Error("page " + std::to_string(p) + (mapped ? " is already mapped" : " is not mapped"));
+    }
+  }
+}
+
+// Calls fn(first_page, count) for each run of consecutive ids in a sorted list.
+template <typename F>
+static void for_each_run(const std::vector<int32_t>& sorted, F fn) {
+  size_t i = 0;
+  while (i < sorted.size()) {
+    size_t j = i + 1;
+    while (j < sorted.size() && sorted[j] == sorted[j - 1] + 1) ++j;
+    fn(i, j - i);
+    i = j;
+  }
+}
+
+void KVBuffer::map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys) {
+  const size_t planes = pages_per_kv_page();
+  PhysicalBackend& be = pool_->backend();
+  std::vector<PageHandle> run;
+  size_t done_planes = 0;
+  try {
+    for (size_t plane = 0; plane < planes; ++plane, ++done_planes) {
+      for_each_run(sorted, [&](size_t first, size_t count) {
+        run.clear();
+        for (size_t k = 0; k < count; ++k) run.push_back(phys[(first + k) * planes + plane]);
+        be.map(base_ + plane * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_,
+               run.data(), count);
+      });
+    }
+  } catch (...) {
+    // Roll back whole planes already mapped; the failing plane rolled back its own runs
+    // only partially, so unmapping it fully (zero backing) is safe as well.
+    for (size_t plane = 0; plane <= done_planes && plane < planes; ++plane) {
+      for_each_run(sorted, [&](size_t first, size_t count) {
+        be.unmap(base_ + plane * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_, count);
+      });
+    }
+    throw;
+  }
+}
+
+void KVBuffer::map_pages(const int32_t* ids, size_t n) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  check_open();
+  check_ids(ids, n, /*want_mapped=*/false);
+  if (n == 0) return;
+  std::vector<int32_t> sorted(ids, ids + n);
+  std::sort(sorted.begin(), sorted.end());
+  const size_t planes = pages_per_kv_page();
+  std::vector<PageHandle> phys = pool_->acquire(n * planes);
+  try {
+    map_locked(sorted, phys);
+  } catch (...) {
+    pool_->release(phys);
+    throw;
+  }
+  for (size_t k = 0; k < n; ++k) {
+    phys_[static_cast<size_t>(sorted[k])].assign(phys.begin() + static_cast<std::ptrdiff_t>(k * planes),
+                                                 phys.begin() + static_cast<std::ptrdiff_t>((k + 1) * planes));
+  }
+  mapped_ += n;
+}
+
+void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted) {
+  const size_t planes = pages_per_kv_page();
+  PhysicalBackend& be = pool_->backend();
+  for (size_t plane = 0; plane < planes; ++plane) {
+    for_each_run(sorted, [&](size_t first, size_t count) {
+      be.unmap(base_ + plane * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_, count);
+    });
+  }
+  std::vector<PageHandle> phys;
+  phys.reserve(sorted.size() * planes);
+  for (int32_t p : sorted) {
+    auto& v = phys_[static_cast<size_t>(p)];
+    phys.insert(phys.end(), v.begin(), v.end());
+    v.clear();
+  }
+  mapped_ -= sorted.size();
+  pool_->release(phys);
+}
+
+void KVBuffer::unmap_pages(const int32_t* ids, size_t n) {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  check_open();
+  check_ids(ids, n, /*want_mapped=*/true);
+  if (n == 0) return;
+  std::vector<int32_t> sorted(ids, ids + n);
+  std::sort(sorted.begin(), sorted.end());
+  unmap_locked(sorted);
+}
+
+bool KVBuffer::is_mapped(int64_t page) const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  if (page < 0 || page >= layout_.num_pages) throw Error("page id out of range");
+  return !phys_[static_cast<size_t>(page)].empty();
+}
+
+size_t KVBuffer::num_mapped_pages() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return mapped_;
+}
+
+std::vector<int32_t> KVBuffer::mapped_pages() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::vector<int32_t> out;
+  for (size_t p = 0; p < phys_.size(); ++p) {
+    if (!phys_[p].empty()) out.push_back(static_cast<int32_t>(p));
+  }
+  return out;
+}
+
+void KVBuffer::close() {
+  std::unique_lock<std::shared_mutex> lock(mu_);
+  if (closed_) return;
+  std::vector<int32_t> all;
+  for (size_t p = 0; p < phys_.size(); ++p) {
+    if (!phys_[p].empty()) all.push_back(static_cast<int32_t>(p));
+  }
+  if (!all.empty()) unmap_locked(all);
+  closed_ = true;
+}
+
+bool KVBuffer::closed() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  return closed_;
+}
+
+std::string KVBuffer::check_write(int64_t layer, const int32_t* slots, size_t n) const {
+  if (closed_) return "the KV cache is closed";
+  if (layer < 0 || layer >= layout_.num_layers) {
+    return "layer " + std::to_string(layer) + " out of range [0, " +
+           std::to_string(layout_.num_layers) + ")";
+  }
+  const int64_t total = num_slots();
+  const int64_t slots_per_page = blocks_per_page_ * layout_.block_size;
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t s = slots[i];
+    if (s == -1) continue;
+    if (s < 0 || s >= total) {
+      return "slot " + std::to_string(s) + " (index " + std::to_string(i) + ") out of range [0, " +
+             std::to_string(total) + "); use -1 to skip a padded token";
+    }
+    if (s < layout_.block_size) {
+      return "slot " + std::to_string(s) + " (index " + std::to_string(i) +
+             ") is in the null block 0, which is never written";
+    }
+    if (phys_[static_cast<size_t>(s / slots_per_page)].empty()) {
+      return "slot " + std::to_string(s) + " (index " + std::to_string(i) + ") is in unmapped page " +
+             std::to_string(s / slots_per_page);
+    }
+  }
+  return {};
+}
+
+std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t n) const {
+  if (closed_) return "the KV cache is closed";
+  const int64_t nb = num_blocks();
+  std::vector<int32_t> dsts(dst, dst + n), srcs(src, src + n);
+  std::sort(dsts.begin(), dsts.end());
+  std::sort(srcs.begin(), srcs.end());
+  for (size_t i = 0; i + 1 < n; ++i) {
+    if (dsts[i] == dsts[i + 1]) return "destination block " + std::to_string(dsts[i]) + " given twice";
+  }
+  for (int32_t d : dsts) {
+    if (std::binary_search(srcs.begin(), srcs.end(), d)) {
+      return "block " + std::to_string(d) + " is both a source and a destination";
+    }
+  }
+  for (size_t i = 0; i < n; ++i) {
+    for (int which = 0; which < 2; ++which) {
+      const int64_t b = which == 0 ? src[i] : dst[i];
+      const char* name = which == 0 ? "source" : "destination";
+      if (b < 0 || b >= nb) {
+        return std::string(name) + " block " + std::to_string(b) + " (index " + std::to_string(i) +
+               ") out of range [0, " + std::to_string(nb) + ")";
+      }
+      if (which == 1 && b == 0) return "destination block 0 is the null block";
+      if (phys_[static_cast<size_t>(b / blocks_per_page_)].empty()) {
+        return std::string(name) + " block " + std::to_string(b) + " is in an unmapped page";
+      }
+    }
+  }
+  return {};
+}
+
+void KVBuffer::write_kv_host(int64_t layer, const void* key, const void* value,
+                             const int32_t* slots, size_t n) {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  const std::string err = check_write(layer, slots, n);
+  if (!err.empty()) throw Error(err);
+  const size_t row = layout_.row_bytes();
+  auto* k_plane = reinterpret_cast<char*>(base_ + static_cast<size_t>(2 * layer) * plane_bytes_);
+  char* v_plane = k_plane + plane_bytes_;
+  const auto* k = static_cast<const char*>(key);
+  const auto* v = static_cast<const char*>(value);
+  for (size_t i = 0; i < n; ++i) {
+    if (slots[i] < 0) continue;
+    const size_t off = static_cast<size_t>(slots[i]) * row;
+    std::memcpy(k_plane + off, k + i * row, row);
+    std::memcpy(v_plane + off, v + i * row, row);
+  }
+}
+
+void KVBuffer::copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n) {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  const std::string err = check_copy(src, dst, n);
+  if (!err.empty()) throw Error(err);
+  const size_t bb = layout_.block_bytes();
+  for (int64_t plane = 0; plane < layout_.num_planes(); ++plane) {
+    char* p = reinterpret_cast<char*>(base_ + static_cast<size_t>(plane) * plane_bytes_);
+    for (size_t i = 0; i < n; ++i) {
+      std::memmove(p + static_cast<size_t>(dst[i]) * bb, p + static_cast<size_t>(src[i]) * bb, bb);
+    }
+  }
+}
+
+}  // namespace kvcached

@@ -1,0 +1,107 @@
+// KVBuffer: one tenant's fixed virtual KV range and its page table.
+//
+// Layout (row-major): (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
+// Each (layer, K|V) plane is one page-aligned range of num_pages * page_size bytes, and
+// KV page p stands for the same offset in all 2 * num_layers planes: mapping it takes
+// 2 * num_layers physical pages from the pool. Block 0 is the null block: never written,
+// it reads zeros, so padded block-table entries can point at it.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "page_pool.h"
+
+namespace kvcached {
+
+enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+size_t dtype_size(DType t);
+std::string dtype_name(DType t);
+
+struct KVLayout {
+  int64_t num_layers;
+  int64_t num_kv_heads;
+  int64_t head_dim;
+  int64_t block_size;
+  DType dtype;
+  int64_t num_pages;  // KV pages of virtual space
+
+  size_t row_bytes() const { return static_cast<size_t>(num_kv_heads * head_dim) * dtype_size(dtype); }
+  size_t block_bytes() const { return row_bytes() * static_cast<size_t>(block_size); }
+  int64_t num_planes() const { return 2 * num_layers; }
+};
+
+class KVBuffer {
+ public:
+  KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout);
+  ~KVBuffer();
+  KVBuffer(const KVBuffer&) = delete;
+  KVBuffer& operator=(const KVBuffer&) = delete;
+
+  const KVLayout& layout() const { return layout_; }
+  PagePool& pool() { return *pool_; }
+  uintptr_t base() const { return base_; }
+  size_t page_size() const { return page_size_; }
+  size_t plane_bytes() const { return plane_bytes_; }
+  size_t total_bytes() const { return plane_bytes_ * static_cast<size_t>(layout_.num_planes()); }
+  int64_t blocks_per_page() const { return blocks_per_page_; }
+  int64_t num_blocks() const { return layout_.num_pages * blocks_per_page_; }
+  int64_t num_slots() const { return num_blocks() * layout_.block_size; }
+  size_t pages_per_kv_page() const { return static_cast<size_t>(layout_.num_planes()); }
+
+  // Maps / unmaps KV pages. All ids are validated before anything changes: each must be
+  // in range, unique, and unmapped (map) or mapped (unmap). Throws Error / PoolExhausted.
+  void map_pages(const int32_t* ids, size_t n);
+  void unmap_pages(const int32_t* ids, size_t n);
+  bool is_mapped(int64_t page) const;
+  size_t num_mapped_pages() const;
+  std::vector<int32_t> mapped_pages() const;
+  // Unmaps every page; later map calls fail. The virtual range stays reserved until the
+  // last reference (views included) is dropped.
+  void close();
+  bool closed() const;
+
+  // Readers/writers of the mapped memory hold this shared lock while they touch it;
+  // map and unmap hold it exclusively, so a write never races with an unmap.
+  std::shared_mutex& mutex() const { return mu_; }
+
+  // Checks (under the caller's shared lock) a write of n slots into `layer`: every slot
+  // is -1 (skipped) or a slot of a mapped page outside the null block.
+  // Returns an empty string when valid, else the reason.
+  std::string check_write(int64_t layer, const int32_t* slots, size_t n) const;
+  // Checks block copies: src and dst in range and mapped, dst not the null block, no
+  // destination repeated or also used as a source (so copy order never matters).
+  std::string check_copy(const int32_t* src, const int32_t* dst, size_t n) const;
+
+  // Host-memory implementations (the CUDA handlers launch kernels instead). They take
+  // the shared lock and validate first; they throw Error on bad input.
+  void write_kv_host(int64_t layer, const void* key, const void* value, const int32_t* slots,
+                     size_t n);
+  void copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n);
+
+ private:
+  void check_open() const;
+  void check_ids(const int32_t* ids, size_t n, bool want_mapped) const;
+  // Maps (or unmaps) page runs plane by plane.
+  void map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys);
+  void unmap_locked(const std::vector<int32_t>& sorted);
+
+  std::shared_ptr<PagePool> pool_;
+  KVLayout layout_;
+  size_t page_size_;
+  size_t plane_bytes_;
+  int64_t blocks_per_page_;
+  uintptr_t base_ = 0;
+  mutable std::shared_mutex mu_;
+  bool closed_ = false;
+  // phys_[p] holds the 2L physical pages of KV page p (plane order), empty if unmapped.
+  std::vector<std::vector<PageHandle>> phys_;
+  size_t mapped_ = 0;
+};
+
+}  // namespace kvcached

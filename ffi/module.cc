@@ -1,0 +1,181 @@
+// nanobind module jax_kvcached._C: the C++ core (pool, buffers, registry) and the FFI
+// handler capsules that jax_kvcached.ops registers with jax.ffi.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include "backend.h"
+#include "bench.h"
+#include "errors.h"
+#include "handlers.h"
+#include "kv_buffer.h"
+#include "page_pool.h"
+#include "registry.h"
+
+namespace nb = nanobind;
+using namespace kvcached;
+
+namespace {
+
+using IdArray = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+std::shared_ptr<PhysicalBackend> make_backend(const std::string& name, size_t page_size, int device) {
+  if (name == "host") return make_host_backend(page_size);
+  if (name == "cuda") return make_cuda_backend(page_size, device);
+  throw Error("unknown backend '" + name + "' (expected 'host' or 'cuda')");
+}
+
+nb::capsule handler(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict stats_dict(const PoolStats& s) {
+  nb::dict d;
+  d["page_size"] = s.page_size;
+  d["budget_pages"] = s.budget_pages;
+  d["in_use_pages"] = s.in_use_pages;
+  d["reserved_pages"] = s.reserved_pages;
+  d["min_reserved_pages"] = s.min_reserved;
+  d["max_reserved_pages"] = s.max_reserved;
+  d["creates"] = s.creates;
+  d["releases"] = s.releases;
+  d["reuses"] = s.reuses;
+  return d;
+}
+
+nb::dlpack::dtype dlpack_dtype(DType t) {
+  switch (t) {
+    case DType::kFloat32:
+      return nb::dtype<float>();
+    case DType::kFloat16:
+      return nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+    case DType::kBFloat16:
+      return nb::dlpack::dtype{static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  }
+  throw Error("unknown dtype");
+}
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "jax_kvcached C++ core: physical backends, page pool, virtual KV buffers, FFI handlers";
+  // Pools and caches referenced from module globals or JAX objects may outlive
+  // interpreter shutdown ordering; that is not a leak worth reporting.
+  nb::set_leak_warnings(false);
+
+  nb::object base_exc = nb::exception<Error>(m, "KVCacheError", PyExc_RuntimeError);
+  nb::exception<BackendError>(m, "BackendError", base_exc.ptr());
+  nb::exception<PoolExhausted>(m, "PoolExhausted", base_exc.ptr());
+
+  m.def("cuda_compiled", &cuda_compiled, "Whether this build has the CUDA backend and handlers.");
+  m.def("cuda_mem_info", &cuda_mem_info, nb::arg("device"), "(free, total) bytes of a CUDA device.");
+
+  nb::class_<PagePool>(m, "PagePool")
+      .def(nb::new_([](const std::string& backend, size_t page_size, size_t budget_pages,
+                       size_t min_reserved, size_t max_reserved, int device) {
+             return std::make_shared<PagePool>(make_backend(backend, page_size, device), budget_pages,
+                                               min_reserved, max_reserved);
+           }),
+           nb::arg("backend"), nb::arg("page_size"), nb::arg("budget_pages"), nb::arg("min_reserved"),
+           nb::arg("max_reserved"), nb::arg("device") = 0)
+      .def_prop_ro("backend_name", [](PagePool& p) { return p.backend().name(); })
+      .def_prop_ro("page_size", &PagePool::page_size)
+      .def_prop_ro("granularity", [](PagePool& p) { return p.backend().granularity(); })
+      .def_prop_ro("device_id", [](PagePool& p) { return p.backend().device_id(); })
+      .def_prop_ro("committed_bytes", [](PagePool& p) { return p.backend().committed_bytes(); })
+      .def("set_budget", &PagePool::set_budget, nb::arg("budget_pages"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("set_reserve", &PagePool::set_reserve, nb::arg("min_reserved"), nb::arg("max_reserved"),
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("trim", &PagePool::trim, nb::call_guard<nb::gil_scoped_release>())
+      .def("stats", [](PagePool& p) { return stats_dict(p.stats()); });
+
+  nb::class_<KVBuffer>(m, "KVBuffer")
+      .def(nb::new_([](std::shared_ptr<PagePool> pool, int64_t num_layers, int64_t num_kv_heads,
+                       int64_t head_dim, int64_t block_size, int dtype, int64_t num_pages) {
+             if (dtype < 0 || dtype > 2) throw Error("unsupported dtype code");
+             return std::make_shared<KVBuffer>(
+                 std::move(pool), KVLayout{num_layers, num_kv_heads, head_dim, block_size,
+                                           static_cast<DType>(dtype), num_pages});
+           }),
+           nb::arg("pool"), nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
+           nb::arg("block_size"), nb::arg("dtype"), nb::arg("num_pages"))
+      .def_prop_ro("base", &KVBuffer::base)
+      .def_prop_ro("total_bytes", &KVBuffer::total_bytes)
+      .def_prop_ro("plane_bytes", &KVBuffer::plane_bytes)
+      .def_prop_ro("page_size", &KVBuffer::page_size)
+      .def_prop_ro("num_pages", [](KVBuffer& b) { return b.layout().num_pages; })
+      .def_prop_ro("num_blocks", &KVBuffer::num_blocks)
+      .def_prop_ro("blocks_per_page", &KVBuffer::blocks_per_page)
+      .def_prop_ro("pages_per_kv_page", &KVBuffer::pages_per_kv_page)
+      .def(
+          "map_pages", [](KVBuffer& b, IdArray ids) { b.map_pages(ids.data(), ids.shape(0)); },
+          nb::arg("page_ids"), nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "unmap_pages", [](KVBuffer& b, IdArray ids) { b.unmap_pages(ids.data(), ids.shape(0)); },
+          nb::arg("page_ids"), nb::call_guard<nb::gil_scoped_release>())
+      .def("is_mapped", &KVBuffer::is_mapped, nb::arg("page"))
+      .def_prop_ro("num_mapped_pages", &KVBuffer::num_mapped_pages)
+      .def("mapped_pages", &KVBuffer::mapped_pages)
+      .def("close", &KVBuffer::close, nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("closed", &KVBuffer::closed)
+      .def_prop_ro("dlpack_device",
+                   [](KVBuffer& b) {
+                     PhysicalBackend& be = b.pool().backend();
+                     return std::make_pair(be.device_kind() == DeviceKind::kCuda ? 2 : 1, be.device_id());
+                   })
+      .def(
+          "dlpack",
+          [](std::shared_ptr<KVBuffer> self) {
+            // The capsule keeps the buffer (and its virtual range) alive for every view.
+            auto* keep = new std::shared_ptr<KVBuffer>(self);
+            nb::capsule owner(keep, [](void* p) noexcept {
+              delete static_cast<std::shared_ptr<KVBuffer>*>(p);
+            });
+            const KVLayout& l = self->layout();
+            const size_t shape[6] = {static_cast<size_t>(l.num_layers), 2, static_cast<size_t>(self->num_blocks()),
+                                     static_cast<size_t>(l.block_size), static_cast<size_t>(l.num_kv_heads),
+                                     static_cast<size_t>(l.head_dim)};
+            PhysicalBackend& be = self->pool().backend();
+            const int dev_type = be.device_kind() == DeviceKind::kCuda ? nb::device::cuda::value
+                                                                        : nb::device::cpu::value;
+            return nb::ndarray<>(reinterpret_cast<void*>(self->base()), 6, shape, owner, nullptr,
+                                 dlpack_dtype(l.dtype), dev_type, be.device_id());
+          },
+          "A DLPack capsule over the whole virtual buffer (zero-copy).");
+
+  m.def("register_buffer", &register_buffer, nb::arg("buffer"),
+        "Registers a buffer for the FFI handlers and returns its handle.");
+  m.def("unregister_buffer", &unregister_buffer, nb::arg("handle"));
+  m.def("lookup_ok", [](uint64_t h) { return static_cast<bool>(lookup_buffer(h)); }, nb::arg("handle"));
+
+  m.def(
+      "bench_backend",
+      [](const std::string& backend, size_t page_size, size_t iters, int device) {
+        auto be = make_backend(backend, page_size, device);
+        nb::gil_scoped_release release;
+        return bench_backend(*be, iters);
+      },
+      nb::arg("backend"), nb::arg("page_size"), nb::arg("iters"), nb::arg("device") = 0);
+
+  nb::dict handlers;
+  handlers["cpu"] = nb::dict();
+  nb::dict cpu = handlers["cpu"];
+  cpu["write_kv"] = handler(kvcached_write_kv_cpu);
+  cpu["copy_blocks"] = handler(kvcached_copy_blocks_cpu);
+  cpu["map_pages"] = handler(kvcached_map_pages_cpu);
+  cpu["unmap_pages"] = handler(kvcached_unmap_pages_cpu);
+#ifdef KVCACHED_WITH_CUDA
+  nb::dict cuda;
+  cuda["write_kv"] = handler(kvcached_write_kv_cuda);
+  cuda["copy_blocks"] = handler(kvcached_copy_blocks_cuda);
+  cuda["map_pages"] = handler(kvcached_map_pages_cuda);
+  cuda["unmap_pages"] = handler(kvcached_unmap_pages_cuda);
+  handlers["cuda"] = cuda;
+#endif
+  m.attr("handlers") = handlers;
+}

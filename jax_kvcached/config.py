@@ -1,0 +1,101 @@
+"""KVCACHED_* environment variables, parsed and validated in one place."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | float | str, what: str = "size") -> int:
+    """Parses a byte count: an int, or a string such as ``"8GiB"``, ``"512MiB"``, ``"1.5GB"``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be a number of bytes or a string like '8GiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"{what} must be a whole number of bytes, got {value!r}")
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"{what}: cannot parse {value!r} (examples: 8GiB, 512MiB, 1.5GB, 4096)"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise TypeError(f"{what} must be a number of bytes or a string like '8GiB', got {value!r}")
+    if n <= 0:
+        raise ValueError(f"{what} must be positive, got {value!r}")
+    return n
+
+
+def _env_number(env: Mapping[str, str], name: str, default, kind, lo=None, hi=None):
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ValueError(f"{name}={raw!r} must be in [{lo}, {hi}]")
+    return value
+
+
+@dataclass(frozen=True)
+class Config:
+    """Library settings; :meth:`from_env` reads them from ``KVCACHED_*`` variables."""
+
+    page_size: int = 2 << 20
+    gpu_utilization: float = 0.95
+    host_memory_fraction: float = 0.5
+    min_reserved_pages: int = 5
+    max_reserved_pages: int = 10
+    max_cached_tokens: int = 16000
+
+    def __post_init__(self) -> None:
+        if self.min_reserved_pages > self.max_reserved_pages:
+            raise ValueError(
+                f"KVCACHED_MIN_RESERVED_PAGES ({self.min_reserved_pages}) exceeds "
+                f"KVCACHED_MAX_RESERVED_PAGES ({self.max_reserved_pages})"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        env = os.environ if env is None else env
+        page_mb = _env_number(env, "KVCACHED_PAGE_SIZE_MB", 2.0, float, lo=0.0625)
+        page_size = int(page_mb * (1 << 20))
+        if page_size % 4096:
+            raise ValueError(f"KVCACHED_PAGE_SIZE_MB={page_mb} is not a multiple of 4 KiB")
+        return cls(
+            page_size=page_size,
+            gpu_utilization=_env_number(env, "KVCACHED_GPU_UTILIZATION", 0.95, float, 0.01, 1.0),
+            host_memory_fraction=_env_number(
+                env, "KVCACHED_HOST_MEMORY_FRACTION", 0.5, float, 0.01, 1.0
+            ),
+            min_reserved_pages=_env_number(env, "KVCACHED_MIN_RESERVED_PAGES", 5, int, lo=0),
+            max_reserved_pages=_env_number(env, "KVCACHED_MAX_RESERVED_PAGES", 10, int, lo=0),
+            max_cached_tokens=_env_number(env, "KVCACHED_MAX_CACHED_TOKENS", 16000, int, lo=-1),
+        )

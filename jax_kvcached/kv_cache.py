@@ -1,0 +1,213 @@
+"""KVCache: one tenant's virtual KV buffer, its zero-copy view and its block allocator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvcached import _C
+from jax_kvcached.allocator import BlockAllocator
+from jax_kvcached.errors import KVCacheError, PoolExhausted
+
+if TYPE_CHECKING:
+    from jax_kvcached.pool import Pool
+
+# dtype -> code understood by the C++ core (kv_buffer.h: DType)
+_DTYPE_CODES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
+
+
+def dtype_code(dtype: Any) -> int:
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"unsupported KV dtype {dtype!r}") from None
+    if dt not in _DTYPE_CODES:
+        supported = ", ".join(str(d) for d in _DTYPE_CODES)
+        raise ValueError(f"unsupported KV dtype {dt}; supported: {supported}")
+    return _DTYPE_CODES[dt]
+
+
+class _DLPackExport:
+    """Hands one fresh DLPack capsule of the buffer to ``jax.dlpack.from_dlpack``."""
+
+    def __init__(self, buffer: _C.KVBuffer) -> None:
+        self._buffer = buffer
+
+    def __dlpack__(self, stream: Any = None, **kwargs: Any) -> Any:
+        return self._buffer.dlpack()
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._buffer.dlpack_device
+
+
+class KVCache:
+    """A fixed virtual KV range of shape
+    ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``.
+
+    Physical pages are mapped only behind blocks in use. Create it with
+    :meth:`jax_kvcached.Pool.create_kv_cache`.
+    """
+
+    def __init__(
+        self,
+        pool: Pool,
+        name: str,
+        buffer: _C.KVBuffer,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        block_size: int,
+    ) -> None:
+        self.pool = pool
+        self.name = name
+        self._buffer = buffer
+        self.handle: int = _C.register_buffer(buffer)
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = jnp.dtype(dtype)
+        self.block_size = block_size
+        self.num_pages: int = buffer.num_pages
+        self.blocks_per_page: int = buffer.blocks_per_page
+        self.num_blocks: int = buffer.num_blocks
+        self.pages_per_kv_page: int = buffer.pages_per_kv_page
+        self.shape = (num_layers, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
+        self._allocator = BlockAllocator(self.num_pages, self.blocks_per_page)
+        self._view: jax.Array | None = None
+        self._closed = False
+
+    # -- the view --------------------------------------------------------------------
+    @property
+    def view(self) -> jax.Array:
+        """The whole virtual buffer as a zero-copy ``jax.Array`` on the pool's device.
+
+        Unmapped pages read as zeros. Pass it into jitted functions as an argument; order
+        reads after FFI writes with :func:`jax_kvcached.ops.after`.
+        """
+        self._check_open()
+        if self._view is None:
+            self._view = jax.dlpack.from_dlpack(_DLPackExport(self._buffer))
+            if self._view.unsafe_buffer_pointer() != self._buffer.base:
+                raise KVCacheError("the DLPack import copied the KV buffer (not zero-copy)")
+        return self._view
+
+    @property
+    def base_address(self) -> int:
+        return self._buffer.base
+
+    @property
+    def virtual_bytes(self) -> int:
+        return self._buffer.total_bytes
+
+    # -- blocks ----------------------------------------------------------------------
+    @property
+    def num_used_blocks(self) -> int:
+        return self._allocator.num_used
+
+    @property
+    def num_mapped_pages(self) -> int:
+        """KV pages mapped (each is ``pages_per_kv_page`` physical pages)."""
+        return self._buffer.num_mapped_pages
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks :meth:`alloc` can hand out now: free blocks of mapped pages plus what the
+        pool's remaining budget can still map."""
+        pool_free = self.pool._pool.stats()
+        room = pool_free["budget_pages"] - pool_free["in_use_pages"]
+        new_pages = room // self.pages_per_kv_page
+        return self._allocator.free_in_mapped + self._allocator.unmapped_capacity(new_pages)
+
+    def alloc(self, n: int) -> np.ndarray:
+        """Allocates ``n`` blocks and returns their ids (int32). Maps pages on demand.
+
+        Raises :class:`PoolExhausted` (and allocates nothing) when the budget or the
+        virtual range cannot serve the request.
+        """
+        self._check_open()
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"alloc() takes an int, got {type(n).__name__}")
+        n = int(n)
+        if n < 0:
+            raise ValueError(f"alloc(): n must be >= 0, got {n}")
+        if n > self.num_free_blocks:
+            raise PoolExhausted(
+                f"KV cache {self.name!r}: {n} blocks requested, {self.num_free_blocks} available"
+            )
+        ids = self._allocator.allocate(n, self._map)
+        return np.asarray(ids, dtype=np.int32)
+
+    def _map(self, pages: list[int]) -> None:
+        self._buffer.map_pages(np.asarray(pages, dtype=np.int32))
+
+    def free(self, block_ids: Iterable[int] | np.ndarray, *, after: Any = None) -> None:
+        """Frees blocks; pages left empty are unmapped and their memory goes back to the pool.
+
+        ``after``: arrays (any pytree) of computations that may still read these blocks,
+        typically the last step's outputs or token. The unmap waits until they are ready,
+        so it never races with an in-flight read. With ``after=None`` the caller
+        guarantees that no dispatched computation still reads the blocks.
+        """
+        self._check_open()
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).tolist()
+        empty = self._allocator.free(ids)
+        if empty:
+            if after is not None:
+                jax.block_until_ready(after)
+            self._buffer.unmap_pages(np.asarray(empty, dtype=np.int32))
+            self._allocator.pages_unmapped(empty)
+
+    def is_allocated(self, block_id: int) -> bool:
+        return self._allocator.is_used(int(block_id))
+
+    def slot_mapping(self, block_table: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Slots (``block * block_size + offset``) for token positions of one sequence."""
+        positions = np.asarray(positions, dtype=np.int64)
+        table = np.asarray(block_table, dtype=np.int64)
+        idx = positions // self.block_size
+        if positions.size and (positions.min() < 0 or idx.max() >= table.size):
+            raise ValueError("a position lies outside the block table")
+        return (table[idx] * self.block_size + positions % self.block_size).astype(np.int32)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        kv_pages = self.num_mapped_pages
+        phys = kv_pages * self.pages_per_kv_page
+        return {
+            "used_blocks": self.num_used_blocks,
+            "free_blocks": self.num_free_blocks,
+            "num_blocks": self.num_blocks - 1,  # the null block is never handed out
+            "mapped_kv_pages": kv_pages,
+            "mapped_pages": phys,
+            "mapped_bytes": phys * self.pool.page_size,
+            "virtual_bytes": self.virtual_bytes,
+        }
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Unmaps every page and unregisters the handle. Views stay valid and read zeros."""
+        if self._closed:
+            return
+        _C.unregister_buffer(self.handle)
+        self._buffer.close()
+        self._closed = True
+        self.pool._forget(self)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVCacheError(f"KV cache {self.name!r} is closed")
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache({self.name!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, block_size={self.block_size}, "
+            f"blocks={self.num_blocks}, used={self.num_used_blocks})"
+        )

@@ -1,0 +1,139 @@
+"""jit-friendly wrappers of the XLA FFI custom calls, and how to order them.
+
+Every op takes and returns a *token* (an int32 scalar). The custom calls have side
+effects on the KV buffer that XLA cannot see, so ordering is explicit:
+
+* An op runs after everything its operands depend on: pass the previous op's token in to
+  chain ops, and pass the results of earlier reads that it must not overtake as ``*after``
+  operands. Thread the last token from one jitted step into the next so PJRT orders the
+  steps by data dependency.
+* A read of ``cache.view`` that must see an op's effect indexes the view with indices
+  passed through :func:`after`. A token's value is always 0 and ``after`` adds it, so the
+  read depends on the op by data flow. (``jax.lax.optimization_barrier`` on the view is
+  not enough: with JAX 0.10.2 on CPU, XLA dropped it and scheduled the read first.)
+* :func:`unmap_pages` takes the reads of the pages as ``*after`` operands, so the unmap
+  cannot run before them. On CUDA the handler also waits for the stream.
+
+Slots are ``block_id * block_size + offset``; slot -1 skips a (padded) token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvcached import _C
+
+if TYPE_CHECKING:
+    from jax_kvcached.kv_cache import KVCache
+
+_TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
+_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    for platform, table in _C.handlers.items():
+        for op, capsule in table.items():
+            jax.ffi.register_ffi_target(f"kvcached_{op}", capsule, platform=_PLATFORMS[platform])
+    _registered = True
+
+
+_register()
+
+
+def new_token() -> jax.Array:
+    """A fresh token to start a chain of ops."""
+    return jnp.zeros((), jnp.int32)
+
+
+def after(indices: Any, token: jax.Array) -> jax.Array:
+    """Returns integer ``indices`` (block tables, slots, layer ids...) made dependent on
+    the op that produced ``token``: a gather from ``cache.view`` with them runs after it.
+    """
+    indices = jnp.asarray(indices)
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(
+            f"after() orders integer index arrays, got {indices.dtype}; index the view "
+            "with indices passed through after() instead"
+        )
+    return indices + token.astype(indices.dtype)
+
+
+def _call(op: str, cache: KVCache, *operands: Any) -> jax.Array:
+    return jax.ffi.ffi_call(f"kvcached_{op}", _TOKEN, has_side_effect=True)(
+        *operands, handle=np.uint64(cache.handle)
+    )
+
+
+def _ids(x: Any, name: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{name} must be integers, got {x.dtype}")
+    return x.astype(jnp.int32)
+
+
+def write_kv(
+    cache: KVCache,
+    layer: Any,
+    key: jax.Array,
+    value: jax.Array,
+    slots: Any,
+    token: jax.Array,
+    *after: jax.Array,
+) -> jax.Array:
+    """Scatters one layer's new K/V, ``(n, num_kv_heads, head_dim)`` each, into ``slots``.
+
+    Every slot must be -1 or lie in a mapped page outside the null block 0; otherwise the
+    call fails with an FFI error (nothing is written).
+    """
+    slots = _ids(slots, "slots")
+    want = (slots.shape[0], cache.num_kv_heads, cache.head_dim)
+    for name, x in (("key", key), ("value", value)):
+        if tuple(x.shape) != want:
+            raise ValueError(f"write_kv: {name} has shape {tuple(x.shape)}, expected {want}")
+        if x.dtype != cache.dtype:
+            raise TypeError(f"write_kv: {name} dtype {x.dtype} != cache dtype {cache.dtype}")
+    layer = jnp.asarray(layer, dtype=jnp.int32)
+    if layer.ndim != 0:
+        raise ValueError("write_kv: layer must be a scalar")
+    return _call("write_kv", cache, layer, key, value, slots, token, *after)
+
+
+def copy_blocks(
+    cache: KVCache, src: Any, dst: Any, token: jax.Array, *after: jax.Array
+) -> jax.Array:
+    """Copies whole blocks ``src[i] -> dst[i]`` in every layer's K and V plane.
+
+    Destinations must be distinct, mapped, not block 0 and not among the sources.
+    """
+    src, dst = _ids(src, "src"), _ids(dst, "dst")
+    if src.shape != dst.shape:
+        raise ValueError(f"copy_blocks: src {src.shape} and dst {dst.shape} differ in length")
+    return _call("copy_blocks", cache, src, dst, token, *after)
+
+
+def map_pages(cache: KVCache, page_ids: Any, token: jax.Array, *after: jax.Array) -> jax.Array:
+    """Maps KV pages (each in all layer planes) from the pool, inside a computation.
+
+    For callers that manage pages themselves: pages mapped here are not known to the
+    cache's block allocator (:meth:`KVCache.alloc` maps its own pages).
+    """
+    return _call("map_pages", cache, _ids(page_ids, "page_ids"), token, *after)
+
+
+def unmap_pages(cache: KVCache, page_ids: Any, token: jax.Array, *after: jax.Array) -> jax.Array:
+    """Unmaps KV pages once ``token`` and every array in ``after`` are computed.
+
+    Pass the results of reads of those pages as ``after`` so the unmap cannot overtake
+    them. The pages read zeros afterwards.
+    """
+    return _call("unmap_pages", cache, _ids(page_ids, "page_ids"), token, *after)

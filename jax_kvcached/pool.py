@@ -1,0 +1,222 @@
+"""Pool: one physical KV memory budget per device, shared by all its KV caches."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import jax
+
+from jax_kvcached import _C
+from jax_kvcached.config import Config, parse_bytes
+from jax_kvcached.kv_cache import KVCache, dtype_code
+
+BACKENDS = ("auto", "host", "cuda")
+
+
+def _host_available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+def _is_gpu(device: Any) -> bool:
+    return getattr(device, "platform", None) in ("gpu", "cuda")
+
+
+def _resolve(backend: str, device: Any) -> tuple[str, Any]:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if device is None:
+        default = jax.devices()[0]
+        if backend != "host" and _is_gpu(default) and (backend == "cuda" or _C.cuda_compiled()):
+            device = default
+        elif backend == "cuda":
+            raise ValueError("backend='cuda' but JAX has no GPU device")
+        else:
+            device = jax.devices("cpu")[0]
+    if backend == "auto":
+        backend = "cuda" if _is_gpu(device) else "host"
+    if backend == "host" and device.platform != "cpu":
+        raise ValueError(f"backend='host' needs a CPU device, got {device}")
+    if backend == "cuda":
+        if not _is_gpu(device):
+            raise ValueError(f"backend='cuda' needs a GPU device, got {device}")
+        if not _C.cuda_compiled():
+            raise _C.BackendError(
+                "jax_kvcached was built without a CUDA toolkit; reinstall it with nvcc present"
+            )
+    return backend, device
+
+
+class Pool:
+    """A physical page budget on one device, shared by every KV cache created from it.
+
+    Args:
+      memory_limit: bytes or a string like ``"8GiB"``. Default: ``KVCACHED_GPU_UTILIZATION``
+        of the GPU's free memory, or ``KVCACHED_HOST_MEMORY_FRACTION`` of available RAM.
+      page_size: physical page size in bytes (default ``KVCACHED_PAGE_SIZE_MB`` MiB).
+      backend: ``"host"`` (Linux VM), ``"cuda"`` (driver VMM) or ``"auto"``.
+      device: the JAX device the views live on (default: the first GPU for CUDA, else CPU).
+      min_reserved_pages / max_reserved_pages: created-but-unmapped pages kept for fast
+        reuse, counted in KV pages of the widest cache (one page per layer plane, as
+        kvcached counts). Defaults: ``KVCACHED_MIN_RESERVED_PAGES`` / ``..._MAX_...``.
+    """
+
+    def __init__(
+        self,
+        memory_limit: int | str | None = None,
+        page_size: int | str | None = None,
+        backend: str = "auto",
+        device: Any = None,
+        *,
+        min_reserved_pages: int | None = None,
+        max_reserved_pages: int | None = None,
+        config: Config | None = None,
+    ) -> None:
+        cfg = config or Config.from_env()
+        self.config = cfg
+        self.backend, self.device = _resolve(backend, device)
+        page = cfg.page_size if page_size is None else parse_bytes(page_size, "page_size")
+        self.min_reserved_pages = (
+            cfg.min_reserved_pages if min_reserved_pages is None else int(min_reserved_pages)
+        )
+        self.max_reserved_pages = (
+            cfg.max_reserved_pages if max_reserved_pages is None else int(max_reserved_pages)
+        )
+        if not 0 <= self.min_reserved_pages <= self.max_reserved_pages:
+            raise ValueError("need 0 <= min_reserved_pages <= max_reserved_pages")
+        if memory_limit is None:
+            if self.backend == "cuda":
+                free, _ = _C.cuda_mem_info(self.device.id)
+                limit = int(free * cfg.gpu_utilization)
+            else:
+                limit = int(_host_available_bytes() * cfg.host_memory_fraction)
+        else:
+            limit = parse_bytes(memory_limit, "memory_limit")
+        if limit < page:
+            raise ValueError(
+                f"memory_limit ({limit} bytes) is smaller than one page ({page} bytes)"
+            )
+        dev_id = self.device.id if self.backend == "cuda" else 0
+        self._pool = _C.PagePool(self.backend, page, limit // page, 0, 0, dev_id)
+        self.page_size: int = self._pool.page_size
+        self._caches: dict[str, KVCache] = {}
+        self._lock = threading.Lock()
+        self._apply_reserve()
+
+    # -- caches ----------------------------------------------------------------------
+    def create_kv_cache(
+        self,
+        name: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: Any,
+        block_size: int = 16,
+    ) -> KVCache:
+        """Creates a KV cache whose virtual range can grow to the whole pool budget."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("a KV cache needs a non-empty string name")
+        for what, v in (
+            ("num_layers", num_layers),
+            ("num_kv_heads", num_kv_heads),
+            ("head_dim", head_dim),
+            ("block_size", block_size),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{what} must be a positive int, got {v!r}")
+        code = dtype_code(dtype)
+        with self._lock:
+            if name in self._caches:
+                raise ValueError(f"a KV cache named {name!r} already exists in this pool")
+            group = 2 * num_layers
+            num_pages = self.budget_pages // group
+            if num_pages == 0:
+                raise ValueError(
+                    f"the pool budget ({self.budget_pages} pages) cannot hold one KV page of "
+                    f"{name!r}, which needs {group} pages (one per layer for K and V)"
+                )
+            buffer = _C.KVBuffer(
+                self._pool, num_layers, num_kv_heads, head_dim, block_size, code, num_pages
+            )
+            cache = KVCache(
+                self, name, buffer, num_layers, num_kv_heads, head_dim, dtype, block_size
+            )
+            self._caches[name] = cache
+            self._apply_reserve()
+        return cache
+
+    def _forget(self, cache: KVCache) -> None:
+        with self._lock:
+            if self._caches.get(cache.name) is cache:
+                del self._caches[cache.name]
+                self._apply_reserve()
+
+    def _apply_reserve(self) -> None:
+        group = max((c.pages_per_kv_page for c in self._caches.values()), default=1)
+        self._pool.set_reserve(self.min_reserved_pages * group, self.max_reserved_pages * group)
+
+    @property
+    def caches(self) -> dict[str, KVCache]:
+        return dict(self._caches)
+
+    def __getitem__(self, name: str) -> KVCache:
+        return self._caches[name]
+
+    # -- budget ----------------------------------------------------------------------
+    @property
+    def budget_pages(self) -> int:
+        return self._pool.stats()["budget_pages"]
+
+    @property
+    def memory_limit(self) -> int:
+        return self.budget_pages * self.page_size
+
+    def trim(self) -> None:
+        """Gives every reserved (created, unmapped) page back to the OS / driver."""
+        self._pool.trim()
+
+    def stats(self) -> dict[str, Any]:
+        """Pool-wide and per-cache page and byte counts."""
+        s = self._pool.stats()
+        ps = self.page_size
+        return {
+            "backend": self.backend,
+            "device": str(self.device),
+            "page_size": ps,
+            "budget_pages": s["budget_pages"],
+            "budget_bytes": s["budget_pages"] * ps,
+            "mapped_pages": s["in_use_pages"],
+            "mapped_bytes": s["in_use_pages"] * ps,
+            "reserved_pages": s["reserved_pages"],
+            "reserved_bytes": s["reserved_pages"] * ps,
+            "free_pages": s["budget_pages"] - s["in_use_pages"],
+            "committed_bytes": self._pool.committed_bytes,
+            "creates": s["creates"],
+            "releases": s["releases"],
+            "reuses": s["reuses"],
+            "caches": {name: c.stats() for name, c in self._caches.items()},
+        }
+
+    def close(self) -> None:
+        """Closes every cache and gives all physical memory back."""
+        for cache in list(self._caches.values()):
+            cache.close()
+        self._pool.set_reserve(0, 0)
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self._pool.stats()
+        return (
+            f"Pool(backend={self.backend!r}, device={self.device}, page_size={self.page_size}, "
+            f"budget_pages={s['budget_pages']}, mapped_pages={s['in_use_pages']}, "
+            f"caches={list(self._caches)})"
+        )

@@ -1,0 +1,26 @@
+import jax
+import pytest
+
+import jax_kvcached as kv
+
+
+@pytest.fixture(autouse=True)
+def _cpu_default_device(request):
+    """Host-backend tests run on the CPU device, also on machines that have a GPU."""
+    if "gpu" in request.node.path.parts:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture
+def pool():
+    """A small host pool with no pre-created reserve, so page counts are exact."""
+    p = kv.Pool("64MiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
+    yield p
+    p.close()
+
+
+def make_cache(pool, name="a", layers=2, heads=2, dim=64, dtype="float32", block_size=16):
+    return pool.create_kv_cache(name, layers, heads, dim, dtype, block_size=block_size)

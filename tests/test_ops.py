@@ -1,0 +1,207 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_cache
+
+import jax_kvcached as kv
+from jax_kvcached import ops
+
+
+def _rand(shape, dtype, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_write_then_read_in_one_step(pool, dtype):
+    c = make_cache(pool, layers=3, dtype=dtype)
+    ids = c.alloc(3)
+    n = 40
+    slots = c.slot_mapping(ids, np.arange(n))
+    k, v = _rand((n, 2, 64), dtype, 0), _rand((n, 2, 64), dtype, 1)
+
+    @jax.jit
+    def step(view, k, v, slots, token):
+        token = ops.write_kv(c, 2, k, v, slots, token)
+        s = ops.after(slots, token)
+        blocks, offs = s // c.block_size, s % c.block_size
+        return view[2, 0, blocks, offs], view[2, 1, blocks, offs], token
+
+    rk, rv, _ = step(c.view, k, v, jnp.asarray(slots), ops.new_token())
+    np.testing.assert_array_equal(np.asarray(rk), np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(rv), np.asarray(v))
+    # Other layers and other slots stay zero.
+    assert float(jnp.abs(c.view[:2].astype(jnp.float32)).sum()) == 0.0
+    flat = np.asarray(c.view[2, 0].astype(jnp.float32)).reshape(-1, 2, 64)
+    mask = np.ones(flat.shape[0], bool)
+    mask[slots] = False
+    assert np.abs(flat[mask]).sum() == 0.0
+
+
+def test_writes_persist_across_steps_and_skip_padding(pool):
+    c = make_cache(pool)
+    ids = c.alloc(2)
+    write = jax.jit(lambda k, v, s, t: ops.write_kv(c, 1, k, v, s, t))
+    token = ops.new_token()
+    expected = np.zeros((32, 2, 64), np.float32)
+    for pos in range(32):
+        slot = c.slot_mapping(ids, np.array([pos]))
+        slots = jnp.asarray(np.array([slot[0], -1], np.int32))  # second token is padding
+        k = jnp.full((2, 2, 64), pos + 1.0)
+        token = write(k, -k, slots, token)
+        expected[pos] = pos + 1.0
+    token.block_until_ready()
+    got = np.asarray(c.view[1, 0, ids]).reshape(32, 2, 64)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(np.asarray(c.view[1, 1, ids]).reshape(32, 2, 64), -expected)
+
+
+def test_copy_blocks(pool):
+    c = make_cache(pool)
+    ids = c.alloc(4)
+    slots = c.slot_mapping(ids[:2], np.arange(32))
+    k = _rand((32, 2, 64), "float32", 3)
+    t = ops.write_kv(c, 0, k, 2 * k, slots, ops.new_token())
+    t = ops.write_kv(c, 1, 3 * k, 4 * k, slots, t)
+    t = ops.copy_blocks(c, ids[:2], ids[2:], t)
+    t.block_until_ready()
+    view = np.asarray(c.view)
+    np.testing.assert_array_equal(view[:, :, ids[2:]], view[:, :, ids[:2]])
+    assert np.abs(view[:, :, ids[2:]]).sum() > 0
+
+
+def test_map_and_unmap_pages_inside_jit(pool):
+    c = make_cache(pool)
+    page = c.num_pages - 1  # far from the allocator's pages
+    block = page * c.blocks_per_page
+    slots = jnp.arange(block * 16, block * 16 + 16, dtype=jnp.int32)
+    k = jnp.ones((16, 2, 64))
+
+    @jax.jit
+    def step(view, token):
+        token = ops.map_pages(c, jnp.array([page]), token)
+        token = ops.write_kv(c, 0, k, k, slots, token)
+        b = ops.after(jnp.array([block]), token)
+        total = view[0, 0, b].sum()
+        token = ops.unmap_pages(c, jnp.array([page]), token, total)
+        return total, token
+
+    total, token = step(c.view, ops.new_token())
+    token.block_until_ready()
+    assert float(total) == 16 * 2 * 64
+    assert not c._buffer.is_mapped(page)
+    assert pool.stats()["mapped_pages"] == 0
+    assert float(c.view[0, 0, block].sum()) == 0.0  # unmapped again: zeros
+
+
+def _run(fn):
+    out = fn()
+    jax.block_until_ready(out)
+    return out
+
+
+@pytest.mark.parametrize(
+    "slots,match",
+    [
+        ([-2], "out of range"),
+        ([10**8], "out of range"),
+        ([3], "null block"),
+        (None, "unmapped page"),
+    ],
+)
+def test_write_kv_rejects_bad_slots(pool, slots, match):
+    c = make_cache(pool)
+    c.alloc(1)
+    if slots is None:
+        slots = [c.blocks_per_page * 16 * 5]  # page 5 is not mapped
+    k = jnp.ones((1, 2, 64))
+    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+        _run(lambda: ops.write_kv(c, 0, k, k, jnp.asarray(slots, jnp.int32), ops.new_token()))
+    assert float(jnp.abs(c.view).sum()) == 0.0  # nothing written
+
+
+def test_write_kv_rejects_bad_layer_shape_dtype(pool):
+    c = make_cache(pool)
+    ids = c.alloc(1)
+    s = jnp.asarray(c.slot_mapping(ids, np.arange(2)))
+    k = jnp.ones((2, 2, 64))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="layer 2 out of range"):
+        _run(lambda: ops.write_kv(c, 2, k, k, s, ops.new_token()))
+    with pytest.raises(ValueError, match="shape"):
+        ops.write_kv(c, 0, jnp.ones((2, 3, 64)), k, s, ops.new_token())
+    with pytest.raises(TypeError, match="dtype"):
+        ops.write_kv(c, 0, k.astype(jnp.bfloat16), k, s, ops.new_token())
+    with pytest.raises(ValueError, match="1-D"):
+        ops.write_kv(c, 0, k, k, s.reshape(1, 2), ops.new_token())
+
+
+def test_handlers_validate_shapes_themselves(pool):
+    """Calls the custom call directly, bypassing the Python checks."""
+    c = make_cache(pool)
+    ids = c.alloc(1)
+    s = jnp.asarray(c.slot_mapping(ids, np.arange(2)))
+    call = jax.ffi.ffi_call("kvcached_write_kv", ops._TOKEN, has_side_effect=True)
+    bad_k = jnp.ones((2, 2, 32))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="shape"):
+        _run(
+            lambda: call(jnp.int32(0), bad_k, bad_k, s, ops.new_token(), handle=np.uint64(c.handle))
+        )
+    k16 = jnp.ones((2, 2, 64), jnp.float16)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="dtype"):
+        _run(lambda: call(jnp.int32(0), k16, k16, s, ops.new_token(), handle=np.uint64(c.handle)))
+    k = jnp.ones((2, 2, 64))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="unknown or closed"):
+        _run(lambda: call(jnp.int32(0), k, k, s, ops.new_token(), handle=np.uint64(12345)))
+
+
+def test_bad_handle_page_and_copy_errors(pool):
+    c = make_cache(pool)
+    ids = c.alloc(2)
+    t = ops.new_token()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="out of range"):
+        _run(lambda: ops.map_pages(c, jnp.array([c.num_pages]), t))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="already mapped"):
+        _run(lambda: ops.map_pages(c, jnp.array([0]), t))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="not mapped"):
+        _run(lambda: ops.unmap_pages(c, jnp.array([3]), t))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="twice"):
+        _run(lambda: ops.map_pages(c, jnp.array([4, 4]), t))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="null block"):
+        _run(lambda: ops.copy_blocks(c, jnp.array([ids[0]]), jnp.array([0]), t))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="unmapped page"):
+        _run(lambda: ops.copy_blocks(c, jnp.array([ids[0]]), jnp.array([c.num_blocks - 1]), t))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="both a source and a destination"):
+        _run(lambda: ops.copy_blocks(c, jnp.array(ids), jnp.array(ids[::-1]), t))
+    with pytest.raises(ValueError, match="length"):
+        ops.copy_blocks(c, jnp.array(ids), jnp.array(ids[:1]), t)
+    assert pool.stats()["mapped_pages"] == 4  # failed ops changed nothing
+
+
+def test_map_pages_op_reports_exhaustion(pool):
+    c = make_cache(pool)
+    everything = jnp.arange(c.num_pages, dtype=jnp.int32)
+    assert c.num_pages * c.pages_per_kv_page == pool.budget_pages
+    extra = pool.create_kv_cache("b", 1, 2, 64, "float32")
+    extra.alloc(1)  # two pages taken: `everything` no longer fits
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        _run(lambda: ops.map_pages(c, everything, ops.new_token()))
+    assert c.num_mapped_pages == 0
+
+
+def test_closed_cache_handle_is_rejected(pool):
+    c = make_cache(pool)
+    c.alloc(1)
+    k = jnp.ones((1, 2, 64))
+    c.close()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="unknown or closed"):
+        _run(lambda: ops.write_kv(c, 0, k, k, jnp.array([16], jnp.int32), ops.new_token()))
+
+
+def test_after_rejects_float_arrays():
+    with pytest.raises(TypeError, match="integer"):
+        ops.after(jnp.ones(3), ops.new_token())
+
+
+def test_pool_exhausted_is_a_kvcache_error():
+    assert issubclass(kv.PoolExhausted, kv.KVCacheError)
+    assert issubclass(kv.KVCacheError, RuntimeError)
