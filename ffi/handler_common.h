@@ -55,10 +55,11 @@ inline std::string dims_text(ffi::AnyBuffer::Dimensions d) {
   return s + (d.size() == 1 ? ",)" : ")");
 }
 
-// key and value must both be (n, num_kv_heads, head_dim) of the cache dtype, slots (n,),
-// layer a scalar.
+// key and value must both be (n, num_kv_heads, head_dim) -- one layer -- or
+// (m, n, num_kv_heads, head_dim) -- m consecutive layers -- of the cache dtype; slots (n,);
+// layer an int32 scalar (the first layer). Sets *num_layers to m.
 inline ffi::Error check_write_shapes(const KVBuffer& buf, ffi::AnyBuffer layer, ffi::AnyBuffer key,
-                                     ffi::AnyBuffer value, ffi::AnyBuffer slots) {
+                                     ffi::AnyBuffer value, ffi::AnyBuffer slots, int64_t* num_layers) {
   const KVLayout& l = buf.layout();
   if (layer.element_type() != ffi::DataType::S32 || layer.element_count() != 1) {
     return invalid("write_kv", "layer must be an int32 scalar");
@@ -74,12 +75,19 @@ inline ffi::Error check_write_shapes(const KVBuffer& buf, ffi::AnyBuffer layer, 
                                      dtype_name(l.dtype));
     }
     auto d = b->dimensions();
-    if (d.size() != 3 || d[0] != n || d[1] != l.num_kv_heads || d[2] != l.head_dim) {
-      return invalid("write_kv", std::string(name) + " shape " + dims_text(d) + " must be (" +
+    const size_t r = d.size();
+    if ((r != 3 && r != 4) || d[r - 3] != n || d[r - 2] != l.num_kv_heads || d[r - 1] != l.head_dim ||
+        (r == 4 && d[0] < 1)) {
+      return invalid("write_kv", std::string(name) + " shape " + dims_text(d) + " must be ([layers, ]" +
                                      std::to_string(n) + ", " + std::to_string(l.num_kv_heads) +
                                      ", " + std::to_string(l.head_dim) + ")");
     }
   }
+  if (key.dimensions().size() != value.dimensions().size() ||
+      (key.dimensions().size() == 4 && key.dimensions()[0] != value.dimensions()[0])) {
+    return invalid("write_kv", "key and value shapes differ");
+  }
+  *num_layers = key.dimensions().size() == 4 ? key.dimensions()[0] : 1;
   return ffi::Error::Success();
 }
 

@@ -20,10 +20,11 @@ ffi::Error WriteKvCpu(uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
                       ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
   if (auto e = find_buffer("write_kv", handle, DeviceKind::kHost, &buf); e.failure()) return e;
-  if (auto e = check_write_shapes(*buf, layer, key, value, slots); e.failure()) return e;
+  int64_t num_layers = 0;
+  if (auto e = check_write_shapes(*buf, layer, key, value, slots, &num_layers); e.failure()) return e;
   if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
   try {
-    buf->write_kv_host(*static_cast<const int32_t*>(layer.untyped_data()), key.untyped_data(),
+    buf->write_kv_host(*static_cast<const int32_t*>(layer.untyped_data()), num_layers, key.untyped_data(),
                        value.untyped_data(), static_cast<const int32_t*>(slots.untyped_data()),
                        static_cast<size_t>(slots.dimensions()[0]));
   } catch (const std::exception& e) {

@@ -36,10 +36,17 @@ ffi::Error finish(const std::string& op, cudaStream_t stream, ffi::Result<ffi::A
   return e == cudaSuccess ? ffi::Error::Success() : cuda_error(op, e);
 }
 
+// blockIdx.y: the layer (of the written range); planes of consecutive layers are
+// 2 * words_per_plane apart.
 template <typename Word>
 __global__ void write_rows(const Word* key, const Word* value, const int32_t* slots, int64_t n,
-                           int64_t words_per_row, Word* k_plane, Word* v_plane) {
+                           int64_t words_per_row, int64_t words_per_plane, Word* k_plane0) {
   const int64_t total = n * words_per_row;
+  const int64_t j = blockIdx.y;
+  key += j * total;
+  value += j * total;
+  Word* k_plane = k_plane0 + 2 * j * words_per_plane;
+  Word* v_plane = k_plane + words_per_plane;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / words_per_row;
@@ -75,30 +82,32 @@ ffi::Error WriteKvCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer laye
                        ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
   if (auto e = find_buffer("write_kv", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
-  if (auto e = check_write_shapes(*buf, layer, key, value, slots); e.failure()) return e;
+  int64_t num_layers = 0;
+  if (auto e = check_write_shapes(*buf, layer, key, value, slots, &num_layers); e.failure()) return e;
   if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
   std::vector<int32_t> host_layer, host_slots;
   if (auto e = fetch("write_kv", stream, layer, &host_layer); e.failure()) return e;
   if (auto e = fetch("write_kv", stream, slots, &host_slots); e.failure()) return e;
   std::shared_lock<std::shared_mutex> lock(buf->mutex());
-  const std::string err = buf->check_write(host_layer[0], host_slots.data(), host_slots.size());
+  const std::string err = buf->check_write(host_layer[0], num_layers, host_slots.data(), host_slots.size());
   if (!err.empty()) return invalid("write_kv", err);
   const int64_t n = static_cast<int64_t>(host_slots.size());
   if (n > 0) {
     const size_t row = buf->layout().row_bytes();
     char* k_plane = reinterpret_cast<char*>(buf->base() + static_cast<size_t>(2 * host_layer[0]) * buf->plane_bytes());
-    char* v_plane = k_plane + buf->plane_bytes();
     const auto* s = static_cast<const int32_t*>(slots.untyped_data());
     if (row % 4 == 0) {
       const int64_t wpr = static_cast<int64_t>(row / 4);
-      write_rows<uint32_t><<<grid_for(n * wpr), 256, 0, stream>>>(
+      const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
+      write_rows<uint32_t><<<grid, 256, 0, stream>>>(
           static_cast<const uint32_t*>(key.untyped_data()), static_cast<const uint32_t*>(value.untyped_data()),
-          s, n, wpr, reinterpret_cast<uint32_t*>(k_plane), reinterpret_cast<uint32_t*>(v_plane));
+          s, n, wpr, static_cast<int64_t>(buf->plane_bytes() / 4), reinterpret_cast<uint32_t*>(k_plane));
     } else {
       const int64_t wpr = static_cast<int64_t>(row / 2);
-      write_rows<uint16_t><<<grid_for(n * wpr), 256, 0, stream>>>(
+      const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
+      write_rows<uint16_t><<<grid, 256, 0, stream>>>(
           static_cast<const uint16_t*>(key.untyped_data()), static_cast<const uint16_t*>(value.untyped_data()),
-          s, n, wpr, reinterpret_cast<uint16_t*>(k_plane), reinterpret_cast<uint16_t*>(v_plane));
+          s, n, wpr, static_cast<int64_t>(buf->plane_bytes() / 2), reinterpret_cast<uint16_t*>(k_plane));
     }
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error("write_kv", e);
   }

@@ -203,11 +203,13 @@ bool KVBuffer::closed() const {
   return closed_;
 }
 
-std::string KVBuffer::check_write(int64_t layer, const int32_t* slots, size_t n) const {
+std::string KVBuffer::check_write(int64_t layer, int64_t num_layers, const int32_t* slots,
+                                  size_t n) const {
   if (closed_) return "the KV cache is closed";
-  if (layer < 0 || layer >= layout_.num_layers) {
-    return "layer " + std::to_string(layer) + " out of range [0, " +
-           std::to_string(layout_.num_layers) + ")";
+  if (layer < 0 || num_layers < 1 || layer + num_layers > layout_.num_layers) {
+    return "layer " + std::to_string(layer) +
+           (num_layers > 1 ? " (+" + std::to_string(num_layers) + " layers)" : std::string()) +
+           " out of range [0, " + std::to_string(layout_.num_layers) + ")";
   }
   const int64_t total = num_slots();
   const int64_t slots_per_page = blocks_per_page_ * layout_.block_size;
@@ -261,21 +263,23 @@ std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t 
   return {};
 }
 
-void KVBuffer::write_kv_host(int64_t layer, const void* key, const void* value,
+void KVBuffer::write_kv_host(int64_t layer, int64_t num_layers, const void* key, const void* value,
                              const int32_t* slots, size_t n) {
   std::shared_lock<std::shared_mutex> lock(mu_);
-  const std::string err = check_write(layer, slots, n);
+  const std::string err = check_write(layer, num_layers, slots, n);
   if (!err.empty()) throw Error(err);
   const size_t row = layout_.row_bytes();
-  auto* k_plane = reinterpret_cast<char*>(base_ + static_cast<size_t>(2 * layer) * plane_bytes_);
-  char* v_plane = k_plane + plane_bytes_;
-  const auto* k = static_cast<const char*>(key);
-  const auto* v = static_cast<const char*>(value);
-  for (size_t i = 0; i < n; ++i) {
-    if (slots[i] < 0) continue;
-    const size_t off = static_cast<size_t>(slots[i]) * row;
-    std::memcpy(k_plane + off, k + i * row, row);
-    std::memcpy(v_plane + off, v + i * row, row);
+  for (int64_t j = 0; j < num_layers; ++j) {
+    auto* k_plane = reinterpret_cast<char*>(base_ + static_cast<size_t>(2 * (layer + j)) * plane_bytes_);
+    char* v_plane = k_plane + plane_bytes_;
+    const auto* k = static_cast<const char*>(key) + static_cast<size_t>(j) * n * row;
+    const auto* v = static_cast<const char*>(value) + static_cast<size_t>(j) * n * row;
+    for (size_t i = 0; i < n; ++i) {
+      if (slots[i] < 0) continue;
+      const size_t off = static_cast<size_t>(slots[i]) * row;
+      std::memcpy(k_plane + off, k + i * row, row);
+      std::memcpy(v_plane + off, v + i * row, row);
+    }
   }
 }
 

@@ -70,18 +70,19 @@ class KVBuffer {
   // map and unmap hold it exclusively, so a write never races with an unmap.
   std::shared_mutex& mutex() const { return mu_; }
 
-  // Checks (under the caller's shared lock) a write of n slots into `layer`: every slot
-  // is -1 (skipped) or a slot of a mapped page outside the null block.
-  // Returns an empty string when valid, else the reason.
-  std::string check_write(int64_t layer, const int32_t* slots, size_t n) const;
+  // Checks (under the caller's shared lock) a write of n slots into layers
+  // [layer, layer + num_layers): every slot is -1 (skipped) or a slot of a mapped page
+  // outside the null block. Returns an empty string when valid, else the reason.
+  std::string check_write(int64_t layer, int64_t num_layers, const int32_t* slots, size_t n) const;
   // Checks block copies: src and dst in range and mapped, dst not the null block, no
   // destination repeated or also used as a source (so copy order never matters).
   std::string check_copy(const int32_t* src, const int32_t* dst, size_t n) const;
 
   // Host-memory implementations (the CUDA handlers launch kernels instead). They take
   // the shared lock and validate first; they throw Error on bad input.
-  void write_kv_host(int64_t layer, const void* key, const void* value, const int32_t* slots,
-                     size_t n);
+  // key / value hold num_layers consecutive (n, heads, head_dim) arrays.
+  void write_kv_host(int64_t layer, int64_t num_layers, const void* key, const void* value,
+                     const int32_t* slots, size_t n);
   void copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n);
 
  private:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,7 @@ class KVCache:
         self._allocator = BlockAllocator(self.num_pages, self.blocks_per_page)
         self._view: jax.Array | None = None
         self._closed = False
+        self._lock = threading.RLock()  # alloc / free / close from several threads
 
     # -- the view --------------------------------------------------------------------
     @property
@@ -129,17 +131,21 @@ class KVCache:
         Raises :class:`PoolExhausted` (and allocates nothing) when the budget or the
         virtual range cannot serve the request.
         """
-        self._check_open()
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise TypeError(f"alloc() takes an int, got {type(n).__name__}")
         n = int(n)
         if n < 0:
             raise ValueError(f"alloc(): n must be >= 0, got {n}")
-        if n > self.num_free_blocks:
-            raise PoolExhausted(
-                f"KV cache {self.name!r}: {n} blocks requested, {self.num_free_blocks} available"
-            )
-        ids = self._allocator.allocate(n, self._map)
+        with self._lock:
+            self._check_open()
+            # Another tenant may take the pool's last pages between this check and the
+            # mapping; the mapping then raises PoolExhausted and nothing changes.
+            available = self.num_free_blocks
+            if n > available:
+                raise PoolExhausted(
+                    f"KV cache {self.name!r}: {n} blocks requested, {available} available"
+                )
+            ids = self._allocator.allocate(n, self._map)
         return np.asarray(ids, dtype=np.int32)
 
     def _map(self, pages: list[int]) -> None:
@@ -153,14 +159,15 @@ class KVCache:
         so it never races with an in-flight read. With ``after=None`` the caller
         guarantees that no dispatched computation still reads the blocks.
         """
-        self._check_open()
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).tolist()
-        empty = self._allocator.free(ids)
-        if empty:
-            if after is not None:
-                jax.block_until_ready(after)
-            self._buffer.unmap_pages(np.asarray(empty, dtype=np.int32))
-            self._allocator.pages_unmapped(empty)
+        with self._lock:
+            self._check_open()
+            empty = self._allocator.free(ids)
+            if empty:
+                if after is not None:
+                    jax.block_until_ready(after)
+                self._buffer.unmap_pages(np.asarray(empty, dtype=np.int32))
+                self._allocator.pages_unmapped(empty)
 
     def is_allocated(self, block_id: int) -> bool:
         return self._allocator.is_used(int(block_id))
@@ -194,11 +201,12 @@ class KVCache:
 
     def close(self) -> None:
         """Unmaps every page and unregisters the handle. Views stay valid and read zeros."""
-        if self._closed:
-            return
-        _C.unregister_buffer(self.handle)
-        self._buffer.close()
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            _C.unregister_buffer(self.handle)
+            self._buffer.close()
+            self._closed = True
         self.pool._forget(self)
 
     def _check_open(self) -> None:

@@ -15,6 +15,9 @@ effects on the KV buffer that XLA cannot see, so ordering is explicit:
   cannot run before them. On CUDA the handler also waits for the stream.
 
 Slots are ``block_id * block_size + offset``; slot -1 skips a (padded) token.
+
+``write_kv`` and ``copy_blocks`` are dataflow ops by default: XLA keeps them because their
+token is used. ``map_pages`` and ``unmap_pages`` are always side-effecting calls.
 """
 
 from __future__ import annotations
@@ -66,8 +69,8 @@ def after(indices: Any, token: jax.Array) -> jax.Array:
     return indices + token.astype(indices.dtype)
 
 
-def _call(op: str, cache: KVCache, *operands: Any) -> jax.Array:
-    return jax.ffi.ffi_call(f"kvcached_{op}", _TOKEN, has_side_effect=True)(
+def _call(op: str, cache: KVCache, *operands: Any, side_effect: bool = True) -> jax.Array:
+    return jax.ffi.ffi_call(f"kvcached_{op}", _TOKEN, has_side_effect=side_effect)(
         *operands, handle=np.uint64(cache.handle)
     )
 
@@ -89,36 +92,56 @@ def write_kv(
     slots: Any,
     token: jax.Array,
     *after: jax.Array,
+    side_effect: bool = False,
 ) -> jax.Array:
-    """Scatters one layer's new K/V, ``(n, num_kv_heads, head_dim)`` each, into ``slots``.
+    """Scatters new K/V into ``slots``: one layer's, ``(n, num_kv_heads, head_dim)`` each,
+    or ``m`` consecutive layers' from ``layer`` on, ``(m, n, num_kv_heads, head_dim)``
+    each (one custom call for all layers: cheaper than ``m`` calls).
 
     Every slot must be -1 or lie in a mapped page outside the null block 0; otherwise the
     call fails with an FFI error (nothing is written).
+
+    The returned token must reach the jitted function's outputs (directly, or through
+    later ops / :func:`after`): XLA drops a call whose token is unused. Pass
+    ``side_effect=True`` to keep the call regardless; on XLA CPU that costs about 170 us
+    per execution (benchmarks/bench_vmm.py measures it).
     """
     slots = _ids(slots, "slots")
     want = (slots.shape[0], cache.num_kv_heads, cache.head_dim)
     for name, x in (("key", key), ("value", value)):
-        if tuple(x.shape) != want:
-            raise ValueError(f"write_kv: {name} has shape {tuple(x.shape)}, expected {want}")
+        if tuple(x.shape[-3:]) != want or x.ndim not in (3, 4):
+            raise ValueError(
+                f"write_kv: {name} has shape {tuple(x.shape)}, expected {want} or (layers, *{want})"
+            )
         if x.dtype != cache.dtype:
             raise TypeError(f"write_kv: {name} dtype {x.dtype} != cache dtype {cache.dtype}")
+    if key.shape != value.shape:
+        raise ValueError(f"write_kv: key {key.shape} and value {value.shape} differ")
     layer = jnp.asarray(layer, dtype=jnp.int32)
     if layer.ndim != 0:
         raise ValueError("write_kv: layer must be a scalar")
-    return _call("write_kv", cache, layer, key, value, slots, token, *after)
+    return _call(
+        "write_kv", cache, layer, key, value, slots, token, *after, side_effect=side_effect
+    )
 
 
 def copy_blocks(
-    cache: KVCache, src: Any, dst: Any, token: jax.Array, *after: jax.Array
+    cache: KVCache,
+    src: Any,
+    dst: Any,
+    token: jax.Array,
+    *after: jax.Array,
+    side_effect: bool = False,
 ) -> jax.Array:
     """Copies whole blocks ``src[i] -> dst[i]`` in every layer's K and V plane.
 
-    Destinations must be distinct, mapped, not block 0 and not among the sources.
+    Destinations must be distinct, mapped, not block 0 and not among the sources. The
+    token rule of :func:`write_kv` applies.
     """
     src, dst = _ids(src, "src"), _ids(dst, "dst")
     if src.shape != dst.shape:
         raise ValueError(f"copy_blocks: src {src.shape} and dst {dst.shape} differ in length")
-    return _call("copy_blocks", cache, src, dst, token, *after)
+    return _call("copy_blocks", cache, src, dst, token, *after, side_effect=side_effect)
 
 
 def map_pages(cache: KVCache, page_ids: Any, token: jax.Array, *after: jax.Array) -> jax.Array:

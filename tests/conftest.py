@@ -1,3 +1,9 @@
+import os
+
+# On a GPU, JAX would otherwise preallocate 75% of device memory and leave the CUDA
+# backend's physical pages no room.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax
 import pytest
 
@@ -24,3 +30,8 @@ def pool():
 
 def make_cache(pool, name="a", layers=2, heads=2, dim=64, dtype="float32", block_size=16):
     return pool.create_kv_cache(name, layers, heads, dim, dtype, block_size=block_size)
+
+
+# An FFI error surfaces as JaxRuntimeError, or as ValueError when JAX ran the call
+# synchronously during dispatch (small eager ops); the message is the handler's.
+FFI_ERRORS = (jax.errors.JaxRuntimeError, ValueError)

@@ -14,12 +14,14 @@ def test_demo_runs_verifies_and_returns_every_page():
     assert second["pages_created"] == 0 and second["pages_reused"] > 0  # pages moved over
 
 
-def test_cli_demo_entry_point():
+def test_cli_demo_entry_point(tmp_path):
+    # Run from an empty folder so the installed package is imported, not the checkout.
     r = subprocess.run(
         [sys.executable, "-m", "jax_kvcached.cli", "demo", "--steps", "20", "--batch", "2"],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr
     assert "verified" in r.stdout and "True" in r.stdout

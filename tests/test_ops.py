@@ -2,7 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_cache
+from conftest import FFI_ERRORS, make_cache
 
 import jax_kvcached as kv
 from jax_kvcached import ops
@@ -115,7 +115,7 @@ def test_write_kv_rejects_bad_slots(pool, slots, match):
     if slots is None:
         slots = [c.blocks_per_page * 16 * 5]  # page 5 is not mapped
     k = jnp.ones((1, 2, 64))
-    with pytest.raises(jax.errors.JaxRuntimeError, match=match):
+    with pytest.raises(FFI_ERRORS, match=match):
         _run(lambda: ops.write_kv(c, 0, k, k, jnp.asarray(slots, jnp.int32), ops.new_token()))
     assert float(jnp.abs(c.view).sum()) == 0.0  # nothing written
 
@@ -125,7 +125,7 @@ def test_write_kv_rejects_bad_layer_shape_dtype(pool):
     ids = c.alloc(1)
     s = jnp.asarray(c.slot_mapping(ids, np.arange(2)))
     k = jnp.ones((2, 2, 64))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="layer 2 out of range"):
+    with pytest.raises(FFI_ERRORS, match="layer 2 out of range"):
         _run(lambda: ops.write_kv(c, 2, k, k, s, ops.new_token()))
     with pytest.raises(ValueError, match="shape"):
         ops.write_kv(c, 0, jnp.ones((2, 3, 64)), k, s, ops.new_token())
@@ -142,15 +142,15 @@ def test_handlers_validate_shapes_themselves(pool):
     s = jnp.asarray(c.slot_mapping(ids, np.arange(2)))
     call = jax.ffi.ffi_call("kvcached_write_kv", ops._TOKEN, has_side_effect=True)
     bad_k = jnp.ones((2, 2, 32))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="shape"):
+    with pytest.raises(FFI_ERRORS, match="shape"):
         _run(
             lambda: call(jnp.int32(0), bad_k, bad_k, s, ops.new_token(), handle=np.uint64(c.handle))
         )
     k16 = jnp.ones((2, 2, 64), jnp.float16)
-    with pytest.raises(jax.errors.JaxRuntimeError, match="dtype"):
+    with pytest.raises(FFI_ERRORS, match="dtype"):
         _run(lambda: call(jnp.int32(0), k16, k16, s, ops.new_token(), handle=np.uint64(c.handle)))
     k = jnp.ones((2, 2, 64))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="unknown or closed"):
+    with pytest.raises(FFI_ERRORS, match="unknown or closed"):
         _run(lambda: call(jnp.int32(0), k, k, s, ops.new_token(), handle=np.uint64(12345)))
 
 
@@ -158,19 +158,19 @@ def test_bad_handle_page_and_copy_errors(pool):
     c = make_cache(pool)
     ids = c.alloc(2)
     t = ops.new_token()
-    with pytest.raises(jax.errors.JaxRuntimeError, match="out of range"):
+    with pytest.raises(FFI_ERRORS, match="out of range"):
         _run(lambda: ops.map_pages(c, jnp.array([c.num_pages]), t))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="already mapped"):
+    with pytest.raises(FFI_ERRORS, match="already mapped"):
         _run(lambda: ops.map_pages(c, jnp.array([0]), t))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="not mapped"):
+    with pytest.raises(FFI_ERRORS, match="not mapped"):
         _run(lambda: ops.unmap_pages(c, jnp.array([3]), t))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="twice"):
+    with pytest.raises(FFI_ERRORS, match="twice"):
         _run(lambda: ops.map_pages(c, jnp.array([4, 4]), t))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="null block"):
+    with pytest.raises(FFI_ERRORS, match="null block"):
         _run(lambda: ops.copy_blocks(c, jnp.array([ids[0]]), jnp.array([0]), t))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="unmapped page"):
+    with pytest.raises(FFI_ERRORS, match="unmapped page"):
         _run(lambda: ops.copy_blocks(c, jnp.array([ids[0]]), jnp.array([c.num_blocks - 1]), t))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="both a source and a destination"):
+    with pytest.raises(FFI_ERRORS, match="both a source and a destination"):
         _run(lambda: ops.copy_blocks(c, jnp.array(ids), jnp.array(ids[::-1]), t))
     with pytest.raises(ValueError, match="length"):
         ops.copy_blocks(c, jnp.array(ids), jnp.array(ids[:1]), t)
@@ -183,7 +183,7 @@ def test_map_pages_op_reports_exhaustion(pool):
     assert c.num_pages * c.pages_per_kv_page == pool.budget_pages
     extra = pool.create_kv_cache("b", 1, 2, 64, "float32")
     extra.alloc(1)  # two pages taken: `everything` no longer fits
-    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+    with pytest.raises(FFI_ERRORS, match="RESOURCE_EXHAUSTED"):
         _run(lambda: ops.map_pages(c, everything, ops.new_token()))
     assert c.num_mapped_pages == 0
 
@@ -193,7 +193,7 @@ def test_closed_cache_handle_is_rejected(pool):
     c.alloc(1)
     k = jnp.ones((1, 2, 64))
     c.close()
-    with pytest.raises(jax.errors.JaxRuntimeError, match="unknown or closed"):
+    with pytest.raises(FFI_ERRORS, match="unknown or closed"):
         _run(lambda: ops.write_kv(c, 0, k, k, jnp.array([16], jnp.int32), ops.new_token()))
 
 
@@ -205,3 +205,40 @@ def test_after_rejects_float_arrays():
 def test_pool_exhausted_is_a_kvcache_error():
     assert issubclass(kv.PoolExhausted, kv.KVCacheError)
     assert issubclass(kv.KVCacheError, RuntimeError)
+
+
+def test_unused_token_lets_xla_drop_a_pure_write_but_not_a_side_effecting_one(pool):
+    c = make_cache(pool)
+    ids = c.alloc(1)
+    s = jnp.asarray(c.slot_mapping(ids, np.arange(1)))
+    k = jnp.ones((1, 2, 64))
+
+    def dropped(k, s):
+        ops.write_kv(c, 0, k, k, s, ops.new_token())
+        return k.sum()
+
+    def kept(k, s):
+        ops.write_kv(c, 0, k, k, s, ops.new_token(), side_effect=True)
+        return k.sum()
+
+    assert "kvcached_write_kv" not in jax.jit(dropped).lower(k, s).compile().as_text()
+    jax.jit(kept)(k, s).block_until_ready()
+    assert float(c.view[0, 0, ids[0], 0].sum()) == 2 * 64
+
+
+def test_write_kv_many_layers_in_one_call(pool):
+    c = make_cache(pool, layers=4)
+    ids = c.alloc(2)
+    slots = jnp.asarray(c.slot_mapping(ids, np.arange(20)))
+    k = _rand((3, 20, 2, 64), "float32", 5)
+    v = _rand((3, 20, 2, 64), "float32", 6)
+    ops.write_kv(c, 1, k, v, slots, ops.new_token()).block_until_ready()
+    blocks, offs = np.asarray(slots) // 16, np.asarray(slots) % 16
+    view = np.asarray(c.view)
+    np.testing.assert_array_equal(view[1:4, 0][:, blocks, offs], np.asarray(k))
+    np.testing.assert_array_equal(view[1:4, 1][:, blocks, offs], np.asarray(v))
+    assert np.abs(view[0]).sum() == 0.0
+    with pytest.raises(FFI_ERRORS, match="out of range"):
+        _run(lambda: ops.write_kv(c, 2, k, v, slots, ops.new_token()))  # layers 2..4 > 3
+    with pytest.raises(ValueError, match="differ"):
+        ops.write_kv(c, 0, k, v[:2], slots, ops.new_token())
