@@ -49,35 +49,32 @@ ffi::Error CopyBlocksCpu(uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst
   return finish(token_out);
 }
 
-ffi::Error MapPagesCpu(uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
-                       ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
+// map_pages and unmap_pages: validate, then call KVBuffer::map_pages / unmap_pages.
+template <void (KVBuffer::*Method)(const int32_t*, size_t)>
+ffi::Error PageOpCpu(const char* op, uint64_t handle, ffi::AnyBuffer ids,
+                     ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("map_pages", handle, DeviceKind::kHost, &buf); e.failure()) return e;
-  if (auto e = check_ids_shape("map_pages", "page_ids", ids); e.failure()) return e;
-  if (auto e = check_token_out("map_pages", token_out); e.failure()) return e;
+  if (auto e = find_buffer(op, handle, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = check_ids_shape(op, "page_ids", ids); e.failure()) return e;
+  if (auto e = check_token_out(op, token_out); e.failure()) return e;
   try {
-    buf->map_pages(static_cast<const int32_t*>(ids.untyped_data()),
-                   static_cast<size_t>(ids.dimensions()[0]));
+    ((*buf).*Method)(static_cast<const int32_t*>(ids.untyped_data()),
+                     static_cast<size_t>(ids.dimensions()[0]));
   } catch (const std::exception& e) {
-    return to_ffi_error("map_pages", e);
+    return to_ffi_error(op, e);
   }
   return finish(token_out);
+}
+
+ffi::Error MapPagesCpu(uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
+                       ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
+  return PageOpCpu<&KVBuffer::map_pages>("map_pages", handle, ids, token_out);
 }
 
 // Pass the reads of the pages as "after" operands so XLA finishes them before the unmap.
 ffi::Error UnmapPagesCpu(uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                          ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("unmap_pages", handle, DeviceKind::kHost, &buf); e.failure()) return e;
-  if (auto e = check_ids_shape("unmap_pages", "page_ids", ids); e.failure()) return e;
-  if (auto e = check_token_out("unmap_pages", token_out); e.failure()) return e;
-  try {
-    buf->unmap_pages(static_cast<const int32_t*>(ids.untyped_data()),
-                     static_cast<size_t>(ids.dimensions()[0]));
-  } catch (const std::exception& e) {
-    return to_ffi_error("unmap_pages", e);
-  }
-  return finish(token_out);
+  return PageOpCpu<&KVBuffer::unmap_pages>("unmap_pages", handle, ids, token_out);
 }
 
 }  // namespace

@@ -142,37 +142,33 @@ ffi::Error CopyBlocksCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer s
   return finish("copy_blocks", stream, token_out);
 }
 
+// map_pages and unmap_pages: fetch and validate the ids, then call KVBuffer. The fetch
+// synchronizes the stream, so every earlier read of the pages has finished.
+template <void (KVBuffer::*Method)(const int32_t*, size_t)>
+ffi::Error PageOpCuda(const char* op, cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids,
+                      ffi::Result<ffi::AnyBuffer> token_out) {
+  std::shared_ptr<KVBuffer> buf;
+  if (auto e = find_buffer(op, handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  if (auto e = check_ids_shape(op, "page_ids", ids); e.failure()) return e;
+  if (auto e = check_token_out(op, token_out); e.failure()) return e;
+  std::vector<int32_t> h;
+  if (auto e = fetch(op, stream, ids, &h); e.failure()) return e;
+  try {
+    ((*buf).*Method)(h.data(), h.size());
+  } catch (const std::exception& e) {
+    return to_ffi_error(op, e);
+  }
+  return finish(op, stream, token_out);
+}
+
 ffi::Error MapPagesCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                         ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("map_pages", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
-  if (auto e = check_ids_shape("map_pages", "page_ids", ids); e.failure()) return e;
-  if (auto e = check_token_out("map_pages", token_out); e.failure()) return e;
-  std::vector<int32_t> h;
-  if (auto e = fetch("map_pages", stream, ids, &h); e.failure()) return e;
-  try {
-    buf->map_pages(h.data(), h.size());
-  } catch (const std::exception& e) {
-    return to_ffi_error("map_pages", e);
-  }
-  return finish("map_pages", stream, token_out);
+  return PageOpCuda<&KVBuffer::map_pages>("map_pages", stream, handle, ids, token_out);
 }
 
 ffi::Error UnmapPagesCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                           ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("unmap_pages", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
-  if (auto e = check_ids_shape("unmap_pages", "page_ids", ids); e.failure()) return e;
-  if (auto e = check_token_out("unmap_pages", token_out); e.failure()) return e;
-  std::vector<int32_t> h;
-  // fetch() synchronizes the stream: every earlier read of these pages has finished.
-  if (auto e = fetch("unmap_pages", stream, ids, &h); e.failure()) return e;
-  try {
-    buf->unmap_pages(h.data(), h.size());
-  } catch (const std::exception& e) {
-    return to_ffi_error("unmap_pages", e);
-  }
-  return finish("unmap_pages", stream, token_out);
+  return PageOpCuda<&KVBuffer::unmap_pages>("unmap_pages", stream, handle, ids, token_out);
 }
 
 }  // namespace

@@ -17,12 +17,18 @@ def _slow_read(view, ids, x):
     return view[0, 0, ids + delay].sum()
 
 
-def test_free_after_waits_for_dispatched_reads(pool):
+def _cache_with_ones(pool):
+    """A cache with 64 tokens of ones in layer 0 (4 blocks); expected sum 64 * 2 * 64."""
     c = make_cache(pool)
     ids = c.alloc(4)
     slots = c.slot_mapping(ids, np.arange(64))
     k = jnp.ones((64, 2, 64))
     ops.write_kv(c, 0, k, k, slots, ops.new_token()).block_until_ready()
+    return c, ids
+
+
+def test_free_after_waits_for_dispatched_reads(pool):
+    c, ids = _cache_with_ones(pool)
     read = jax.jit(_slow_read)
     x = jnp.full((1024, 1024), 1e-3, jnp.float32)
     read(c.view, jnp.asarray(ids), x).block_until_ready()  # compile
@@ -36,11 +42,7 @@ def test_free_after_waits_for_dispatched_reads(pool):
 
 
 def test_unmap_op_runs_after_its_after_operands(pool):
-    c = make_cache(pool)
-    ids = c.alloc(4)
-    slots = c.slot_mapping(ids, np.arange(64))
-    k = jnp.ones((64, 2, 64))
-    ops.write_kv(c, 0, k, k, slots, ops.new_token()).block_until_ready()
+    c, ids = _cache_with_ones(pool)
     pages = sorted({int(b) // c.blocks_per_page for b in ids})
     # The allocator thinks these pages are in use; unmap them behind its back only to
     # test the op's ordering, then hand the cache a consistent state again.
