@@ -24,6 +24,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_vmm.py
+	$(BIN)/python benchmarks/bench_decode.py
 
 clean:
 	rm -rf build $(VENV)

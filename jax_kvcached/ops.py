@@ -51,9 +51,12 @@ def _register() -> None:
 _register()
 
 
-def new_token() -> jax.Array:
-    """A fresh token to start a chain of ops."""
-    return jnp.zeros((), jnp.int32)
+def new_token(device: Any = None) -> jax.Array:
+    """A fresh token to start a chain of ops, committed to ``device`` when given (a step
+    that threads tokens then sees the same argument placement every call and never
+    recompiles for it)."""
+    token = jnp.zeros((), jnp.int32)
+    return token if device is None else jax.device_put(token, device)
 
 
 def after(indices: Any, token: jax.Array) -> jax.Array:

@@ -1,0 +1,124 @@
+"""ModelRunner: one jitted, shape-bucketed step of a Flax model over a paged KV cache.
+
+A step takes, per sequence, a run of new tokens (a prefill chunk or one decode token), its
+cached context length and its block table; it attends over the cached blocks plus the new
+tokens, writes the new K/V of every layer with one ``ops.write_kv`` call after all reads,
+and returns the logits of each sequence's last new token. Batch size, new-token count and
+block-table width are padded to buckets so steady-state serving never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_kvcached import ops
+from jax_kvcached.attention import paged_attention
+from jax_kvcached.kv_cache import KVCache
+
+
+def bucket(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    n = max(n, minimum)
+    return 1 << (n - 1).bit_length()
+
+
+@dataclasses.dataclass
+class StepInput:
+    tokens: list[int]  # the new tokens
+    start: int  # tokens of this sequence already in the cache (their positions come first)
+    blocks: list[int]  # the sequence's block table; covers start + len(tokens) tokens
+
+
+class ModelRunner:
+    def __init__(self, model: nnx.Module, cache: KVCache) -> None:
+        cfg = model.config
+        if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        ):
+            raise ValueError("the KV cache's layers / KV heads / head_dim do not match the model")
+        self.config = cfg
+        self.cache = cache
+        self.graphdef, self.state = nnx.split(model)
+        self.token = ops.new_token(cache.pool.device)
+        self._step = jax.jit(self._make_step())
+
+    def _make_step(self):
+        graphdef, cache = self.graphdef, self.cache
+        layers = self.config.num_layers
+
+        def step(state, view, tokens, positions, tables, ctx_lens, new_lens, slots, token):
+            model = nnx.merge(graphdef, state)
+            tables = ops.after(tables, token)  # reads see every earlier step's writes
+            new_k: list = [None] * layers
+            new_v: list = [None] * layers
+
+            def attend(i, q, k, v):
+                new_k[i], new_v[i] = k, v
+                return paged_attention(q, k, v, view, i, tables, ctx_lens, new_lens)
+
+            logits = model(tokens, positions, attend)
+            b = tokens.shape[0]
+            last = logits[jnp.arange(b), jnp.maximum(new_lens - 1, 0)]
+            kvh, d = cache.num_kv_heads, cache.head_dim
+            k_all = jnp.stack(new_k).reshape(layers, -1, kvh, d).astype(cache.dtype)
+            v_all = jnp.stack(new_v).reshape(layers, -1, kvh, d).astype(cache.dtype)
+            # After every read of this step (`last` depends on all of them).
+            token = ops.write_kv(cache, 0, k_all, v_all, slots, token, last)
+            return last, token
+
+        return step
+
+    @property
+    def num_compiled(self) -> int:
+        """Distinct shapes compiled so far."""
+        return self._step._cache_size()
+
+    def shapes_for(self, batch: list[StepInput]) -> tuple[int, int, int]:
+        b = bucket(len(batch))
+        t = bucket(max(len(x.tokens) for x in batch))
+        nb = bucket(max(-(-x.start // self.cache.block_size) for x in batch))
+        return b, t, nb
+
+    def run(self, batch: list[StepInput]) -> jax.Array:
+        """Runs one step; returns logits ``(len(batch), vocab)`` (device array)."""
+        if not batch:
+            raise ValueError("empty batch")
+        bsz = self.cache.block_size
+        b, t, nb = self.shapes_for(batch)
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.zeros((b, t), np.int32)
+        tables = np.zeros((b, nb), np.int32)
+        ctx = np.zeros(b, np.int32)
+        new = np.zeros(b, np.int32)
+        slots = np.full((b, t), -1, np.int32)
+        for i, x in enumerate(batch):
+            n = len(x.tokens)
+            if n == 0 or len(x.blocks) * bsz < x.start + n:
+                raise ValueError("a step input needs tokens and blocks covering them")
+            tokens[i, :n] = x.tokens
+            pos = np.arange(x.start, x.start + n)
+            positions[i, :n] = pos
+            cached_blocks = -(-x.start // bsz)
+            tables[i, :cached_blocks] = x.blocks[:cached_blocks]
+            ctx[i], new[i] = x.start, n
+            blk = np.asarray(x.blocks, np.int64)[pos // bsz]
+            slots[i, :n] = blk * bsz + pos % bsz
+        logits, self.token = self._step(
+            self.state,
+            self.cache.view,
+            jnp.asarray(tokens),
+            jnp.asarray(positions),
+            jnp.asarray(tables),
+            jnp.asarray(ctx),
+            jnp.asarray(new),
+            jnp.asarray(slots.reshape(-1)),
+            self.token,
+        )
+        return logits[: len(batch)]

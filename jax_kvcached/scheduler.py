@@ -1,0 +1,132 @@
+"""Continuous-batching scheduler: waiting / running queues, admission by free blocks,
+preemption by recompute when the pool is exhausted."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable
+
+from jax_kvcached.errors import PoolExhausted
+from jax_kvcached.kv_cache import KVCache
+from jax_kvcached.runner import StepInput
+from jax_kvcached.sampling import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)  # identity: queues hold and remove these objects
+class Sequence:
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    on_token: Callable[[int, int, bool], None] | None = None
+    output: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    finish_reason: str | None = None
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+
+class Scheduler:
+    def __init__(
+        self, cache: KVCache, max_batch: int, prefill_chunk: int, max_model_len: int
+    ) -> None:
+        self.cache = cache
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.cache.block_size)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            need = self.blocks_for(min(len(seq.tokens) + 1, self.max_model_len))
+            if need > self.cache.num_free_blocks:
+                if not self.running:
+                    total = self.cache.num_free_blocks
+                    raise PoolExhausted(
+                        f"request {seq.request_id} needs {need} KV blocks but the pool can "
+                        f"hold only {total} with nothing else running"
+                    )
+                return
+            self.waiting.popleft()
+            self.running.append(seq)
+
+    def _grow(self, seq: Sequence, num_tokens: int, after) -> bool:
+        """Gives seq blocks for num_tokens, preempting later sequences if needed."""
+        need = self.blocks_for(num_tokens) - len(seq.blocks)
+        while need > 0:
+            try:
+                seq.blocks.extend(self.cache.alloc(need).tolist())
+                return True
+            except PoolExhausted:
+                victim = self.running[-1]
+                self.preempt(victim, after)
+                if victim is seq:
+                    return False
+        return True
+
+    def preempt(self, seq: Sequence, after) -> None:
+        """Frees seq's blocks; it is recomputed from its tokens when readmitted."""
+        self.running.remove(seq)
+        self.cache.free(seq.blocks, after=after)
+        seq.blocks = []
+        seq.num_computed = 0
+        seq.preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, after) -> None:
+        seq.finish_reason = reason
+        self.running.remove(seq)
+        self.cache.free(seq.blocks, after=after)
+        seq.blocks = []
+
+    def schedule(self, after) -> tuple[list[Sequence], list[StepInput]]:
+        """The next step: a prefill batch if any running sequence needs one, else decode.
+
+        ``after``: arrays of the last step (blocks freed here wait for them).
+        """
+        self._admit()
+        prefill = [s for s in self.running if s.num_computed < len(s.tokens) - 1]
+        group = prefill if prefill else list(self.running)
+        seqs: list[Sequence] = []
+        inputs: list[StepInput] = []
+        for seq in group:
+            if seq not in self.running:  # preempted while growing an earlier one
+                continue
+            todo = len(seq.tokens) - seq.num_computed
+            n = min(todo, self.prefill_chunk) if prefill else 1
+            if not self._grow(seq, seq.num_computed + n, after):
+                continue
+            seqs.append(seq)
+        # Growing a later sequence may have preempted an earlier one.
+        seqs = [s for s in seqs if s in self.running]
+        for seq in seqs:
+            todo = len(seq.tokens) - seq.num_computed
+            n = min(todo, self.prefill_chunk) if prefill else 1
+            start = seq.num_computed
+            inputs.append(StepInput(seq.tokens[start : start + n], start, list(seq.blocks)))
+        return seqs, inputs

@@ -1,0 +1,138 @@
+"""Model configuration, from a Hugging Face config.json or a built-in tiny preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # llama3: factor, low/high freq...
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2
+    model_type: str = "llama"
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model config: {f} must be positive")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model config: num_heads must be a multiple of num_kv_heads")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"unsupported model_type {model_type!r} (llama, qwen2)")
+        heads = cfg["num_attention_heads"]
+        # transformers >= 5 writes "rope_parameters" (theta inside); 4.x "rope_scaling".
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        theta = rope_params.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = rope_params or cfg.get("rope_scaling")
+        if scaling is not None:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind not in ("llama3", "default", None):
+                raise ValueError(f"unsupported rope_scaling type {kind!r}")
+            scaling = None if kind in ("default", None) else scaling
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=float(theta),
+            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            model_type=model_type,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        )
+
+    @classmethod
+    def from_dir(cls, path: str) -> ModelConfig:
+        with open(os.path.join(path, "config.json")) as f:
+            return cls.from_hf(json.load(f))
+
+
+# Tiny random-initialised presets for demos and tests (byte-level vocabulary).
+BUILTIN_CONFIGS: dict[str, ModelConfig] = {
+    "tiny-llama": ModelConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=10000.0,
+        rope_scaling=(
+            ("factor", 8.0),
+            ("high_freq_factor", 4.0),
+            ("low_freq_factor", 1.0),
+            ("original_max_position_embeddings", 256),
+            ("rope_type", "llama3"),
+        ),
+        tie_word_embeddings=True,
+        model_type="llama",
+        bos_token_id=256,
+        eos_token_id=257,
+    ),
+    "tiny-qwen2": ModelConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=320,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        model_type="qwen2",
+        bos_token_id=256,
+        eos_token_id=257,
+    ),
+}

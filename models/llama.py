@@ -1,0 +1,146 @@
+"""Llama-family decoder in Flax NNX: RMSNorm, RoPE (with llama3 scaling), GQA, SwiGLU,
+optional tied embeddings; Qwen2 is the same with biases on q/k/v.
+
+Attention is a pluggable function, ``attend(layer, q, k, v) -> out`` with q ``(B, T, H, D)``
+and k / v ``(B, T, Hkv, D)`` after RoPE, so the same module runs over a paged KV cache
+(jax_kvcached.attention), a dense cache, or no cache at all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelConfig
+
+Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse RoPE frequencies (head_dim / 2,), llama3 scaling applied when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    s = cfg.rope_scaling_dict
+    if not s:
+        return inv
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x ``(B, T, H, D)`` by positions ``(B, T)`` (the rotate-half convention)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, D/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype: jnp.dtype) -> None:
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * y.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.q_proj = nnx.Linear(cfg.hidden_size, h * d, use_bias=cfg.qkv_bias, **kw)
+        self.k_proj = nnx.Linear(cfg.hidden_size, kvh * d, use_bias=cfg.qkv_bias, **kw)
+        self.v_proj = nnx.Linear(cfg.hidden_size, kvh * d, use_bias=cfg.qkv_bias, **kw)
+        self.o_proj = nnx.Linear(h * d, cfg.hidden_size, use_bias=False, **kw)
+        self.shape = (h, kvh, d)
+
+    def __call__(self, x, positions, inv_freq, attend_layer):
+        b, t, _ = x.shape
+        h, kvh, d = self.shape
+        q = apply_rope(self.q_proj(x).reshape(b, t, h, d), positions, inv_freq)
+        k = apply_rope(self.k_proj(x).reshape(b, t, kvh, d), positions, inv_freq)
+        v = self.v_proj(x).reshape(b, t, kvh, d)
+        out = attend_layer(q, k, v)
+        return self.o_proj(out.reshape(b, t, h * d).astype(x.dtype))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+        self.gate_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.up_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_proj = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, positions, inv_freq, attend_layer):
+        x = x + self.self_attn(self.input_layernorm(x), positions, inv_freq, attend_layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nnx.Module):
+    """Decoder-only LM. ``model(tokens, positions, attend)`` returns fp32 logits."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> None:
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nnx.Linear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=dtype,
+                param_dtype=dtype,
+                rngs=rngs,
+            )
+        )
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
+        inv_freq = rope_inv_freq(self.config)
+        x = self.embed_tokens(tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, inv_freq, lambda q, k, v, i=i: attend(i, q, k, v))
+        x = self.norm(x)
+        if self.lm_head is None:
+            logits = self.embed_tokens.attend(x)
+        else:
+            logits = self.lm_head(x)
+        return logits.astype(jnp.float32)
+
+
+def build_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> LlamaModel:
+    """A randomly initialised model (the tiny presets use this)."""
+    return LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed))

@@ -1,0 +1,176 @@
+"""The paged engine against a dense, no-cache forward of the same model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvcached as kv
+from jax_kvcached.attention import dense_causal_attention
+from jax_kvcached.engine import Engine
+from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+from jax_kvcached.runner import StepInput
+from jax_kvcached.sampling import SamplingParams
+
+PROMPTS = [
+    [256, 72, 101, 108, 108, 111],
+    [256, *range(40, 77)],  # 38 tokens: several blocks, chunked prefill
+    [256, 9],
+    [256, *range(100, 120)],
+]
+
+
+def _reference(model, prompt, n):
+    """Greedy tokens and per-step last-position logits, recomputing everything each step."""
+    fwd = jax.jit(lambda ids: model(ids, jnp.arange(ids.shape[1])[None], _dense))
+    toks, logits = list(prompt), []
+    width = 128  # padded at the end: causal attention keeps earlier positions exact
+    for _ in range(n):
+        ids = np.zeros((1, width), np.int32)
+        ids[0, : len(toks)] = toks
+        out = np.asarray(fwd(jnp.asarray(ids))[0, len(toks) - 1])
+        logits.append(out)
+        toks.append(int(out.argmax()))
+    return toks[len(prompt) :], logits
+
+
+def _dense(i, q, k, v):
+    return dense_causal_attention(q, k, v)
+
+
+@pytest.fixture(params=["tiny-llama", "tiny-qwen2"])
+def model(request):
+    return build_model(BUILTIN_CONFIGS[request.param], seed=3)
+
+
+def _pool(limit="128MiB"):
+    return kv.Pool(limit, backend="host", min_reserved_pages=0, max_reserved_pages=0)
+
+
+def test_greedy_matches_dense_reference(model):
+    pool = _pool()
+    eng = Engine(model, pool, max_batch=4, prefill_chunk=8)
+    outs = eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs, strict=True):
+        ref, _ = _reference(model, prompt, 12)
+        assert out.token_ids == ref
+        assert out.finish_reason == "length" and out.ttft_s > 0
+    assert pool.stats()["mapped_pages"] == 0  # every block returned
+    pool.close()
+
+
+@pytest.mark.parametrize("kv_dtype,atol", [("float32", 1e-4), ("bfloat16", 0.15)])
+def test_logits_close_for_prefill_and_every_decode_step(kv_dtype, atol):
+    model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1)
+    pool = _pool()
+    eng = Engine(model, pool, max_batch=2, prefill_chunk=16, kv_dtype=kv_dtype)
+    prompt = PROMPTS[1]
+    ref_tokens, ref_logits = _reference(model, prompt, 10)
+    cache, runner = eng.cache, eng.runner
+    blocks = cache.alloc(4).tolist()
+    # Chunked prefill: 16 + 16 + 6 tokens, each chunk on top of the cached ones.
+    start = 0
+    while start < len(prompt):
+        chunk = prompt[start : start + 16]
+        logits = runner.run([StepInput(chunk, start, blocks)])
+        start += len(chunk)
+    np.testing.assert_allclose(np.asarray(logits[0]), ref_logits[0], atol=atol, rtol=0)
+    toks = list(prompt) + [ref_tokens[0]]
+    for i in range(1, 10):  # decode, feeding the reference's tokens
+        logits = runner.run([StepInput([toks[-1]], len(toks) - 1, blocks)])
+        np.testing.assert_allclose(np.asarray(logits[0]), ref_logits[i], atol=atol, rtol=0)
+        toks.append(ref_tokens[i])
+    cache.free(blocks, after=runner.token)
+    pool.close()
+
+
+def test_steady_state_decode_never_recompiles():
+    model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
+    pool = _pool()
+    eng = Engine(model, pool, max_batch=4, prefill_chunk=32)
+    shapes = []
+    run = eng.runner.run
+
+    def recording_run(batch):
+        shapes.append(eng.runner.shapes_for(batch))
+        return run(batch)
+
+    eng.runner.run = recording_run
+    eng.generate(PROMPTS[:3], SamplingParams(max_tokens=60, ignore_eos=True))
+    # Every compile is a new bucket: no step ever recompiled a shape seen before.
+    assert eng.runner.num_compiled == len(set(shapes))
+    decode = [sh for sh in shapes if sh[1] == 1]
+    assert len(decode) >= 59 and len(set(decode)) <= 3  # 60 decode steps, <= 3 buckets
+    pool.close()
+
+
+def test_preemption_under_a_tiny_budget_gives_the_same_outputs():
+    model = build_model(BUILTIN_CONFIGS["tiny-qwen2"], seed=2)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    big = _pool("64MiB")
+    ref = Engine(model, big, max_batch=4).generate(PROMPTS, params)
+    # 3 layers -> 6 pages per KV page. A block (16 tokens x 1 KV head x 32 x 4 B) is
+    # 2 KiB, so a 16 KiB page holds 8: one KV page, 7 usable blocks, for 15 needed.
+    small = kv.Pool(
+        6 * 16384, page_size=16384, backend="host", min_reserved_pages=0, max_reserved_pages=0
+    )
+    eng = Engine(model, small, max_batch=4, prefill_chunk=16)
+    assert eng.cache.num_free_blocks < sum(-(-(len(p) + 40) // 16) for p in PROMPTS)
+    outs = eng.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert eng.scheduler.num_preemptions > 0
+    assert small.stats()["mapped_pages"] == 0
+    big.close()
+    small.close()
+
+
+def test_seeded_sampling_is_independent_of_batching():
+    model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=4)
+    pool = _pool()
+    eng = Engine(model, pool, max_batch=4)
+    p = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
+    alone = eng.generate([PROMPTS[0]], p)[0].token_ids
+    batched = eng.generate(PROMPTS, [p, *[SamplingParams(max_tokens=5)] * 3])[0].token_ids
+    assert alone == batched
+    other = eng.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=10, temperature=0.8, seed=8, ignore_eos=True)
+    )[0].token_ids
+    assert other != alone
+    pool.close()
+
+
+def test_stop_tokens_max_tokens_and_streaming():
+    model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
+    pool = _pool()
+    eng = Engine(model, pool)
+    free = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    stop = free.token_ids[3]
+    streamed = []
+    out = eng.generate(
+        [PROMPTS[0]],
+        SamplingParams(max_tokens=8, stop_token_ids=(stop,)),
+        on_token=lambda rid, tok, fin: streamed.append((tok, fin)),
+    )[0]
+    first = free.token_ids.index(stop)
+    assert out.token_ids == free.token_ids[: first + 1] and out.finish_reason == "stop"
+    assert [t for t, _ in streamed] == out.token_ids and streamed[-1][1] is True
+    assert not any(f for _, f in streamed[:-1])
+    pool.close()
+
+
+def test_bad_requests_raise_clear_errors():
+    model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
+    pool = _pool()
+    eng = Engine(model, pool, max_model_len=64)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.generate([[]])
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.generate([[1, 2, 999]])
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.generate([list(range(64))])
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="tokenizer"):
+        eng.generate(["text needs a tokenizer"])
+    assert not eng.scheduler.has_work  # nothing half-queued
+    pool.close()

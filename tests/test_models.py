@@ -1,0 +1,122 @@
+"""Our Flax models against Hugging Face transformers (PyTorch CPU) on the same weights."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jax_kvcached.attention import dense_causal_attention
+from jax_kvcached.models import ByteTokenizer, ModelConfig, load_checkpoint, load_tokenizer
+
+
+def _dense(model, ids):
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return np.asarray(
+        model(jnp.asarray(ids), pos, lambda i, q, k, v: dense_causal_attention(q, k, v))
+    )
+
+
+def _hf_llama():
+    cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=5000.0,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _hf_qwen2():
+    cfg = transformers.Qwen2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    return transformers.Qwen2ForCausalLM(cfg)
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def hf_checkpoint(request, tmp_path):
+    torch.manual_seed(0)
+    model = (_hf_llama if request.param == "llama" else _hf_qwen2)()
+    model.eval()
+    # A small shard size forces a sharded checkpoint (model.safetensors.index.json).
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    return request.param, model, str(tmp_path)
+
+
+def test_logits_match_transformers(hf_checkpoint):
+    kind, hf, path = hf_checkpoint
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    cfg, model = load_checkpoint(path)
+    assert cfg.model_type == kind and cfg.qkv_bias == (kind == "qwen2")
+    assert cfg.tie_word_embeddings == (kind == "qwen2")
+    ids = np.random.default_rng(1).integers(0, 300, (2, 150))  # past the llama3 old context
+    with torch.no_grad():
+        ref = hf(torch.tensor(ids)).logits.numpy()
+    got = _dense(model, ids)
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=0)
+
+
+def test_loader_rejects_mismatched_checkpoints(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(str(tmp_path / "missing"))
+    torch.manual_seed(0)
+    _hf_qwen2().save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3  # the weights have 2 layers
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="missing"):
+        load_checkpoint(str(tmp_path))
+    cfg["model_type"] = "gpt2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="multiple"):
+        ModelConfig(
+            vocab_size=10,
+            hidden_size=8,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=3,
+            num_kv_heads=2,
+            head_dim=4,
+        )
+
+
+def test_tokenizers(tmp_path):
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo")
+    assert ids[0] == tok.bos_token_id and tok.decode(ids) == "héllo"
+    assert isinstance(load_tokenizer(str(tmp_path)), ByteTokenizer)  # no tokenizer.json
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    t = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.save(str(tmp_path / "tokenizer.json"))
+    hf_tok = load_tokenizer(str(tmp_path))
+    assert hf_tok.encode("hello world") == [0, 1]
