@@ -50,6 +50,11 @@ class BlockAllocator:
             return 0
         return k * self.blocks_per_page - (1 if self._unmapped[0] == 0 else 0)
 
+    def used_in_page(self, page: int) -> int:
+        if not self._mapped[page]:
+            return 0
+        return self.capacity(page) - len(self._free[page])
+
     def is_used(self, block: int) -> bool:
         return block in self._used
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from jax_kvcached.kv_cache import KVCache
 from jax_kvcached.pool import Pool
+from jax_kvcached.prefix_cache import PrefixCache, extra_key_bytes
 from jax_kvcached.runner import ModelRunner
 from jax_kvcached.sampling import SamplingParams, sample
 from jax_kvcached.scheduler import Scheduler, Sequence
@@ -28,6 +29,7 @@ class RequestOutput:
     ttft_s: float
     latency_s: float
     preemptions: int
+    cached_tokens: int = 0
     text: str | None = None
 
 
@@ -43,6 +45,9 @@ class Engine:
       max_model_len: prompt + output limit (default: the model's max positions).
       kv_dtype: KV cache dtype (default: the model's dtype).
       tokenizer: optional, for string prompts and ``RequestOutput.text``.
+      prefix_caching: reuse the KV of cached prompt prefixes across requests.
+      max_cached_tokens: prefix-cache bound (default ``KVCACHED_MAX_CACHED_TOKENS``).
+      log_every: steps between INFO logs of the prefix-cache metrics.
     """
 
     def __init__(
@@ -57,6 +62,9 @@ class Engine:
         kv_dtype: Any = None,
         block_size: int = 16,
         tokenizer: Any = None,
+        prefix_caching: bool = True,
+        max_cached_tokens: int | None = None,
+        log_every: int = 200,
     ) -> None:
         cfg = model.config
         if max_batch <= 0 or prefill_chunk <= 0:
@@ -72,8 +80,13 @@ class Engine:
             kv_dtype or model.dtype,
             block_size=block_size,
         )
+        self.name = name
         self.runner = ModelRunner(model, self.cache)
-        self.scheduler = Scheduler(self.cache, max_batch, prefill_chunk, self.max_model_len)
+        self.prefix_cache = PrefixCache(self.cache, max_cached_tokens) if prefix_caching else None
+        self.scheduler = Scheduler(
+            self.cache, max_batch, prefill_chunk, self.max_model_len, self.prefix_cache
+        )
+        self.log_every = log_every
         self._ids = itertools.count()
         self.finished: list[Sequence] = []
         self.steps = 0
@@ -104,11 +117,20 @@ class Engine:
         prompt: str | Seq[int],
         params: SamplingParams | None = None,
         on_token: Callable[[int, int, bool], None] | None = None,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
     ) -> int:
-        """Queues a request; ``on_token(request_id, token, finished)`` streams its output."""
+        """Queues a request; ``on_token(request_id, token, finished)`` streams its output.
+
+        Requests share cached prefixes only with the same model, ``cache_salt`` and
+        ``adapter_id``.
+        """
         ids = self._encode(prompt)
         rid = next(self._ids)
-        self.scheduler.add(Sequence(rid, ids, params or SamplingParams(), on_token))
+        seq = Sequence(rid, ids, params or SamplingParams(), on_token)
+        seq.extra = extra_key_bytes(self.name, cache_salt, adapter_id)
+        self.scheduler.add(seq)
         return rid
 
     # -- the loop ----------------------------------------------------------------------
@@ -123,7 +145,9 @@ class Engine:
             s for s, x in zip(seqs, inputs, strict=True) if x.start + len(x.tokens) == len(s.tokens)
         ]
         for s, x in zip(seqs, inputs, strict=True):
-            s.num_computed = x.start + len(x.tokens)
+            self.scheduler.computed(s, x.start + len(x.tokens))
+        if self.prefix_cache and self.steps % self.log_every == 0:
+            self.prefix_cache.log_stats()
         if not sampling:
             return []
         rows = [i for i, (s, x) in enumerate(zip(seqs, inputs, strict=True)) if s in sampling]
@@ -170,6 +194,8 @@ class Engine:
         prompts: Seq[str | Seq[int]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         on_token: Callable[[int, int, bool], None] | None = None,
+        *,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (batched continuously); outputs in prompt order."""
         if isinstance(params, SamplingParams) or params is None:
@@ -177,25 +203,40 @@ class Engine:
         if len(params) != len(prompts):
             raise ValueError("one SamplingParams per prompt")
         encoded = [self._encode(p) for p in prompts]  # validate all before queueing any
-        ids = [self.add_request(e, q, on_token) for e, q in zip(encoded, params, strict=True)]
+        ids = [
+            self.add_request(e, q, on_token, cache_salt=cache_salt)
+            for e, q in zip(encoded, params, strict=True)
+        ]
         self.run()
-        by_id = {s.request_id: s for s in self.finished}
+        wanted = set(ids)
+        by_id = {s.request_id: s for s in self.finished if s.request_id in wanted}
+        self.finished = [s for s in self.finished if s.request_id not in wanted]
         out = []
         for rid in ids:
             s = by_id[rid]
             out.append(
                 RequestOutput(
-                    rid,
-                    s.prompt,
-                    s.output,
-                    s.finish_reason or "",
-                    s.ttft or 0.0,
-                    time.perf_counter() - s.arrival,
-                    s.preemptions,
-                    self.tokenizer.decode(s.output) if self.tokenizer else None,
+                    request_id=rid,
+                    prompt_token_ids=s.prompt,
+                    token_ids=s.output,
+                    finish_reason=s.finish_reason or "",
+                    ttft_s=s.ttft or 0.0,
+                    latency_s=time.perf_counter() - s.arrival,
+                    preemptions=s.preemptions,
+                    cached_tokens=s.cached_tokens,
+                    text=self.tokenizer.decode(s.output) if self.tokenizer else None,
                 )
             )
         return out
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else None,
+        }
 
     def close(self) -> None:
         self.cache.close()

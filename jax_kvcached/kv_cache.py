@@ -82,6 +82,7 @@ class KVCache:
         self._view: jax.Array | None = None
         self._closed = False
         self._lock = threading.RLock()  # alloc / free / close from several threads
+        self.prefix_cache: Any = None  # set by a PrefixCache attached to this cache
 
     # -- the view --------------------------------------------------------------------
     @property
@@ -172,6 +173,10 @@ class KVCache:
     def is_allocated(self, block_id: int) -> bool:
         return self._allocator.is_used(int(block_id))
 
+    def used_blocks_per_page(self, pages: Iterable[int]) -> dict[int, int]:
+        """Allocated blocks in each of ``pages``."""
+        return {int(p): self._allocator.used_in_page(int(p)) for p in pages}
+
     def slot_mapping(self, block_table: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Slots (``block * block_size + offset``) for token positions of one sequence."""
         positions = np.asarray(positions, dtype=np.int64)
@@ -182,7 +187,7 @@ class KVCache:
         return (table[idx] * self.block_size + positions % self.block_size).astype(np.int32)
 
     # -- lifecycle -------------------------------------------------------------------
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         kv_pages = self.num_mapped_pages
         phys = kv_pages * self.pages_per_kv_page
         return {
@@ -193,6 +198,7 @@ class KVCache:
             "mapped_pages": phys,
             "mapped_bytes": phys * self.pool.page_size,
             "virtual_bytes": self.virtual_bytes,
+            **({"prefix_cache": self.prefix_cache.stats()} if self.prefix_cache else {}),
         }
 
     @property

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from jax_kvcached.errors import PoolExhausted
 from jax_kvcached.kv_cache import KVCache
+from jax_kvcached.prefix_cache import PrefixCache, hash_block, hash_blocks
 from jax_kvcached.runner import StepInput
 from jax_kvcached.sampling import SamplingParams
 
@@ -27,6 +28,9 @@ class Sequence:
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     preemptions: int = 0
+    extra: bytes = b""  # prefix-cache extra keys (tenant, cache_salt, adapter)
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # of computed full blocks
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
 
     @property
     def tokens(self) -> list[int]:
@@ -39,9 +43,15 @@ class Sequence:
 
 class Scheduler:
     def __init__(
-        self, cache: KVCache, max_batch: int, prefill_chunk: int, max_model_len: int
+        self,
+        cache: KVCache,
+        max_batch: int,
+        prefill_chunk: int,
+        max_model_len: int,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.cache = cache
+        self.prefix = prefix
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.max_model_len = max_model_len
@@ -59,19 +69,31 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _available_blocks(self) -> int:
+        idle = self.prefix.num_evictable_blocks if self.prefix else 0
+        return self.cache.num_free_blocks + idle
+
     def _admit(self) -> None:
+        bs = self.cache.block_size
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            need = self.blocks_for(min(len(seq.tokens) + 1, self.max_model_len))
-            if need > self.cache.num_free_blocks:
+            # The last token is always recomputed: it yields the next token's logits.
+            hashes = hash_blocks(seq.tokens[: len(seq.tokens) - 1], bs, seq.extra)
+            hit = self.prefix.lookup(hashes) if self.prefix else 0
+            need = self.blocks_for(min(len(seq.tokens) + 1, self.max_model_len)) - hit
+            if need > self._available_blocks() - hit:
                 if not self.running:
-                    total = self.cache.num_free_blocks
                     raise PoolExhausted(
                         f"request {seq.request_id} needs {need} KV blocks but the pool can "
-                        f"hold only {total} with nothing else running"
+                        f"hold only {self._available_blocks() - hit} with nothing else running"
                     )
                 return
             self.waiting.popleft()
+            if self.prefix:
+                seq.blocks = self.prefix.match(hashes)
+                seq.hashes = hashes[: len(seq.blocks)]
+                seq.num_computed = len(seq.blocks) * bs
+                seq.cached_tokens = seq.num_computed
             self.running.append(seq)
 
     def _grow(self, seq: Sequence, num_tokens: int, after) -> bool:
@@ -82,6 +104,9 @@ class Scheduler:
                 seq.blocks.extend(self.cache.alloc(need).tolist())
                 return True
             except PoolExhausted:
+                # Idle cached prefixes go first (page-aware), then running sequences.
+                if self.prefix and self.prefix.evict(need, after=after) > 0:
+                    continue
                 victim = self.running[-1]
                 self.preempt(victim, after)
                 if victim is seq:
@@ -91,9 +116,9 @@ class Scheduler:
     def preempt(self, seq: Sequence, after) -> None:
         """Frees seq's blocks; it is recomputed from its tokens when readmitted."""
         self.running.remove(seq)
-        self.cache.free(seq.blocks, after=after)
-        seq.blocks = []
+        self._release(seq, after)
         seq.num_computed = 0
+        seq.hashes = []
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -101,8 +126,26 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str, after) -> None:
         seq.finish_reason = reason
         self.running.remove(seq)
-        self.cache.free(seq.blocks, after=after)
+        self._release(seq, after)
+
+    def _release(self, seq: Sequence, after) -> None:
+        if self.prefix:
+            self.prefix.release(seq.blocks, after=after)
+        else:
+            self.cache.free(seq.blocks, after=after)
         seq.blocks = []
+
+    def computed(self, seq: Sequence, num_computed: int) -> None:
+        """Records a step's progress; full blocks it completed join the prefix cache."""
+        seq.num_computed = num_computed
+        bs = self.cache.block_size
+        while len(seq.hashes) < num_computed // bs:
+            i = len(seq.hashes)
+            parent = seq.hashes[-1] if seq.hashes else None
+            h = hash_block(parent, seq.tokens[i * bs : (i + 1) * bs], seq.extra)
+            seq.hashes.append(h)
+            if self.prefix:
+                self.prefix.insert(h, seq.blocks[i])
 
     def schedule(self, after) -> tuple[list[Sequence], list[StepInput]]:
         """The next step: a prefill batch if any running sequence needs one, else decode.

@@ -43,6 +43,20 @@ def model(request):
     return build_model(BUILTIN_CONFIGS[request.param], seed=3)
 
 
+def assert_only_cached_blocks_hold_pages(eng, pool):
+    """Exact accounting once every request finished: the mapped pages are exactly the pages
+    of idle prefix-cache blocks; after a reset nothing is mapped."""
+    c, pc = eng.cache, eng.prefix_cache
+    assert c.num_used_blocks == (pc.num_cached_blocks if pc else 0)
+    if pc:
+        assert pc.num_evictable_blocks == pc.num_cached_blocks  # no refs left
+        pages = {b // c.blocks_per_page for b in pc._hash_of}
+        assert set(c._buffer.mapped_pages()) == pages
+        assert pool.stats()["caches"][c.name]["mapped_pages"] == len(pages) * c.pages_per_kv_page
+        pc.reset()
+    assert pool.stats()["mapped_pages"] == 0
+
+
 def _pool(limit="128MiB"):
     return kv.Pool(limit, backend="host", min_reserved_pages=0, max_reserved_pages=0)
 
@@ -55,7 +69,7 @@ def test_greedy_matches_dense_reference(model):
         ref, _ = _reference(model, prompt, 12)
         assert out.token_ids == ref
         assert out.finish_reason == "length" and out.ttft_s > 0
-    assert pool.stats()["mapped_pages"] == 0  # every block returned
+    assert_only_cached_blocks_hold_pages(eng, pool)
     pool.close()
 
 
@@ -119,7 +133,7 @@ def test_preemption_under_a_tiny_budget_gives_the_same_outputs():
     outs = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert eng.scheduler.num_preemptions > 0
-    assert small.stats()["mapped_pages"] == 0
+    assert_only_cached_blocks_hold_pages(eng, small)
     big.close()
     small.close()
 

@@ -1,0 +1,226 @@
+"""Prefix caching: chained block hashes and a bounded, page-aware LRU cache of KV blocks.
+
+A full block's hash is ``sha256(parent_hash || block_token_ids || extra_keys)``; extra keys
+(tenant / model, per-request ``cache_salt``, adapter id) make different tenants or salts
+never share a block. Cached blocks carry a reference count: blocks in use by sequences
+(ref > 0) are never evicted; blocks with ref 0 stay cached, evictable in LRU order (the
+tail of a chain first), bounded by ``max_cached_tokens`` (``KVCACHED_MAX_CACHED_TOKENS``:
+-1 unlimited, 0 no cross-request reuse, N tokens of idle cached blocks). Under allocation
+pressure :meth:`PrefixCache.evict` picks victims page-aware, so evictions empty whole
+pages that the pool can unmap and hand to any tenant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_kvcached.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+def extra_key_bytes(*keys: Any) -> bytes:
+    """Canonical bytes of the extra keys (None entries are kept: position matters)."""
+    return repr(tuple(keys)).encode()
+
+
+def hash_block(parent: bytes | None, tokens: Sequence[int], extra: bytes) -> bytes:
+    h = hashlib.sha256()
+    h.update(parent or b"\x00" * 32)
+    h.update(np.asarray(tokens, np.int64).tobytes())
+    h.update(extra)
+    return h.digest()
+
+
+def hash_blocks(
+    tokens: Sequence[int], block_size: int, extra: bytes, parent: bytes | None = None
+) -> list[bytes]:
+    """Chained hashes of every *full* block of ``tokens``."""
+    out = []
+    for i in range(len(tokens) // block_size):
+        parent = hash_block(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    """hash -> block of one KVCache, with reference counts and bounded LRU eviction."""
+
+    def __init__(self, cache: KVCache, max_cached_tokens: int | None = None) -> None:
+        if max_cached_tokens is None:
+            max_cached_tokens = cache.pool.config.max_cached_tokens
+        if max_cached_tokens < -1:
+            raise ValueError("max_cached_tokens must be -1 (unlimited), 0 (off) or positive")
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.max_cached_tokens = max_cached_tokens
+        self._block_of: dict[bytes, int] = {}
+        self._hash_of: dict[int, bytes] = {}
+        self._ref: dict[int, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # ref-0 blocks, oldest first
+        self.queries = 0  # tokens looked up
+        self.hits = 0  # tokens found
+        self.evictions = 0  # blocks evicted
+        cache.prefix_cache = self
+
+    # -- queries ---------------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.max_cached_tokens != 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        return len(self._lru)
+
+    def is_cached(self, block: int) -> bool:
+        return block in self._hash_of
+
+    def ref_count(self, block: int) -> int:
+        return self._ref.get(block, 0)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "max_cached_tokens": self.max_cached_tokens,
+            "queries_tokens": self.queries,
+            "hits_tokens": self.hits,
+            "hit_rate": self.hits / self.queries if self.queries else 0.0,
+            "cached_blocks": self.num_cached_blocks,
+            "cached_tokens": self.num_cached_blocks * self.block_size,
+            "evictable_blocks": self.num_evictable_blocks,
+            "evictions": self.evictions,
+        }
+
+    # -- lookups and registration ----------------------------------------------------
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """How many leading ``hashes`` are cached (no refs taken, no metrics)."""
+        if not self.enabled:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in self._block_of:
+                break
+            n += 1
+        return n
+
+    def match(self, hashes: Sequence[bytes]) -> list[int]:
+        """The blocks of the longest cached prefix of ``hashes``; takes a ref on each."""
+        self.queries += len(hashes) * self.block_size
+        out: list[int] = []
+        if not self.enabled:
+            return out
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            out.append(block)
+        for block in out:
+            self._ref[block] += 1
+            self._lru.pop(block, None)
+        self.hits += len(out) * self.block_size
+        return out
+
+    def insert(self, h: bytes, block: int) -> bool:
+        """Registers a computed full block held (ref 1) by one sequence. Returns False
+        (and changes nothing) when caching is off or the hash is already cached."""
+        if not self.enabled or h in self._block_of:
+            return False
+        if block in self._hash_of:
+            raise ValueError(f"block {block} is already cached under another hash")
+        if not self.cache.is_allocated(block):
+            raise ValueError(f"block {block} is not allocated")
+        self._block_of[h] = block
+        self._hash_of[block] = h
+        self._ref[block] = 1
+        return True
+
+    def release(self, blocks: Sequence[int], *, after: Any = None) -> None:
+        """A sequence lets go of its blocks (in chain order): cached ones lose a ref and
+        stay cached when it reaches 0 (the chain's tail becomes the oldest); the others
+        are freed at once."""
+        uncached = []
+        for block in reversed(blocks):  # tail first: evicted before its parents
+            if block in self._hash_of:
+                ref = self._ref[block] - 1
+                if ref < 0:
+                    raise ValueError(f"block {block} released more often than taken")
+                self._ref[block] = ref
+                if ref == 0:
+                    self._lru[block] = None
+            else:
+                uncached.append(block)
+        if uncached:
+            self.cache.free(uncached, after=after)
+        self._enforce_bound(after)
+
+    # -- eviction --------------------------------------------------------------------
+    def _drop(self, blocks: Iterable[int], after: Any) -> int:
+        blocks = list(blocks)
+        for block in blocks:
+            del self._lru[block]
+            del self._block_of[self._hash_of.pop(block)]
+            del self._ref[block]
+        if blocks:
+            self.cache.free(blocks, after=after)
+            self.evictions += len(blocks)
+        return len(blocks)
+
+    def _enforce_bound(self, after: Any) -> None:
+        if self.max_cached_tokens < 0:
+            return
+        excess = len(self._lru) - self.max_cached_tokens // self.block_size
+        if excess > 0:
+            victims = list(self._lru)[:excess]  # least recently used first
+            self._drop(victims, after)
+
+    def evict(self, num_blocks: int, *, page_aware: bool = True, after: Any = None) -> int:
+        """Evicts at least ``num_blocks`` idle cached blocks (fewer if there are fewer).
+
+        Page-aware: first the pages all of whose used blocks are idle cached blocks
+        (evicting them empties the page, which the pool unmaps), least recently used
+        first; then single blocks in LRU order. Returns the number evicted.
+        """
+        if num_blocks <= 0 or not self._lru:
+            return 0
+        if not page_aware:
+            return self._drop(list(self._lru)[:num_blocks], after)
+        bpp = self.cache.blocks_per_page
+        by_page: dict[int, list[int]] = {}
+        for block in self._lru:  # oldest first
+            by_page.setdefault(block // bpp, []).append(block)
+        usage = self.cache.used_blocks_per_page(by_page)
+        whole = [p for p, bs in by_page.items() if len(bs) == usage[p]]
+        victims: list[int] = []
+        for p in whole:  # in the LRU order of each page's oldest block
+            if len(victims) >= num_blocks:
+                break
+            victims.extend(by_page[p])
+        if len(victims) < num_blocks:
+            chosen = set(victims)
+            victims.extend([b for b in self._lru if b not in chosen][: num_blocks - len(victims)])
+        return self._drop(victims, after)
+
+    def reset(self, *, after: Any = None) -> int:
+        """Evicts every idle cached block; returns how many. Blocks in use stay."""
+        return self._drop(list(self._lru), after)
+
+    def log_stats(self) -> None:
+        s = self.stats()
+        log.info(
+            "prefix cache %s: hit rate %.1f%% (%d/%d tokens), %d cached blocks, %d evictions",
+            self.cache.name,
+            100 * s["hit_rate"],
+            s["hits_tokens"],
+            s["queries_tokens"],
+            s["cached_blocks"],
+            s["evictions"],
+        )
