@@ -23,8 +23,10 @@ test: install
 	$(BIN)/pytest
 
 bench: install
+	$(BIN)/python -m pip install -q --no-build-isolation ".[test,bench]"
 	$(BIN)/python benchmarks/bench_vmm.py
 	$(BIN)/python benchmarks/bench_decode.py
+	$(BIN)/python benchmarks/bench_prefix.py
 
 clean:
 	rm -rf build $(VENV)

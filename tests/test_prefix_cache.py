@@ -262,3 +262,20 @@ def test_cached_prefixes_are_evicted_under_pressure_before_preempting():
     eng.generate([list(range(200, 280))], SamplingParams(max_tokens=4))  # needs 6 blocks
     assert eng.prefix_cache.evictions > 0 and eng.scheduler.num_preemptions == 0
     pool.close()
+
+
+def test_bound_defaults_to_the_environment_and_metrics_are_logged(caplog):
+    import logging
+
+    from jax_kvcached.config import Config
+
+    pool = kv.Pool("64MiB", backend="host", config=Config(max_cached_tokens=32))
+    model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
+    eng = Engine(model, pool, log_every=1)
+    assert eng.prefix_cache.max_cached_tokens == 32
+    with caplog.at_level(logging.INFO, logger="jax_kvcached.prefix_cache"):
+        eng.generate([SYSTEM + [1]], SamplingParams(max_tokens=2))
+    assert any("hit rate" in r.getMessage() for r in caplog.records)
+    assert eng.prefix_cache.num_evictable_blocks * BS <= 32  # the bound holds
+    assert eng.stats()["prefix_cache"]["cached_blocks"] == eng.prefix_cache.num_cached_blocks
+    pool.close()
