@@ -47,13 +47,22 @@ class ModelRunner:
         self.cache = cache
         self.graphdef, self.state = nnx.split(model)
         self.token = ops.new_token(cache.pool.device)
-        self._step = jax.jit(self._make_step())
+        self._step = jax.jit(self._make_step(), static_argnums=(3, 4, 5))
 
     def _make_step(self):
         graphdef, cache = self.graphdef, self.cache
         layers = self.config.num_layers
 
-        def step(state, view, tokens, positions, tables, ctx_lens, new_lens, slots, token):
+        def step(state, view, packed, b, t, nb, token):
+            # All integer inputs travel as one array (one host-to-device transfer).
+            sizes = (b * t, b * t, b * nb, b, b, b * t)
+            parts, at = [], 0
+            for n in sizes:
+                parts.append(packed[at : at + n])
+                at += n
+            tokens, positions = parts[0].reshape(b, t), parts[1].reshape(b, t)
+            tables, ctx_lens, new_lens = parts[2].reshape(b, nb), parts[3], parts[4]
+            slots = parts[5]
             model = nnx.merge(graphdef, state)
             tables = ops.after(tables, token)  # reads see every earlier step's writes
             new_k: list = [None] * layers
@@ -64,7 +73,6 @@ class ModelRunner:
                 return paged_attention(q, k, v, view, i, tables, ctx_lens, new_lens)
 
             logits = model(tokens, positions, attend)
-            b = tokens.shape[0]
             last = logits[jnp.arange(b), jnp.maximum(new_lens - 1, 0)]
             kvh, d = cache.num_kv_heads, cache.head_dim
             k_all = jnp.stack(new_k).reshape(layers, -1, kvh, d).astype(cache.dtype)
@@ -110,15 +118,10 @@ class ModelRunner:
             ctx[i], new[i] = x.start, n
             blk = np.asarray(x.blocks, np.int64)[pos // bsz]
             slots[i, :n] = blk * bsz + pos % bsz
+        packed = np.concatenate(
+            [tokens.ravel(), positions.ravel(), tables.ravel(), ctx, new, slots.ravel()]
+        )
         logits, self.token = self._step(
-            self.state,
-            self.cache.view,
-            jnp.asarray(tokens),
-            jnp.asarray(positions),
-            jnp.asarray(tables),
-            jnp.asarray(ctx),
-            jnp.asarray(new),
-            jnp.asarray(slots.reshape(-1)),
-            self.token,
+            self.state, self.cache.view, jnp.asarray(packed), b, t, nb, self.token
         )
         return logits[: len(batch)]
