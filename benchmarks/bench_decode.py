@@ -13,37 +13,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import BENCH_MODEL, median_time
 from flax import nnx
 
 import jax_kvcached as kv
 from jax_kvcached.attention import gqa_attention
-from jax_kvcached.models import ModelConfig, build_model
+from jax_kvcached.models import build_model
 from jax_kvcached.runner import ModelRunner, StepInput
-
-BENCH_CONFIG = ModelConfig(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-    max_position_embeddings=8192,
-)
-
-
-def _median_time(fn, iters: int) -> float:
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def make_dense_step(model, max_len: int):
@@ -108,8 +88,8 @@ def bench_decode(model, batch: int, ctx: int, iters: int, rounds: int) -> dict:
         fn()
     tp, td = [], []
     for _ in range(rounds):
-        tp.append(_median_time(paged, iters))
-        td.append(_median_time(dense, iters))
+        tp.append(median_time(paged, iters))
+        td.append(median_time(dense, iters))
     p, d = float(np.median(tp)), float(np.median(td))
     kv_bytes = batch * ctx * kv_per_token
     pool.close()
@@ -137,7 +117,7 @@ def bench_prefill(model, chunk: int, iters: int) -> dict:
     toks = np.random.default_rng(1).integers(0, cfg.vocab_size, chunk).tolist()
     x = [StepInput(toks, 0, blocks)]
     jax.block_until_ready(runner.run(x))
-    t = _median_time(lambda: jax.block_until_ready(runner.run(x)), iters)
+    t = median_time(lambda: jax.block_until_ready(runner.run(x)), iters)
     pool.close()
     return {"chunk": chunk, "step_ms": t * 1e3, "tokens_per_s": chunk / t}
 
@@ -146,7 +126,7 @@ def memcpy_gbps(mib: int = 256) -> float:
     a = np.ones(mib << 18, np.float32)
     b = np.empty_like(a)
     np.copyto(b, a)
-    t = _median_time(lambda: np.copyto(b, a), 5)
+    t = median_time(lambda: np.copyto(b, a), 5)
     return a.nbytes / t / 1e9
 
 
@@ -160,7 +140,7 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(here, "results", "bench_decode.json"))
     args = p.parse_args()
 
-    model = build_model(BENCH_CONFIG, seed=0)
+    model = build_model(BENCH_MODEL, seed=0)
     rows = [
         bench_decode(model, b, c, args.iters, args.rounds)
         for c in map(int, args.ctx.split(","))
@@ -168,7 +148,7 @@ def main() -> None:
     ]
     prefill = [bench_prefill(model, n, args.iters) for n in (128, 512)]
     copy = memcpy_gbps()
-    cfg = BENCH_CONFIG
+    cfg = BENCH_MODEL
     print(
         f"\nDecode, {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads / "
         f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, fp32, one token per sequence"

@@ -16,24 +16,16 @@ import os
 import time
 
 import numpy as np
+from bench_common import BENCH_MODEL
 
 import jax_kvcached as kv
 from jax_kvcached.engine import Engine
-from jax_kvcached.models import ModelConfig, build_model
+from jax_kvcached.models import build_model
 from jax_kvcached.prefix_cache import PrefixCache, hash_blocks
 from jax_kvcached.sampling import SamplingParams
 
 MiB = 1 << 20
-CFG = ModelConfig(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    num_layers=4,
-    num_heads=8,
-    num_kv_heads=4,
-    head_dim=64,
-    max_position_embeddings=8192,
-)
+CFG = BENCH_MODEL
 
 
 def _tokens(rng, n):

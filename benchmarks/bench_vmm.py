@@ -20,6 +20,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_common import median_time
 
 import jax_kvcached as kv
 from jax_kvcached import _C, ops
@@ -63,18 +64,6 @@ def bench_kv_page(pool: kv.Pool, layers: int, iters: int) -> dict:
         unmaps.append(t2 - t1)
     c.close()
     return {"layers": layers, "map": _summary(maps), "unmap": _summary(unmaps)}
-
-
-def _time(fn, iters: int) -> float:
-    """Median seconds of fn() (which blocks until its result is ready)."""
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
 
 
 def bench_write(batch: int, layers: int, heads: int, dim: int, max_len: int, iters: int) -> dict:
@@ -164,7 +153,7 @@ def bench_write(batch: int, layers: int, heads: int, dim: int, max_len: int, ite
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(5):
         for k, fn in runs.items():
-            times[k].append(_time(fn, iters))
+            times[k].append(median_time(fn, iters, warmup=3))
     # Check that both wrote the same data.
     got = np.asarray(cache.view[:, 0, np.asarray(slots) // block, pos % block].astype(jnp.float32))
     want = np.asarray(dense["cache"][:, 0, :, pos].astype(jnp.float32))
