@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             args.backend,
             args.seed,
         )
-        if out["mapped_after_mib"] != 0:
+        if out["mapped_after_reset_mib"] != 0:
             print("error: pages still mapped after every request finished", file=sys.stderr)
             return 1
     elif args.command == "kv-demo":

@@ -141,16 +141,19 @@ class Engine:
             return []
         logits = self.runner.run(inputs)
         self.steps += 1
-        sampling = [
-            s for s, x in zip(seqs, inputs, strict=True) if x.start + len(x.tokens) == len(s.tokens)
+        # Rows whose new tokens reached the end of their sequence yield a next token.
+        rows = [
+            i
+            for i, (s, x) in enumerate(zip(seqs, inputs, strict=True))
+            if x.start + len(x.tokens) == len(s.tokens)
         ]
+        sampling = [seqs[i] for i in rows]
         for s, x in zip(seqs, inputs, strict=True):
             self.scheduler.computed(s, x.start + len(x.tokens))
         if self.prefix_cache and self.steps % self.log_every == 0:
             self.prefix_cache.log_stats()
         if not sampling:
             return []
-        rows = [i for i, (s, x) in enumerate(zip(seqs, inputs, strict=True)) if s in sampling]
         p = [s.params for s in sampling]
         new_tokens = np.asarray(
             sample(
