@@ -83,6 +83,8 @@ class Scheduler:
             need = self.blocks_for(min(len(seq.tokens) + 1, self.max_model_len)) - hit
             if need > self._available_blocks() - hit:
                 if not self.running:
+                    # It can never fit: drop it so the requests behind it still run.
+                    self.waiting.popleft()
                     raise PoolExhausted(
                         f"request {seq.request_id} needs {need} KV blocks but the pool can "
                         f"hold only {self._available_blocks() - hit} with nothing else running"

@@ -188,3 +188,17 @@ def test_bad_requests_raise_clear_errors():
         eng.generate(["text needs a tokenizer"])
     assert not eng.scheduler.has_work  # nothing half-queued
     pool.close()
+
+
+def test_a_request_larger_than_the_pool_fails_alone():
+    model = build_model(BUILTIN_CONFIGS["tiny-qwen2"], seed=2)
+    pool = kv.Pool(  # 7 usable blocks (see the preemption test): at most 112 tokens
+        6 * 16384, page_size=16384, backend="host", min_reserved_pages=0, max_reserved_pages=0
+    )
+    eng = Engine(model, pool, max_batch=2)
+    with pytest.raises(kv.PoolExhausted, match="needs 9 KV blocks"):
+        eng.generate([list(range(1, 140))], SamplingParams(max_tokens=2))
+    assert not eng.scheduler.has_work  # the engine stays usable
+    out = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
+    pool.close()
