@@ -145,7 +145,7 @@ class Engine:
         rows = [
             i
             for i, (s, x) in enumerate(zip(seqs, inputs, strict=True))
-            if x.start + len(x.tokens) == len(s.tokens)
+            if x.start + len(x.tokens) == s.num_tokens
         ]
         sampling = [seqs[i] for i in rows]
         for s, x in zip(seqs, inputs, strict=True):
@@ -177,7 +177,7 @@ class Engine:
                 reason = "stop"
             elif len(s.output) >= s.params.max_tokens:
                 reason = "length"
-            elif len(s.tokens) >= self.max_model_len:
+            elif s.num_tokens >= self.max_model_len:
                 reason = "length"
             if reason:
                 self.scheduler.finish(s, reason, after=self.runner.token)

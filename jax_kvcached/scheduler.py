@@ -37,6 +37,10 @@ class Sequence:
         return self.prompt + self.output
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival
 
@@ -69,6 +73,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def _caching(self) -> bool:
+        """Whether prompts are hashed and matched (a cache with bound 0 reuses nothing)."""
+        return self.prefix is not None and self.prefix.enabled
+
     def _available_blocks(self) -> int:
         idle = self.prefix.num_evictable_blocks if self.prefix else 0
         return self.cache.num_free_blocks + idle
@@ -77,10 +86,12 @@ class Scheduler:
         bs = self.cache.block_size
         while self.waiting and len(self.running) < self.max_batch:
             seq = self.waiting[0]
-            # The last token is always recomputed: it yields the next token's logits.
-            hashes = hash_blocks(seq.tokens[: len(seq.tokens) - 1], bs, seq.extra)
-            hit = self.prefix.lookup(hashes) if self.prefix else 0
-            need = self.blocks_for(min(len(seq.tokens) + 1, self.max_model_len)) - hit
+            hashes: list[bytes] = []
+            if self._caching:
+                # The last token is always recomputed: it yields the next token's logits.
+                hashes = hash_blocks(seq.tokens[: seq.num_tokens - 1], bs, seq.extra)
+            hit = self.prefix.lookup(hashes) if self._caching else 0
+            need = self.blocks_for(min(seq.num_tokens + 1, self.max_model_len)) - hit
             if need > self._available_blocks() - hit:
                 if not self.running:
                     # It can never fit: drop it so the requests behind it still run.
@@ -91,7 +102,7 @@ class Scheduler:
                     )
                 return
             self.waiting.popleft()
-            if self.prefix:
+            if self._caching:
                 seq.blocks = self.prefix.match(hashes)
                 seq.hashes = hashes[: len(seq.blocks)]
                 seq.num_computed = len(seq.blocks) * bs
@@ -140,14 +151,19 @@ class Scheduler:
     def computed(self, seq: Sequence, num_computed: int) -> None:
         """Records a step's progress; full blocks it completed join the prefix cache."""
         seq.num_computed = num_computed
+        if not self._caching:
+            return  # block hashes are only needed to share blocks
         bs = self.cache.block_size
         while len(seq.hashes) < num_computed // bs:
             i = len(seq.hashes)
             parent = seq.hashes[-1] if seq.hashes else None
             h = hash_block(parent, seq.tokens[i * bs : (i + 1) * bs], seq.extra)
             seq.hashes.append(h)
-            if self.prefix:
-                self.prefix.insert(h, seq.blocks[i])
+            self.prefix.insert(h, seq.blocks[i])
+
+    def _step_len(self, seq: Sequence, prefill: bool) -> int:
+        """New tokens seq feeds this step: a prefill chunk, or its one decode token."""
+        return min(seq.num_tokens - seq.num_computed, self.prefill_chunk) if prefill else 1
 
     def schedule(self, after) -> tuple[list[Sequence], list[StepInput]]:
         """The next step: a prefill batch if any running sequence needs one, else decode.
@@ -155,23 +171,20 @@ class Scheduler:
         ``after``: arrays of the last step (blocks freed here wait for them).
         """
         self._admit()
-        prefill = [s for s in self.running if s.num_computed < len(s.tokens) - 1]
+        prefill = [s for s in self.running if s.num_computed < s.num_tokens - 1]
         group = prefill if prefill else list(self.running)
         seqs: list[Sequence] = []
         inputs: list[StepInput] = []
         for seq in group:
             if seq not in self.running:  # preempted while growing an earlier one
                 continue
-            todo = len(seq.tokens) - seq.num_computed
-            n = min(todo, self.prefill_chunk) if prefill else 1
-            if not self._grow(seq, seq.num_computed + n, after):
+            if not self._grow(seq, seq.num_computed + self._step_len(seq, bool(prefill)), after):
                 continue
             seqs.append(seq)
         # Growing a later sequence may have preempted an earlier one.
         seqs = [s for s in seqs if s in self.running]
         for seq in seqs:
-            todo = len(seq.tokens) - seq.num_computed
-            n = min(todo, self.prefill_chunk) if prefill else 1
+            n = self._step_len(seq, bool(prefill))
             start = seq.num_computed
             inputs.append(StepInput(seq.tokens[start : start + n], start, list(seq.blocks)))
         return seqs, inputs
