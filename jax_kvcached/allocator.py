@@ -23,7 +23,8 @@ class BlockAllocator:
         self._mapped = [False] * num_pages
         # _buckets[k]: mapped pages with exactly k free blocks, 1 <= k <= blocks_per_page.
         self._buckets: list[set[int]] = [set() for _ in range(blocks_per_page + 1)]
-        self._unmapped = list(range(num_pages))  # a heap
+        # A heap. With one block per page, page 0 holds only the null block: never mapped.
+        self._unmapped = list(range(1 if blocks_per_page == 1 else 0, num_pages))
         self._used: set[int] = set()
         self._free_in_mapped = 0
 
@@ -37,7 +38,8 @@ class BlockAllocator:
 
     @property
     def num_mapped_pages(self) -> int:
-        return self.num_pages - len(self._unmapped)
+        never = 1 if self.blocks_per_page == 1 else 0  # page 0 of one-block pages
+        return self.num_pages - never - len(self._unmapped)
 
     @property
     def free_in_mapped(self) -> int:

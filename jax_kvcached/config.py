@@ -26,7 +26,7 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | float | str, what: str = "size") -> int:
+def parse_bytes(value: int | float | str, what: str = "size", *, allow_zero: bool = False) -> int:
     """Parses a byte count: an int, or a string such as ``"8GiB"``, ``"512MiB"``, ``"1.5GB"``."""
     if isinstance(value, bool):
         raise TypeError(f"{what} must be a number of bytes or a string like '8GiB', got {value!r}")
@@ -46,8 +46,8 @@ def parse_bytes(value: int | float | str, what: str = "size") -> int:
         n = int(float(m.group(1)) * _UNITS[unit])
     else:
         raise TypeError(f"{what} must be a number of bytes or a string like '8GiB', got {value!r}")
-    if n <= 0:
-        raise ValueError(f"{what} must be positive, got {value!r}")
+    if n < 0 or (n == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
     return n
 
 

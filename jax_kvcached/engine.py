@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -12,6 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from jax_kvcached.errors import PoolExhausted
 from jax_kvcached.kv_cache import KVCache
 from jax_kvcached.pool import Pool
 from jax_kvcached.prefix_cache import PrefixCache, extra_key_bytes
@@ -33,6 +35,14 @@ class RequestOutput:
     text: str | None = None
 
 
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched step whose sampled tokens may still be computing."""
+
+    sequences: list[Sequence]  # the rows that sample a token, in order
+    tokens: Any  # device array of their next tokens, or None
+
+
 class Engine:
     """Serves one Flax model (``jax_kvcached.models.LlamaModel``) from a pool.
 
@@ -48,6 +58,8 @@ class Engine:
       prefix_caching: reuse the KV of cached prompt prefixes across requests.
       max_cached_tokens: prefix-cache bound (default ``KVCACHED_MAX_CACHED_TOKENS``).
       log_every: steps between INFO logs of the prefix-cache metrics.
+      memory_limit / memory_guarantee: this tenant's share of the pool (see
+        :meth:`Pool.set_memory_limit`); changeable at run time through the pool.
     """
 
     def __init__(
@@ -65,6 +77,8 @@ class Engine:
         prefix_caching: bool = True,
         max_cached_tokens: int | None = None,
         log_every: int = 200,
+        memory_limit: int | str | None = None,
+        memory_guarantee: int | str = 0,
     ) -> None:
         cfg = model.config
         if max_batch <= 0 or prefill_chunk <= 0:
@@ -79,8 +93,11 @@ class Engine:
             cfg.head_dim,
             kv_dtype or model.dtype,
             block_size=block_size,
+            memory_limit=memory_limit,
+            memory_guarantee=memory_guarantee,
         )
         self.name = name
+        self.pool = pool
         self.runner = ModelRunner(model, self.cache)
         self.prefix_cache = PrefixCache(self.cache, max_cached_tokens) if prefix_caching else None
         self.scheduler = Scheduler(
@@ -88,8 +105,12 @@ class Engine:
         )
         self.log_every = log_every
         self._ids = itertools.count()
+        self._by_id: dict[int, Sequence] = {}
+        self._pending: PendingStep | None = None
+        self._lock = threading.RLock()  # steps vs. another tenant's reclaim
         self.finished: list[Sequence] = []
         self.steps = 0
+        pool.set_reclaimer(name, self._reclaim)
 
     # -- requests ----------------------------------------------------------------------
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
@@ -127,70 +148,138 @@ class Engine:
         ``adapter_id``.
         """
         ids = self._encode(prompt)
-        rid = next(self._ids)
-        seq = Sequence(rid, ids, params or SamplingParams(), on_token)
-        seq.extra = extra_key_bytes(self.name, cache_salt, adapter_id)
-        self.scheduler.add(seq)
+        with self._lock:
+            rid = next(self._ids)
+            seq = Sequence(rid, ids, params or SamplingParams(), on_token)
+            seq.extra = extra_key_bytes(self.name, cache_salt, adapter_id)
+            self.scheduler.add(seq)
+            self._by_id[rid] = seq
         return rid
+
+    def abort(self, request_id: int) -> bool:
+        """Drops a queued or running request and frees its blocks; False if it is not
+        active. Its ``on_token`` is not called again."""
+        with self._lock:
+            seq = self._by_id.pop(request_id, None)
+            return seq is not None and self.scheduler.abort(seq, after=self.runner.token)
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work or self._pending is not None
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Runs one scheduled step; returns the sequences that finished in it."""
-        seqs, inputs = self.scheduler.schedule(after=self.runner.token)
-        if not seqs:
+        return self.complete(self.dispatch())
+
+    def dispatch(self) -> PendingStep | None:
+        """Schedules and dispatches one step without waiting for its result (None: nothing
+        could run). Call :meth:`complete` before the next dispatch; other engines may
+        dispatch in between, so their host work overlaps this step's device work."""
+        with self._lock:
+            if self._pending is not None:
+                raise RuntimeError("complete() the dispatched step before dispatching another")
+            try:
+                seqs, inputs = self.scheduler.schedule(after=self.runner.token)
+            except PoolExhausted as e:  # a request that can never fit was dropped
+                self._by_id.pop(getattr(e, "request_id", None), None)
+                raise
+            if not seqs:
+                return None
+            logits = self.runner.run(inputs)
+            self.steps += 1
+            # Rows whose new tokens reached the end of their sequence yield a next token.
+            rows = [
+                i
+                for i, (s, x) in enumerate(zip(seqs, inputs, strict=True))
+                if x.start + len(x.tokens) == s.num_tokens
+            ]
+            sampling = [seqs[i] for i in rows]
+            for s, x in zip(seqs, inputs, strict=True):
+                self.scheduler.computed(s, x.start + len(x.tokens))
+            if self.prefix_cache and self.steps % self.log_every == 0:
+                self.prefix_cache.log_stats()
+            tokens = None
+            if sampling:
+                p = [s.params for s in sampling]
+                tokens = sample(
+                    logits[jnp.asarray(rows)],
+                    jnp.asarray([q.temperature for q in p], jnp.float32),
+                    jnp.asarray([q.top_k for q in p], jnp.int32),
+                    jnp.asarray([q.top_p for q in p], jnp.float32),
+                    jnp.asarray([q.seed for q in p], jnp.uint32),
+                    jnp.asarray([len(s.output) for s in sampling], jnp.int32),
+                )
+            self._pending = PendingStep(sampling, tokens)
+            return self._pending
+
+    def complete(self, step: PendingStep | None) -> list[Sequence]:
+        """Waits for a dispatched step's tokens, streams them and finishes sequences."""
+        if step is None:
             return []
-        logits = self.runner.run(inputs)
-        self.steps += 1
-        # Rows whose new tokens reached the end of their sequence yield a next token.
-        rows = [
-            i
-            for i, (s, x) in enumerate(zip(seqs, inputs, strict=True))
-            if x.start + len(x.tokens) == s.num_tokens
-        ]
-        sampling = [seqs[i] for i in rows]
-        for s, x in zip(seqs, inputs, strict=True):
-            self.scheduler.computed(s, x.start + len(x.tokens))
-        if self.prefix_cache and self.steps % self.log_every == 0:
-            self.prefix_cache.log_stats()
-        if not sampling:
-            return []
-        p = [s.params for s in sampling]
-        new_tokens = np.asarray(
-            sample(
-                logits[jnp.asarray(rows)],
-                jnp.asarray([q.temperature for q in p], jnp.float32),
-                jnp.asarray([q.top_k for q in p], jnp.int32),
-                jnp.asarray([q.top_p for q in p], jnp.float32),
-                jnp.asarray([q.seed for q in p], jnp.uint32),
-                jnp.asarray([len(s.output) for s in sampling], jnp.int32),
-            )
-        )
-        now = time.perf_counter()
-        done = []
-        eos = self.config.eos_ids
-        for s, tok in zip(sampling, new_tokens.tolist(), strict=True):
-            s.output.append(tok)
-            if s.first_token_time is None:
-                s.first_token_time = now
-            reason = None
-            if tok in s.params.stop_token_ids or (tok in eos and not s.params.ignore_eos):
-                reason = "stop"
-            elif len(s.output) >= s.params.max_tokens:
-                reason = "length"
-            elif s.num_tokens >= self.max_model_len:
-                reason = "length"
-            if reason:
-                self.scheduler.finish(s, reason, after=self.runner.token)
-                done.append(s)
-            if s.on_token is not None:
-                s.on_token(s.request_id, tok, reason is not None)
-        self.finished.extend(done)
-        return done
+        with self._lock:
+            if step is not self._pending:
+                raise RuntimeError("this step is not the engine's dispatched step")
+            self._pending = None
+            if step.tokens is None:
+                return []
+            new_tokens = np.asarray(step.tokens).tolist()
+            now = time.perf_counter()
+            done = []
+            eos = self.config.eos_ids
+            for s, tok in zip(step.sequences, new_tokens, strict=True):
+                if s.finish_reason is not None:  # aborted while the step ran
+                    continue
+                s.output.append(tok)
+                if s.first_token_time is None:
+                    s.first_token_time = now
+                reason = None
+                if tok in s.params.stop_token_ids or (tok in eos and not s.params.ignore_eos):
+                    reason = "stop"
+                elif len(s.output) >= s.params.max_tokens:
+                    reason = "length"
+                elif s.num_tokens >= self.max_model_len:
+                    reason = "length"
+                if reason:
+                    self.scheduler.finish(s, reason, after=self.runner.token)
+                    self._by_id.pop(s.request_id, None)
+                    done.append(s)
+                if s.on_token is not None:
+                    s.on_token(s.request_id, tok, reason is not None)
+            self.finished.extend(done)
+            return done
+
+    def _reclaim(self, pages: int) -> int:
+        """Another tenant needs memory: evict idle cached prefixes (page-aware) until
+        ``pages`` physical pages are unmapped or none are left. Never blocks."""
+        if self.prefix_cache is None or not self._lock.acquire(blocking=False):
+            return 0
+        try:
+            cache = self.cache
+            before = cache.num_mapped_pages
+            target = -(-pages // cache.pages_per_kv_page)
+            while before - cache.num_mapped_pages < target:
+                want = (target - (before - cache.num_mapped_pages)) * cache.blocks_per_page
+                if self.prefix_cache.evict(want, after=self.runner.token) == 0:
+                    break
+            return (before - cache.num_mapped_pages) * cache.pages_per_kv_page
+        finally:
+            self._lock.release()
 
     def run(self) -> None:
-        """Steps until every queued request has finished."""
-        while self.scheduler.has_work:
-            self.step()
+        """Steps until every queued request has finished.
+
+        Raises PoolExhausted when nothing can run because other tenants hold the memory
+        (run each engine from a serving loop to wait for it instead)."""
+        while self.has_work:
+            preemptions = self.scheduler.num_preemptions
+            pending = self.dispatch()
+            if pending is None and preemptions == self.scheduler.num_preemptions:
+                raise PoolExhausted(
+                    f"{self.name!r}: {len(self.scheduler.waiting)} requests wait for KV memory "
+                    "held by other tenants of the pool"
+                )
+            self.complete(pending)
 
     def generate(
         self,
@@ -238,8 +327,13 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions,
+            "mapped_bytes": self.cache.num_mapped_pages
+            * self.cache.pages_per_kv_page
+            * self.pool.page_size,
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else None,
         }
 
     def close(self) -> None:
-        self.cache.close()
+        with self._lock:
+            self.pool.set_reclaimer(self.name, None)
+            self.cache.close()

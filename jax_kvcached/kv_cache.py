@@ -119,12 +119,21 @@ class KVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks :meth:`alloc` can hand out now: free blocks of mapped pages plus what the
-        pool's remaining budget can still map."""
-        pool_free = self.pool._pool.stats()
-        room = pool_free["budget_pages"] - pool_free["in_use_pages"]
-        new_pages = room // self.pages_per_kv_page
+        """Blocks :meth:`alloc` can hand out now: free blocks of mapped pages plus what this
+        tenant's room in the pool (budget, limit, others' guarantees) can still map."""
+        new_pages = self.pool.room_pages(self) // self.pages_per_kv_page
         return self._allocator.free_in_mapped + self._allocator.unmapped_capacity(new_pages)
+
+    @property
+    def capacity_blocks(self) -> int:
+        """The most blocks this cache could hold under the pool's current limits."""
+        kv_pages = min(self.num_pages, self.pool.capacity_pages(self) // self.pages_per_kv_page)
+        return max(0, kv_pages * self.blocks_per_page - 1)  # block 0 is the null block
+
+    @property
+    def over_limit_pages(self) -> int:
+        """Physical pages mapped above this cache's memory limit (to give back)."""
+        return self.pool.over_limit_pages(self)
 
     def alloc(self, n: int) -> np.ndarray:
         """Allocates ``n`` blocks and returns their ids (int32). Maps pages on demand.
@@ -150,7 +159,10 @@ class KVCache:
         return np.asarray(ids, dtype=np.int32)
 
     def _map(self, pages: list[int]) -> None:
-        self._buffer.map_pages(np.asarray(pages, dtype=np.int32))
+        ids = np.asarray(pages, dtype=np.int32)
+        self.pool._map_for(
+            self, len(pages) * self.pages_per_kv_page, lambda: self._buffer.map_pages(ids)
+        )
 
     def free(self, block_ids: Iterable[int] | np.ndarray, *, after: Any = None) -> None:
         """Frees blocks; pages left empty are unmapped and their memory goes back to the pool.
@@ -198,6 +210,7 @@ class KVCache:
             "mapped_pages": phys,
             "mapped_bytes": phys * self.pool.page_size,
             "virtual_bytes": self.virtual_bytes,
+            "capacity_blocks": self.capacity_blocks,
             **({"prefix_cache": self.prefix_cache.stats()} if self.prefix_cache else {}),
         }
 

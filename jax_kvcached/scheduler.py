@@ -82,6 +82,11 @@ class Scheduler:
         idle = self.prefix.num_evictable_blocks if self.prefix else 0
         return self.cache.num_free_blocks + idle
 
+    def _pages_for_blocks(self, n: int) -> int:
+        """Physical pages that hold n more blocks (whole KV pages)."""
+        kv_pages = -(-n // self.cache.blocks_per_page)
+        return kv_pages * self.cache.pages_per_kv_page
+
     def _admit(self) -> None:
         bs = self.cache.block_size
         while self.waiting and len(self.running) < self.max_batch:
@@ -93,14 +98,23 @@ class Scheduler:
             hit = self.prefix.lookup(hashes) if self._caching else 0
             need = self.blocks_for(min(seq.num_tokens + 1, self.max_model_len)) - hit
             if need > self._available_blocks() - hit:
-                if not self.running:
+                capacity = self.cache.capacity_blocks
+                if need + hit > capacity:
                     # It can never fit: drop it so the requests behind it still run.
                     self.waiting.popleft()
-                    raise PoolExhausted(
-                        f"request {seq.request_id} needs {need} KV blocks but the pool can "
-                        f"hold only {self._available_blocks() - hit} with nothing else running"
+                    seq.finish_reason = "error"
+                    err = PoolExhausted(
+                        f"request {seq.request_id} needs {need + hit} KV blocks but "
+                        f"{self.cache.name!r} can hold at most {capacity} under the pool's "
+                        f"current budget and limits"
                     )
-                return
+                    err.request_id = seq.request_id
+                    raise err
+                # Other tenants may hold idle cached prefixes; else wait for memory.
+                short = need - (self._available_blocks() - hit)
+                if not self.cache.pool.reclaim(self.cache, self._pages_for_blocks(short)):
+                    return
+                continue
             self.waiting.popleft()
             if self._caching:
                 seq.blocks = self.prefix.match(hashes)
@@ -117,8 +131,11 @@ class Scheduler:
                 seq.blocks.extend(self.cache.alloc(need).tolist())
                 return True
             except PoolExhausted:
-                # Idle cached prefixes go first (page-aware), then running sequences.
+                # Idle cached prefixes go first (page-aware), ours then other tenants',
+                # then our running sequences.
                 if self.prefix and self.prefix.evict(need, after=after) > 0:
+                    continue
+                if self.cache.pool.reclaim(self.cache, self._pages_for_blocks(need)) > 0:
                     continue
                 victim = self.running[-1]
                 self.preempt(victim, after)
@@ -135,6 +152,28 @@ class Scheduler:
         seq.preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def shrink_to_limit(self, after) -> None:
+        """Gives back what is mapped above the cache's memory limit: idle cached prefixes
+        first, then the newest running sequences (preempted)."""
+        while (over := self.cache.over_limit_pages) > 0:
+            blocks = -(-over // self.cache.pages_per_kv_page) * self.cache.blocks_per_page
+            if self.prefix and self.prefix.evict(blocks, after=after) > 0:
+                continue
+            if not self.running:
+                return
+            self.preempt(self.running[-1], after)
+
+    def abort(self, seq: Sequence, after) -> bool:
+        """Drops a waiting or running sequence (its blocks are released)."""
+        if seq in self.running:
+            self.finish(seq, "abort", after)
+            return True
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+            seq.finish_reason = "abort"
+            return True
+        return False
 
     def finish(self, seq: Sequence, reason: str, after) -> None:
         seq.finish_reason = reason
@@ -170,6 +209,7 @@ class Scheduler:
 
         ``after``: arrays of the last step (blocks freed here wait for them).
         """
+        self.shrink_to_limit(after)
         self._admit()
         prefill = [s for s in self.running if s.num_computed < s.num_tokens - 1]
         group = prefill if prefill else list(self.running)
