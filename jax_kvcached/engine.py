@@ -113,7 +113,8 @@ class Engine:
         pool.set_reclaimer(name, self._reclaim)
 
     # -- requests ----------------------------------------------------------------------
-    def _encode(self, prompt: str | Seq[int]) -> list[int]:
+    def encode(self, prompt: str | Seq[int]) -> list[int]:
+        """Token ids of a prompt, validated (vocabulary, length); raises ValueError."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a string prompt needs an Engine tokenizer")
@@ -147,7 +148,7 @@ class Engine:
         Requests share cached prefixes only with the same model, ``cache_salt`` and
         ``adapter_id``.
         """
-        ids = self._encode(prompt)
+        ids = self.encode(prompt)
         with self._lock:
             rid = next(self._ids)
             seq = Sequence(rid, ids, params or SamplingParams(), on_token)
@@ -294,7 +295,7 @@ class Engine:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("one SamplingParams per prompt")
-        encoded = [self._encode(p) for p in prompts]  # validate all before queueing any
+        encoded = [self.encode(p) for p in prompts]  # validate all before queueing any
         ids = [
             self.add_request(e, q, on_token, cache_salt=cache_salt)
             for e, q in zip(encoded, params, strict=True)

@@ -1,0 +1,346 @@
+"""ServingLoop: several engines (tenants of one Pool) served from one thread.
+
+Each round visits every engine once, starting one further along each round: it completes
+the engine's dispatched step (streaming its tokens) and dispatches the next one. So every
+engine with work gets one step per round, and an engine's device work overlaps the
+others' host work (scheduling, hashing, streaming). Requests come in from any thread
+through :meth:`submit`; their events go out through a callback, from the loop thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jax_kvcached.engine import Engine, PendingStep
+from jax_kvcached.errors import PoolExhausted
+from jax_kvcached.sampling import SamplingParams
+from jax_kvcached.scheduler import Sequence as Seq
+
+log = logging.getLogger("jax_kvcached.serving")
+
+
+class Overloaded(RuntimeError):
+    """The model's request queue is full (HTTP 429)."""
+
+
+class Unavailable(RuntimeError):
+    """The loop is not running or the model's engine failed (HTTP 503)."""
+
+
+class UnknownModel(KeyError):
+    """No engine serves this model (HTTP 404)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """The last event of a request."""
+
+    finish_reason: str  # "stop", "length" or "abort"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    preemptions: int
+
+
+# on_event(kind, value): ("token", int), then ("done", Finished) or ("error", Exception).
+EventCallback = Callable[[str, Any], None]
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    model: str
+    prompt: list[int]
+    params: SamplingParams
+    on_event: EventCallback
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    request_id: int | None = None  # the engine's, once added
+    cancelled: bool = False
+    closed: bool = False  # done, failed or cancelled: no more events
+
+
+class ServingLoop:
+    """Serves ``engines`` (name -> Engine) from one background thread.
+
+    Args:
+      max_queue: requests per model that may wait beyond its ``max_batch`` running ones;
+        more are refused with :class:`Overloaded`.
+      idle_wait_s: how long the loop sleeps when no engine could make progress.
+    """
+
+    def __init__(
+        self,
+        engines: Mapping[str, Engine],
+        *,
+        max_queue: int = 64,
+        idle_wait_s: float = 0.002,
+    ) -> None:
+        if not engines:
+            raise ValueError("a ServingLoop needs at least one engine")
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self.engines = dict(engines)
+        self.max_queue = max_queue
+        self.idle_wait_s = idle_wait_s
+        self._order = list(self.engines)
+        self._lock = threading.Lock()  # commands, outstanding counts
+        self._commands: deque[tuple[str, Request]] = deque()
+        self._wake = threading.Event()
+        self._outstanding = dict.fromkeys(self.engines, 0)
+        self._active: dict[str, dict[int, Request]] = {n: {} for n in self.engines}
+        self._pending: dict[str, PendingStep] = {}
+        self.failed: dict[str, str] = {}  # model -> why its engine stopped
+        self.rounds = 0
+        self.steps = dict.fromkeys(self.engines, 0)
+        self.finished = dict.fromkeys(self.engines, 0)
+        self.errors = dict.fromkeys(self.engines, 0)
+        self.generated_tokens = dict.fromkeys(self.engines, 0)
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._accepting = True  # under _lock; False once the loop has shut down
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> ServingLoop:
+        if self._thread is not None:
+            raise RuntimeError("the serving loop is already started")
+        self._thread = threading.Thread(target=self._run, name="kvcached-serving", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stops the loop; requests still active get an Unavailable error."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def __enter__(self) -> ServingLoop:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- requests (any thread) -------------------------------------------------------
+    def engine(self, model: str) -> Engine:
+        try:
+            return self.engines[model]
+        except KeyError:
+            raise UnknownModel(model) from None
+
+    def submit(
+        self,
+        model: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        on_event: EventCallback,
+    ) -> Request:
+        """Queues a request. Raises UnknownModel, ValueError (bad prompt), Overloaded or
+        Unavailable; never blocks."""
+        engine = self.engine(model)
+        ids = engine.encode(prompt)
+        if not self.running:
+            raise Unavailable("the serving loop is not running")
+        if model in self.failed:
+            raise Unavailable(f"model {model!r} is unavailable: {self.failed[model]}")
+        req = Request(model, ids, params, on_event)
+        with self._lock:
+            if not self._accepting:
+                raise Unavailable("the serving loop is not running")
+            limit = engine.scheduler.max_batch + self.max_queue
+            if self._outstanding[model] >= limit:
+                raise Overloaded(
+                    f"model {model!r} has {self._outstanding[model]} requests in flight "
+                    f"(limit {limit}); retry later"
+                )
+            self._outstanding[model] += 1
+            self._commands.append(("add", req))
+        self._wake.set()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        """Stops a request (e.g. its client went away); its blocks are freed."""
+        with self._lock:
+            req.cancelled = True
+            self._commands.append(("cancel", req))
+        self._wake.set()
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per-model queue, memory and cache figures (a snapshot; any thread)."""
+        limits = next(iter(self.engines.values())).pool.memory_limits()
+        out = {}
+        for name, eng in self.engines.items():
+            pc = eng.prefix_cache.stats() if eng.prefix_cache else None
+            lim = limits.get(name)
+            cache = eng.cache
+            out[name] = {
+                "waiting": len(eng.scheduler.waiting),
+                "running": len(eng.scheduler.running),
+                "outstanding": self._outstanding[name],
+                "max_batch": eng.scheduler.max_batch,
+                "max_queue": self.max_queue,
+                "steps": self.steps[name],
+                "finished": self.finished[name],
+                "errors": self.errors[name],
+                "generated_tokens": self.generated_tokens[name],
+                "preemptions": eng.scheduler.num_preemptions,
+                "mapped_bytes": cache.num_mapped_pages
+                * cache.pages_per_kv_page
+                * eng.pool.page_size,
+                "limit_bytes": lim.limit_bytes if lim else None,
+                "guarantee_bytes": lim.guarantee_bytes if lim else 0,
+                "prefix_hit_rate": pc["hit_rate"] if pc else 0.0,
+                "prefix_cached_tokens": pc["cached_tokens"] if pc else 0,
+                "prefix_hits_tokens": pc["hits_tokens"] if pc else 0,
+                "prefix_queries_tokens": pc["queries_tokens"] if pc else 0,
+                "failed": name in self.failed,
+            }
+        return out
+
+    # -- the loop thread -------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._round():
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as e:  # a bug in the loop itself: fail everything, loudly
+            log.exception("serving loop crashed")
+            for name in self.engines:
+                self.failed.setdefault(name, f"serving loop crashed: {e!r}")
+            raise
+        finally:
+            self._stop.set()
+            self._shutdown()
+
+    def _round(self) -> bool:
+        """One visit to every engine; True if anything happened."""
+        progressed = self._drain()
+        k = self.rounds % len(self._order)
+        self.rounds += 1
+        for name in self._order[k:] + self._order[:k]:
+            if name in self.failed:
+                continue
+            engine = self.engines[name]
+            try:
+                if name in self._pending:
+                    self._complete(name, engine)
+                    progressed = True
+                if engine.scheduler.has_work:
+                    step = engine.dispatch()
+                    if step is not None:
+                        self._pending[name] = step
+                        self.steps[name] += 1
+                        progressed = True
+            except PoolExhausted as e:
+                rid = getattr(e, "request_id", None)
+                if rid is None:
+                    self._fail_engine(name, e)
+                else:  # a request that can never fit was dropped; the engine goes on
+                    req = self._active[name].pop(rid, None)
+                    if req is not None:
+                        self._close(req, "error", e)
+                progressed = True
+            except Exception as e:
+                self._fail_engine(name, e)
+                progressed = True
+        return progressed
+
+    def _drain(self) -> bool:
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for kind, req in commands:
+            engine = self.engines[req.model]
+            if kind == "add":
+                if req.cancelled:
+                    self._close(req, None, None)
+                    continue
+                if req.model in self.failed:
+                    self._close(req, "error", Unavailable(self.failed[req.model]))
+                    continue
+                req.request_id = engine.add_request(req.prompt, req.params, self._streamer(req))
+                self._active[req.model][req.request_id] = req
+            elif kind == "cancel" and req.request_id is not None and not req.closed:
+                engine.abort(req.request_id)
+                self._active[req.model].pop(req.request_id, None)
+                self._close(req, None, None)
+        return bool(commands)
+
+    def _streamer(self, req: Request) -> Callable[[int, int, bool], None]:
+        def on_token(rid: int, token: int, finished: bool) -> None:
+            if not req.closed:
+                self.generated_tokens[req.model] += 1
+                req.on_event("token", token)
+
+        return on_token
+
+    def _complete(self, name: str, engine: Engine) -> None:
+        done: list[Seq] = engine.complete(self._pending.pop(name))
+        engine.finished.clear()  # the loop reports finished requests itself
+        for s in done:
+            req = self._active[name].pop(s.request_id, None)
+            if req is None:
+                continue
+            self.finished[name] += 1
+            self._close(
+                req,
+                "done",
+                Finished(
+                    finish_reason=s.finish_reason or "",
+                    prompt_tokens=len(s.prompt),
+                    completion_tokens=len(s.output),
+                    cached_tokens=s.cached_tokens,
+                    preemptions=s.preemptions,
+                ),
+            )
+
+    def _close(self, req: Request, kind: str | None, value: Any) -> None:
+        if req.closed:
+            return
+        req.closed = True
+        with self._lock:
+            self._outstanding[req.model] -= 1
+        if kind == "error":
+            self.errors[req.model] += 1
+        if kind is not None:
+            try:
+                req.on_event(kind, value)
+            except Exception:  # a consumer's bug must not stop the other tenants
+                log.exception("request event callback failed")
+
+    def _fail_engine(self, name: str, err: BaseException) -> None:
+        log.error("engine %r failed and is taken out of service: %r", name, err)
+        self.failed[name] = repr(err)
+        self._pending.pop(name, None)
+        for req in list(self._active[name].values()):
+            self._close(req, "error", Unavailable(f"model {name!r} failed: {err!r}"))
+        self._active[name].clear()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._accepting = False
+        self._drain()
+        for name, engine in self.engines.items():
+            if name in self._pending and name not in self.failed:
+                try:
+                    self._complete(name, engine)
+                except Exception as e:
+                    log.error("completing %r at shutdown failed: %r", name, e)
+            self._pending.pop(name, None)
+            for req in list(self._active[name].values()):
+                if req.request_id is not None:
+                    try:
+                        engine.abort(req.request_id)
+                    except Exception as e:
+                        log.error("aborting a request of %r at shutdown failed: %r", name, e)
+                self._close(req, "error", Unavailable("the server is shutting down"))
+            self._active[name].clear()
