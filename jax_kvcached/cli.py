@@ -1,4 +1,4 @@
-"""Command line: ``jax-kvcached demo`` (the main job) and ``jax-kvcached kv-demo``."""
+"""Command line: ``jax-kvcached demo`` (the main job), ``kv-demo``, ``serve`` and ``top``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,27 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=96, help="tokens per sequence")
     d.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
     d.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("serve", help="OpenAI-compatible server for several models on one pool")
+    s.add_argument(
+        "--model", action="append", required=True, metavar="NAME=MODEL",
+        help="a served model: a built-in preset (tiny-llama, tiny-qwen2) or a checkpoint dir",
+    )  # fmt: skip
+    s.add_argument("--memory", default="1GiB", help="the shared pool budget (default 1GiB)")
+    s.add_argument("--limit", action="append", default=[], metavar="NAME=BYTES")
+    s.add_argument("--guarantee", action="append", default=[], metavar="NAME=BYTES")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
+    s.add_argument("--page-size", default=None, help="physical page size (default 2MiB)")
+    s.add_argument("--max-batch", type=int, default=8, help="requests run at once per model")
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
+    s.add_argument("--max-cached-tokens", type=int, default=None, help="prefix-cache bound")
+    s.add_argument("--seed", type=int, default=0, help="weights of the built-in presets")
+    s.add_argument("--no-warmup", action="store_true", help="skip compiling before serving")
+    t = sub.add_parser("top", help="live view of a running server's models")
+    t.add_argument("--url", default="http://127.0.0.1:8000")
+    t.add_argument("--interval", type=float, default=1.0)
+    t.add_argument("--once", action="store_true", help="print one frame and exit")
     return p
 
 
@@ -59,6 +80,34 @@ def main(argv: list[str] | None = None) -> int:
         if out["final"]["mapped_pages"] != 0:
             print("error: pages still mapped after every request finished", file=sys.stderr)
             return 1
+    elif args.command == "serve":
+        from jax_kvcached.launch import parse_specs, serve
+
+        if args.max_batch <= 0 or args.max_queue < 0:
+            print("error: --max-batch must be > 0 and --max-queue >= 0", file=sys.stderr)
+            return 2
+        try:
+            specs = parse_specs(args.model, args.limit, args.guarantee)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        try:
+            serve(
+                specs, memory=args.memory, host=args.host, port=args.port, backend=args.backend,
+                page_size=args.page_size, max_batch=args.max_batch, max_queue=args.max_queue,
+                max_cached_tokens=args.max_cached_tokens, seed=args.seed,
+                warmup=not args.no_warmup,
+            )  # fmt: skip
+        except (ValueError, FileNotFoundError) as e:  # a bad model, size or limit
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    elif args.command == "top":
+        from jax_kvcached.top import run_top
+
+        if args.interval <= 0:
+            print("error: --interval must be > 0", file=sys.stderr)
+            return 2
+        return run_top(args.url, args.interval, args.once)
     return 0
 
 

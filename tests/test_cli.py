@@ -42,3 +42,70 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "--max-tokens" in capsys.readouterr().err
     assert main(["kv-demo", "--steps", "1"]) == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_serve_and_top(tmp_path):
+    import signal
+    import time
+
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "jax_kvcached.cli"]
+    proc = subprocess.Popen(
+        [*cmd, "serve", "--model", "a=tiny-llama", "--model", "b=tiny-qwen2", "--memory",
+         "32MiB", "--page-size", "256KiB", "--limit", "b=4MiB", "--port", str(port),
+         "--no-warmup", "--backend", "host"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"model": "b", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        top = subprocess.run(
+            [*cmd, "top", "--url", url, "--once"], capture_output=True, text=True, timeout=60,
+            cwd=tmp_path,
+        )  # fmt: skip
+        assert top.returncode == 0, top.stderr
+        rows = {ln.split()[0]: ln.split() for ln in top.stdout.splitlines()[3:] if ln.strip()}
+        assert set(rows) == {"a", "b"}
+        assert rows["b"][2] == "3.0"  # the 4MiB limit in whole qwen KV pages (6 x 256KiB)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    bad = subprocess.run(
+        [*cmd, "top", "--url", url, "--once"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 1 and "cannot read" in bad.stderr
+
+
+def test_cli_serve_rejects_bad_arguments(tmp_path):
+    cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", "--no-warmup"]
+    for args, msg in [
+        (["--model", "tiny-llama"], "NAME=VALUE"),
+        (["--model", "a=tiny-llama", "--limit", "b=1MiB"], "not a --model"),
+        (["--model", "a=tiny-llama", "--limit", "a=lots"], "cannot parse"),
+        (["--model", "a=no-such-model"], "neither a built-in model"),
+    ]:
+        r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)

@@ -1,0 +1,139 @@
+"""``jax-kvcached serve``: builds the models' engines on one pool and runs the server."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+from jax_kvcached.chat_template import ChatTemplate
+from jax_kvcached.config import parse_bytes
+from jax_kvcached.engine import Engine
+from jax_kvcached.pool import Pool
+from jax_kvcached.sampling import SamplingParams
+from jax_kvcached.server import ServedModel
+
+log = logging.getLogger("jax_kvcached.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    source: str  # a built-in preset or a checkpoint directory
+    limit: int | str | None = None
+    guarantee: int | str = 0
+
+
+def parse_pairs(items: list[str], what: str) -> dict[str, str]:
+    """``["a=x", "b=y"]`` -> ``{"a": "x", "b": "y"}``; ValueError on a bad item."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"{what} must look like NAME=VALUE, got {item!r}")
+        if name in out:
+            raise ValueError(f"{what}: {name!r} is given twice")
+        out[name] = value
+    return out
+
+
+def parse_specs(models: list[str], limits: list[str], guarantees: list[str]) -> list[ModelSpec]:
+    srcs = parse_pairs(models, "--model")
+    lims, gs = parse_pairs(limits, "--limit"), parse_pairs(guarantees, "--guarantee")
+    for what, d in (("--limit", lims), ("--guarantee", gs)):
+        for name, v in d.items():
+            if name not in srcs:
+                raise ValueError(f"{what} names {name!r}, which is not a --model")
+            parse_bytes(v, what, allow_zero=True)
+    return [ModelSpec(n, s, lims.get(n), gs.get(n, 0)) for n, s in srcs.items()]
+
+
+def build_served(
+    spec: ModelSpec, pool: Pool, *, max_batch: int, seed: int, **engine_kw: object
+) -> ServedModel:
+    """An engine for a built-in preset (random weights) or a local HF checkpoint."""
+    from jax_kvcached.models import (
+        BUILTIN_CONFIGS,
+        ByteTokenizer,
+        build_model,
+        load_checkpoint,
+        load_tokenizer,
+    )
+
+    if spec.source in BUILTIN_CONFIGS:
+        model, tokenizer, model_dir = (
+            build_model(BUILTIN_CONFIGS[spec.source], seed=seed),
+            ByteTokenizer(),
+            None,
+        )
+    elif os.path.isdir(spec.source):
+        _, model = load_checkpoint(spec.source)
+        tokenizer, model_dir = load_tokenizer(spec.source), spec.source
+    else:
+        raise ValueError(
+            f"--model {spec.name}={spec.source}: neither a built-in model "
+            f"({', '.join(sorted(BUILTIN_CONFIGS))}) nor a checkpoint directory"
+        )
+    engine = Engine(
+        model, pool, name=spec.name, max_batch=max_batch, tokenizer=tokenizer,
+        memory_limit=spec.limit, memory_guarantee=spec.guarantee, **engine_kw,
+    )  # fmt: skip
+    return ServedModel(engine, tokenizer, ChatTemplate.for_model(model_dir))
+
+
+def warm_up(served: ServedModel) -> float:
+    """Compiles the common step shapes (short and long prompts, each power-of-two batch)
+    before the server accepts requests; new shapes compile on first use."""
+    t0 = time.perf_counter()
+    eng = served.engine
+    batches = [b for b in (1, 2, 4, 8, 16, 32) if b <= eng.scheduler.max_batch]
+    for n in (8, 100):
+        for b in batches:
+            ps = [[1 + (i + j) % 200 for i in range(n)] for j in range(b)]
+            eng.generate(ps, SamplingParams(max_tokens=3))
+    if eng.prefix_cache:
+        eng.prefix_cache.reset(after=eng.runner.token)
+    return time.perf_counter() - t0
+
+
+def serve(
+    specs: list[ModelSpec],
+    *,
+    memory: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    backend: str = "auto",
+    page_size: str | None = None,
+    max_batch: int = 8,
+    max_queue: int = 64,
+    max_cached_tokens: int | None = None,
+    seed: int = 0,
+    warmup: bool = True,
+) -> None:
+    import uvicorn
+
+    from jax_kvcached.server import create_app
+    from jax_kvcached.serving import ServingLoop
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    pool = Pool(memory, page_size=page_size, backend=backend)
+    models: dict[str, ServedModel] = {}
+    try:
+        for i, spec in enumerate(specs):
+            models[spec.name] = build_served(
+                spec, pool, max_batch=max_batch, seed=seed + i,
+                max_cached_tokens=max_cached_tokens,
+            )  # fmt: skip
+            if warmup:
+                log.info("%s: compiled in %.1f s", spec.name, warm_up(models[spec.name]))
+        loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
+        app = create_app(loop, models, pool)
+        log.info(
+            "serving %s on http://%s:%d (pool %s on %s)",
+            ", ".join(models), host, port, memory, pool.backend,
+        )  # fmt: skip
+        with loop:
+            uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        pool.close()

@@ -1,0 +1,102 @@
+"""Prometheus metrics of a server: per-model memory, prefix hit rate, queues, TTFT."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from jax_kvcached.pool import Pool
+from jax_kvcached.serving import ServingLoop
+
+TTFT_BUCKETS = (
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+    3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _LoopCollector:
+    """Gauges read from the loop and the pool at scrape time."""
+
+    def __init__(self, loop: ServingLoop, pool: Pool) -> None:
+        self.loop, self.pool = loop, pool
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.loop.stats()
+        pool = self.pool.stats()
+
+        def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model"])
+            for model, s in stats.items():
+                value = s[key]
+                g.add_metric([model], float("nan") if value is None else float(value))
+            return g
+
+        yield gauge(
+            "kvcached_mapped_bytes", "Physical KV memory mapped by the model.", "mapped_bytes"
+        )
+        yield gauge(
+            "kvcached_memory_limit_bytes", "The model's memory limit (NaN: the pool budget).",
+            "limit_bytes",
+        )  # fmt: skip
+        yield gauge(
+            "kvcached_memory_guarantee_bytes", "Memory other models may not take from it.",
+            "guarantee_bytes",
+        )  # fmt: skip
+        yield gauge("kvcached_queue_depth", "Requests waiting for admission.", "waiting")
+        yield gauge("kvcached_running_requests", "Requests being generated.", "running")
+        yield gauge("kvcached_queue_limit", "Requests in flight before 429.", "max_queue")
+        yield gauge("kvcached_max_batch", "Requests run at once.", "max_batch")
+        yield gauge(
+            "kvcached_prefix_hit_rate",
+            "Prompt tokens served from the prefix cache.",
+            "prefix_hit_rate",
+        )
+        yield gauge(
+            "kvcached_prefix_cached_tokens",
+            "Tokens held by the prefix cache.",
+            "prefix_cached_tokens",
+        )
+        yield gauge(
+            "kvcached_model_failed", "1 if the model's engine was taken out of service.", "failed"
+        )
+        for name, doc, key in (
+            ("kvcached_preemptions", "Requests preempted for memory.", "preemptions"),
+            ("kvcached_steps", "Engine steps dispatched.", "steps"),
+            ("kvcached_generated_tokens", "Tokens generated.", "generated_tokens"),
+            ("kvcached_prefix_hit_tokens", "Prompt tokens found cached.", "prefix_hits_tokens"),
+            ("kvcached_prefix_query_tokens", "Prompt tokens looked up.", "prefix_queries_tokens"),
+        ):  # fmt: skip
+            c = CounterMetricFamily(name, doc, labels=["model"])
+            for model, s in stats.items():
+                c.add_metric([model], float(s[key]))
+            yield c
+        for key in ("budget", "mapped", "reserved"):
+            g = GaugeMetricFamily(f"kvcached_pool_{key}_bytes", f"The pool's {key} memory.")
+            g.add_metric([], float(pool[f"{key}_bytes"]))
+            yield g
+
+
+class ServerMetrics:
+    """A registry of its own (no process-global state) for one server."""
+
+    def __init__(self, loop: ServingLoop, pool: Pool) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_LoopCollector(loop, pool))
+        self.ttft = Histogram(
+            "kvcached_ttft_seconds", "Time to first token, from request arrival.", ["model"],
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "kvcached_request_latency_seconds", "Request latency, arrival to last token.",
+            ["model"], buckets=TTFT_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.requests = Counter(
+            "kvcached_requests", "Requests answered, by outcome.", ["model", "outcome"],
+            registry=self.registry,
+        )  # fmt: skip
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

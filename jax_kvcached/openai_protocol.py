@@ -1,0 +1,246 @@
+"""OpenAI-compatible request parsing, error bodies and incremental detokenization."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from jax_kvcached.sampling import SamplingParams
+
+_COMMON = {
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+    "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
+    "ignore_eos", "cache_salt",
+}  # fmt: skip
+_COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+_ROLES = ("system", "user", "assistant", "developer")
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {...}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type, param, code,
+        )  # fmt: skip
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    model: str
+    chat: bool
+    prompt: str | list[int] | None  # completions
+    messages: list[dict[str, str]] | None  # chat, content flattened to text
+    max_tokens: int | None  # None: up to the model's length limit
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    cache_salt: str | None
+
+    def sampling(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise _bad(f"'{key}' must be a number in [{lo}, {hi}], got {v!r}", key)
+    return float(v)
+
+
+def _int(body: dict, key: str, default: int | None, lo: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise _bad(f"'{key}' must be an integer >= {lo}, got {v!r}", key)
+    return v
+
+
+def _flag(body: dict, key: str) -> bool:
+    v = body.get(key, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(f"'{key}' must be a boolean, got {v!r}", key)
+    return v
+
+
+def _unsupported(body: dict, key: str, allowed: tuple) -> None:
+    if body.get(key) not in allowed:
+        raise _bad(f"'{key}'={body[key]!r} is not supported by this server", key)
+
+
+def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object")
+    allowed = _CHAT if chat else _COMPLETION
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise _bad(f"unrecognized request argument supplied: {unknown[0]}", unknown[0])
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a string", "model")
+    for key, ok in (
+        ("n", (None, 1)),
+        ("presence_penalty", (None, 0, 0.0)),
+        ("frequency_penalty", (None, 0, 0.0)),
+        ("logprobs", (None, False) if chat else (None,)),
+        ("top_logprobs", (None, 0)),
+        ("echo", (None, False)),
+        ("best_of", (None, 1)),
+        ("suffix", (None,)),
+    ):
+        if key in body:
+            _unsupported(body, key, ok)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if (
+        not isinstance(stop, list)
+        or len(stop) > 4
+        or not all(isinstance(s, str) and s for s in stop)
+    ):
+        raise _bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
+        raise _bad("'stream_options' supports only include_usage", "stream_options")
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise _bad("'cache_salt' must be a string", "cache_salt")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise _bad("'user' must be a string", "user")
+    max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    return dict(
+        model=model,
+        chat=chat,
+        max_tokens=_int(body, max_key, None if chat else 16, 1),
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
+        top_k=_int(body, "top_k", 0, 0) if body.get("top_k") != -1 else 0,
+        seed=_int(body, "seed", 0, 0) % (1 << 32),
+        stop=stop,
+        stream=_flag(body, "stream"),
+        include_usage=bool(opts.get("include_usage", False)),
+        ignore_eos=_flag(body, "ignore_eos"),
+        cache_salt=salt,
+    )
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    """Validates a ``/v1/completions`` body (one prompt: a string or token ids)."""
+    common = _parse_common(body, chat=False)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise _bad("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    return GenerationRequest(prompt=prompt, messages=None, **common)
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    """Validates a ``/v1/chat/completions`` body (text messages)."""
+    common = _parse_common(body, chat=True)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    flat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise _bad(f"messages[{i}] needs a 'role' among {list(_ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise _bad(f"messages[{i}]: only text content parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}] needs a string 'content'", "messages")
+        flat.append({"role": m["role"], "content": content})
+    return GenerationRequest(prompt=None, messages=flat, **common)
+
+
+class TextStream:
+    """Turns generated token ids into text deltas, holding back incomplete characters
+    and any text that may be the start of a stop string."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+        self._decode = decode
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""  # all text so far (cut at a stop string once one appears)
+        self.sent = 0  # characters already returned
+        self.stopped = False
+
+    def _cut_at_stop(self) -> None:
+        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def feed(self, token: int) -> str:
+        """The text that is final after ``token`` (may be empty)."""
+        if self.stopped:
+            return ""
+        self.ids.append(token)
+        self.text = self._decode(self.ids)
+        self._cut_at_stop()
+        end = len(self.text)
+        if not self.stopped:
+            while end > self.sent and self.text[end - 1] == "\ufffd":  # incomplete UTF-8
+                end -= 1
+            hold = 0  # the longest end that may be the start of a stop string
+            for s in self.stop:
+                for k in range(min(len(s) - 1, end - self.sent), hold, -1):
+                    if self.text[end - k : end] == s[:k]:
+                        hold = k
+                        break
+            end -= hold
+        delta, self.sent = self.text[self.sent : end], max(self.sent, end)
+        return delta
+
+    def flush(self) -> str:
+        """What is left at the end of the request."""
+        delta, self.sent = self.text[self.sent :], len(self.text)
+        return delta

@@ -1,0 +1,125 @@
+"""``jax-kvcached top``: a live terminal view of a server's models (like kvcached's kvtop)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import urllib.request
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+MiB = 1 << 20
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The server's /metrics as {metric: {labels tuple: value}} plus histograms."""
+    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
+        text = r.read().decode()
+    out: dict[str, Any] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = tuple(sorted(s.labels.items()))
+            out.setdefault(s.name, {})[key] = s.value
+    return out
+
+
+def _by_model(m: dict[str, Any], name: str) -> dict[str, float]:
+    return {dict(k).get("model", ""): v for k, v in m.get(name, {}).items()}
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float:
+    """A quantile from cumulative histogram buckets [(upper bound, count)], interpolated."""
+    total = buckets[-1][1] if buckets else 0
+    if total == 0:
+        return math.nan
+    rank, prev_b, prev_c = q * total, 0.0, 0.0
+    for b, c in buckets:
+        if c >= rank:
+            if math.isinf(b):
+                return prev_b
+            return prev_b + (b - prev_b) * (rank - prev_c) / max(c - prev_c, 1e-12)
+        prev_b, prev_c = b, c
+    return prev_b
+
+
+def _ttft(m: dict[str, Any], model: str) -> tuple[float, float]:
+    rows = []
+    for k, v in m.get("kvcached_ttft_seconds_bucket", {}).items():
+        labels = dict(k)
+        if labels.get("model") == model:
+            rows.append((float(labels["le"]), v))
+    rows.sort()
+    return quantile(rows, 0.5), quantile(rows, 0.99)
+
+
+def _mib(v: float) -> str:
+    return "  -" if v is None or math.isnan(v) else f"{v / MiB:7.1f}"
+
+
+def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.0) -> str:
+    """One frame: the pool line, then a row per model."""
+    pool = {k: next(iter(m.get(f"kvcached_pool_{k}_bytes", {0: 0.0}).values())) for k in
+            ("budget", "mapped", "reserved")}  # fmt: skip
+    used = pool["mapped"] / pool["budget"] if pool["budget"] else 0.0
+    bar = "#" * round(30 * used) + "." * (30 - round(30 * used))
+    lines = [
+        f"pool [{bar}] {pool['mapped'] / MiB:.1f} / {pool['budget'] / MiB:.1f} MiB mapped "
+        f"({100 * used:.0f}%), {pool['reserved'] / MiB:.1f} MiB reserved",
+        "",
+        f"{'MODEL':<16}{'MAPPED':>8}{'LIMIT':>8}{'GUAR':>8} {'HIT%':>5} {'CACHED':>7} "
+        f"{'QUEUE':>5} {'RUN':>4} {'TOK/S':>7} {'PREEMPT':>7} {'TTFT p50':>9} {'p99':>8}",
+    ]
+    mapped = _by_model(m, "kvcached_mapped_bytes")
+    limit = _by_model(m, "kvcached_memory_limit_bytes")
+    guar = _by_model(m, "kvcached_memory_guarantee_bytes")
+    hit = _by_model(m, "kvcached_prefix_hit_rate")
+    cached = _by_model(m, "kvcached_prefix_cached_tokens")
+    queue = _by_model(m, "kvcached_queue_depth")
+    running = _by_model(m, "kvcached_running_requests")
+    pre = _by_model(m, "kvcached_preemptions_total")
+    failed = _by_model(m, "kvcached_model_failed")
+    toks = _by_model(m, "kvcached_generated_tokens_total")
+    before = _by_model(prev, "kvcached_generated_tokens_total") if prev else {}
+    for model in sorted(mapped):
+        rate = (toks[model] - before[model]) / dt if model in before else math.nan
+        p50, p99 = _ttft(m, model)
+        ms = lambda v: "       -" if math.isnan(v) else f"{1e3 * v:6.0f}ms"  # noqa: E731
+        name = model + (" (FAILED)" if failed.get(model) else "")
+        lines.append(
+            f"{name:<16}{_mib(mapped[model]):>8}{_mib(limit.get(model)):>8}"
+            f"{_mib(guar.get(model, 0.0)):>8} {100 * hit.get(model, 0.0):5.1f} "
+            f"{cached.get(model, 0):7.0f} {queue.get(model, 0):5.0f} {running.get(model, 0):4.0f} "
+            f"{'      -' if math.isnan(rate) else f'{rate:7.1f}'} {pre.get(model, 0):7.0f} "
+            f"{ms(p50):>9} {ms(p99):>8}"
+        )
+    return "\n".join(lines)
+
+
+def run_top(url: str, interval: float = 1.0, once: bool = False) -> int:
+    try:
+        return _loop(url, interval, once)
+    except KeyboardInterrupt:
+        return 0
+
+
+def _loop(url: str, interval: float, once: bool) -> int:
+    prev, t_prev = None, time.monotonic()
+    while True:
+        try:
+            m = scrape(url)
+        except OSError as e:
+            print(f"error: cannot read {url}/metrics: {e}", file=sys.stderr)
+            return 1
+        now = time.monotonic()
+        frame = render(m, prev, now - t_prev)
+        if once:
+            print(frame)
+            return 0
+        sys.stdout.write(
+            "\x1b[H\x1b[2J" + f"jax-kvcached top  {url}  (Ctrl-C quits)\n\n" + frame + "\n"
+        )
+        sys.stdout.flush()
+        prev, t_prev = m, now
+        time.sleep(interval)
