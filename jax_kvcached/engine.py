@@ -187,7 +187,7 @@ class Engine:
                 raise
             if not seqs:
                 return None
-            logits = self.runner.run(inputs)
+            logits = self.runner.run_padded(inputs)
             self.steps += 1
             # Rows whose new tokens reached the end of their sequence yield a next token.
             rows = [
@@ -202,14 +202,17 @@ class Engine:
                 self.prefix_cache.log_stats()
             tokens = None
             if sampling:
-                p = [s.params for s in sampling]
+                # Padded to the step's bucket: sampling compiles once per bucket.
+                pad = logits.shape[0] - len(rows)
+                p = [s.params for s in sampling] + [SamplingParams()] * pad
+                steps = [len(s.output) for s in sampling] + [0] * pad
                 tokens = sample(
-                    logits[jnp.asarray(rows)],
+                    logits[jnp.asarray(rows + [0] * pad)],
                     jnp.asarray([q.temperature for q in p], jnp.float32),
                     jnp.asarray([q.top_k for q in p], jnp.int32),
                     jnp.asarray([q.top_p for q in p], jnp.float32),
                     jnp.asarray([q.seed for q in p], jnp.uint32),
-                    jnp.asarray([len(s.output) for s in sampling], jnp.int32),
+                    jnp.asarray(steps, jnp.int32),
                 )
             self._pending = PendingStep(sampling, tokens)
             return self._pending
@@ -224,7 +227,7 @@ class Engine:
             self._pending = None
             if step.tokens is None:
                 return []
-            new_tokens = np.asarray(step.tokens).tolist()
+            new_tokens = np.asarray(step.tokens)[: len(step.sequences)].tolist()
             now = time.perf_counter()
             done = []
             eos = self.config.eos_ids

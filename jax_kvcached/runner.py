@@ -90,12 +90,19 @@ class ModelRunner:
 
     def shapes_for(self, batch: list[StepInput]) -> tuple[int, int, int]:
         b = bucket(len(batch))
-        t = bucket(max(len(x.tokens) for x in batch))
+        t = max(len(x.tokens) for x in batch)
+        t = 1 if t == 1 else bucket(t, 16)  # prefill chunks: at least 16 (fewer shapes)
         nb = bucket(max(-(-x.start // self.cache.block_size) for x in batch))
         return b, t, nb
 
     def run(self, batch: list[StepInput]) -> jax.Array:
         """Runs one step; returns logits ``(len(batch), vocab)`` (device array)."""
+        return self.run_padded(batch)[: len(batch)]
+
+    def run_padded(self, batch: list[StepInput]) -> jax.Array:
+        """Runs one step; returns logits of the whole bucketed batch ``(b, vocab)``:
+        rows past ``len(batch)`` are padding. Their shape depends only on the bucket,
+        so what consumes them compiles once per bucket."""
         if not batch:
             raise ValueError("empty batch")
         bsz = self.cache.block_size
@@ -124,4 +131,4 @@ class ModelRunner:
         logits, self.token = self._step(
             self.state, self.cache.view, jnp.asarray(packed), b, t, nb, self.token
         )
-        return logits[: len(batch)]
+        return logits

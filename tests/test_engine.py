@@ -10,7 +10,7 @@ from jax_kvcached.attention import dense_causal_attention
 from jax_kvcached.engine import Engine
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.runner import StepInput
-from jax_kvcached.sampling import SamplingParams
+from jax_kvcached.sampling import SamplingParams, sample
 
 PROMPTS = [
     [256, 72, 101, 108, 108, 111],
@@ -103,14 +103,18 @@ def test_steady_state_decode_never_recompiles():
     pool = _pool()
     eng = Engine(model, pool, max_batch=4, prefill_chunk=32)
     shapes = []
-    run = eng.runner.run
+    run = eng.runner.run_padded
 
     def recording_run(batch):
         shapes.append(eng.runner.shapes_for(batch))
         return run(batch)
 
-    eng.runner.run = recording_run
+    eng.runner.run_padded = recording_run
+    sampler_before = sample._cache_size()
     eng.generate(PROMPTS[:3], SamplingParams(max_tokens=60, ignore_eos=True))
+    # Sampling is padded to the step's batch bucket: at most one compile per bucket, not
+    # one per number of sampled rows (3 prompts finishing prefill at different steps).
+    assert sample._cache_size() - sampler_before <= len({sh[0] for sh in shapes})
     # Every compile is a new bucket: no step ever recompiled a shape seen before.
     assert eng.runner.num_compiled == len(set(shapes))
     decode = [sh for sh in shapes if sh[1] == 1]

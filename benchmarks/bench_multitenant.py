@@ -1,0 +1,316 @@
+"""Multi-tenant benchmark: three models with alternating bursts, one elastic shared pool
+vs. static equal partitions of the same total budget.
+
+Each model's request rate ramps up and down in its own window (like kvcached's
+bench_latency_benefit), so at any time one model is busy and the others are nearly idle.
+Both configurations serve the same seeded arrival trace through the same ServingLoop,
+after compiling the step shapes the trace can hit. Prints a table of TTFT p50/p99,
+throughput, peak mapped memory and preemptions with static/elastic ratios, writes JSON
+and a PNG timeline of per-model memory to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import threading
+import time
+
+import numpy as np
+
+import jax_kvcached as kv
+from jax_kvcached.engine import Engine
+from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+from jax_kvcached.sampling import SamplingParams
+from jax_kvcached.serving import ServingLoop
+
+MiB = 1 << 20
+MODELS = {
+    "llama-4l": BUILTIN_CONFIGS["tiny-llama"],
+    "qwen-3l": dataclasses.replace(BUILTIN_CONFIGS["tiny-qwen2"], num_kv_heads=2),
+    "llama-2l": dataclasses.replace(BUILTIN_CONFIGS["tiny-llama"], num_layers=2, num_kv_heads=4),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Arrival:
+    t: float
+    model: str
+    prompt: list[int]
+
+
+def rate(t: float, i: int, n: int, duration: float, hi: float, lo: float) -> float:
+    """Model i's request rate: a triangle over its window of the run, lo elsewhere."""
+    w = duration / n
+    x = (t - i * w) / w
+    return lo + (hi - lo) * max(0.0, 1.0 - abs(2 * x - 1)) if 0 <= x <= 1 else lo
+
+
+def make_trace(duration, hi, lo, prompt_len, seed) -> list[Arrival]:
+    """Non-homogeneous Poisson arrivals (by thinning), seeded."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, name in enumerate(MODELS):
+        t = 0.0
+        while True:
+            t += rng.exponential(1.0 / hi)
+            if t >= duration:
+                break
+            if rng.random() < rate(t, i, len(MODELS), duration, hi, lo) / hi:
+                n = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+                out.append(Arrival(t, name, rng.integers(1, 250, size=n).tolist()))
+    return sorted(out, key=lambda a: a.t)
+
+
+def build(config: str, budget: int, page: int, max_batch: int, models) -> tuple[dict, list]:
+    """Engines for 'elastic' (one pool) or 'static' (one pool of budget/3 per model)."""
+    pools = []
+    if config == "elastic":
+        pools = [kv.Pool(budget, page_size=page, backend="host")]
+    else:
+        share = budget // len(MODELS) // page * page
+        pools = [kv.Pool(share, page_size=page, backend="host") for _ in MODELS]
+    engines = {}
+    for i, name in enumerate(MODELS):
+        pool = pools[0] if config == "elastic" else pools[i]
+        engines[name] = Engine(
+            models[name], pool, name=name, max_batch=max_batch, prefill_chunk=128,
+            prefix_caching=False,
+        )  # fmt: skip
+    return engines, pools
+
+
+def warm_up(engine: Engine, prompt_len: tuple[int, int], max_tokens: int) -> None:
+    """Compiles every step shape the trace can hit: each power-of-two batch up to
+    max_batch, prefill of short and long prompts, decode up to the longest context."""
+    chunk = engine.scheduler.prefill_chunk
+    longest = prompt_len[1] + max_tokens  # a preempted request is recomputed in full
+    runs = [(prompt_len[0], 1), (prompt_len[1], max_tokens)]
+    # A recomputed request's last chunk: each prefill bucket after whole chunks.
+    runs += [
+        (n, 1) for n in range(chunk + 16, longest + 1, 16) if (n - chunk) & (n - chunk - 1) == 0
+    ]
+    b = 1
+    while b <= engine.scheduler.max_batch:
+        for n, out in runs:
+            ps = [[1 + (i * 7 + j) % 240 for i in range(n)] for j in range(b)]
+            engine.generate(ps, SamplingParams(max_tokens=out, ignore_eos=True))
+        b *= 2
+
+
+def run_trace(engines, trace, max_tokens, sample_every=0.05) -> dict:
+    """Serves the trace in real time; returns per-request times and a memory timeline."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    recs = [{"model": a.model, "t": a.t, "first": None, "end": None, "n": 0} for a in trace]
+    timeline = []
+    done = threading.Event()
+    left = [len(trace)]
+    lock = threading.Lock()
+    compiled0 = {n: e.runner.num_compiled for n, e in engines.items()}
+    preempt0 = {n: e.scheduler.num_preemptions for n, e in engines.items()}
+
+    with ServingLoop(engines, max_queue=10_000) as loop:
+        t0 = time.perf_counter()
+
+        def event(rec):
+            def on(kind, value):
+                now = time.perf_counter() - t0
+                if kind == "token":
+                    rec["n"] += 1
+                    if rec["first"] is None:
+                        rec["first"] = now
+                    return
+                rec["end"] = now
+                if kind == "error":
+                    rec["error"] = repr(value)
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+            return on
+
+        def monitor():
+            while not done.is_set():
+                row = {"t": time.perf_counter() - t0}
+                for n, e in engines.items():
+                    c = e.cache
+                    row[n] = c.num_mapped_pages * c.pages_per_kv_page * e.pool.page_size
+                    row[n + ":waiting"] = len(e.scheduler.waiting)
+                timeline.append(row)
+                time.sleep(sample_every)
+
+        mon = threading.Thread(target=monitor, daemon=True)
+        mon.start()
+        for a, rec in zip(trace, recs, strict=True):
+            delay = a.t - (time.perf_counter() - t0)
+            if delay > 0:
+                time.sleep(delay)
+            rec["submitted"] = time.perf_counter() - t0
+            loop.submit(a.model, a.prompt, params, event(rec))
+        done.wait()
+        mon.join()
+    return {
+        "requests": recs,
+        "timeline": timeline,
+        "compiled_during_run": sum(
+            e.runner.num_compiled - compiled0[n] for n, e in engines.items()
+        ),
+        "preemptions": sum(e.scheduler.num_preemptions - preempt0[n] for n, e in engines.items()),
+    }
+
+
+def summarize(res: dict) -> dict:
+    recs = res["requests"]
+    errors = [r for r in recs if "error" in r]
+    ok = [r for r in recs if "error" not in r]
+    ttft = np.array([r["first"] - r["t"] for r in ok])
+    end = max(r["end"] for r in recs)
+    tokens = sum(r["n"] for r in ok)
+    peak = max(
+        sum(v for k, v in row.items() if k != "t" and ":" not in k) for row in res["timeline"]
+    )
+    per_model = {}
+    for name in MODELS:
+        tt = np.array([r["first"] - r["t"] for r in ok if r["model"] == name])
+        per_model[name] = {
+            "requests": int(tt.size),
+            "ttft_p50_ms": float(np.percentile(tt, 50) * 1e3) if tt.size else None,
+            "ttft_p99_ms": float(np.percentile(tt, 99) * 1e3) if tt.size else None,
+            "peak_mapped_mib": max(row[name] for row in res["timeline"]) / MiB,
+        }
+    return {
+        "requests": len(recs),
+        "errors": len(errors),
+        "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3),
+        "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3),
+        "ttft_mean_ms": float(ttft.mean() * 1e3),
+        "throughput_tok_s": tokens / end,
+        "peak_mapped_mib": peak / MiB,
+        "preemptions": res["preemptions"],
+        "compiled_during_run": res["compiled_during_run"],
+        "per_model": per_model,
+    }
+
+
+def plot(path, runs, budget, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    ts = np.linspace(0, args.duration, 400)
+    for i, name in enumerate(MODELS):
+        axes[0].plot(ts, [rate(t, i, len(MODELS), args.duration, args.hi, args.lo) for t in ts],
+                     label=name)  # fmt: skip
+    axes[0].set_ylabel("request rate (req/s)")
+    axes[0].legend(loc="upper right")
+    axes[0].set_title("arrivals: alternating bursts (same trace for both)")
+    for ax, config in zip(axes[1:], ("elastic", "static"), strict=True):
+        tl = runs[config]["timeline"]
+        t = [row["t"] for row in tl]
+        ax.stackplot(t, *[[row[n] / MiB for row in tl] for n in MODELS], labels=list(MODELS))
+        ax.axhline(budget / MiB, color="k", ls="--", lw=1, label="total budget")
+        if config == "static":
+            for k in range(1, len(MODELS)):
+                ax.axhline(k * budget / len(MODELS) / MiB, color="grey", ls=":", lw=1)
+        s = runs[config]["summary"]
+        ax.set_title(
+            f"{config}: mapped KV memory per model (TTFT p99 {s['ttft_p99_ms']:.0f} ms, "
+            f"p50 {s['ttft_p50_ms']:.0f} ms)"
+        )
+        ax.set_ylabel("MiB mapped")
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    here = os.path.join(os.path.dirname(__file__), "results")
+    p.add_argument("--out", default=os.path.join(here, "bench_multitenant.json"))
+    p.add_argument("--budget", default="6MiB", help="total KV budget of both configurations")
+    p.add_argument("--page-size", default="64KiB")
+    p.add_argument("--duration", type=float, default=36.0, help="seconds of arrivals")
+    p.add_argument("--hi", type=float, default=5.0, help="peak request rate of a burst")
+    p.add_argument("--lo", type=float, default=0.2, help="rate outside a model's burst")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(64, 128))
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="a short run (12 s of arrivals)")
+    args = p.parse_args()
+    if args.quick:
+        args.duration = 12.0
+    budget = kv.parse_bytes(args.budget)
+    page = kv.parse_bytes(args.page_size)
+    trace = make_trace(args.duration, args.hi, args.lo, args.prompt_len, args.seed)
+    models = {n: build_model(c, seed=i) for i, (n, c) in enumerate(MODELS.items())}
+    print(
+        f"{len(trace)} requests over {args.duration:.0f} s, budget {budget / MiB:.0f} MiB, "
+        f"pages {page // 1024} KiB, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
+        f"{args.max_tokens} output tokens"
+    )
+    runs = {}
+    for config in ("elastic", "static"):
+        engines, pools = build(config, budget, page, args.max_batch, models)
+        t0 = time.perf_counter()
+        for engine in engines.values():
+            warm_up(engine, args.prompt_len, args.max_tokens)
+        print(f"  {config}: compiled in {time.perf_counter() - t0:.0f} s")
+        res = run_trace(engines, trace, args.max_tokens)
+        res["summary"] = summarize(res)
+        runs[config] = res
+        for e in engines.values():
+            e.close()
+        for pool in pools:
+            pool.close()
+    e, s = runs["elastic"]["summary"], runs["static"]["summary"]
+    rows = [
+        ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"),
+        ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
+        ("TTFT mean (ms)", "ttft_mean_ms", "{:.0f}"),
+        ("throughput (tok/s)", "throughput_tok_s", "{:.0f}"),
+        ("peak mapped (MiB)", "peak_mapped_mib", "{:.1f}"),
+        ("preemptions", "preemptions", "{:d}"),
+        ("errors", "errors", "{:d}"),
+        ("shapes compiled in run", "compiled_during_run", "{:d}"),
+    ]
+    print(f"\n{'':24}{'elastic':>10}{'static':>10}{'static/elastic':>16}")
+    for label, key, fmt in rows:
+        ratio = s[key] / e[key] if e[key] else float("nan")
+        print(f"{label:24}{fmt.format(e[key]):>10}{fmt.format(s[key]):>10}{ratio:>16.2f}")
+    print("\nper model TTFT p99 (ms):")
+    for name in MODELS:
+        pe, ps = e["per_model"][name], s["per_model"][name]
+        print(
+            f"  {name:10} elastic {pe['ttft_p99_ms']:8.0f}  static {ps['ttft_p99_ms']:8.0f}  "
+            f"peak mapped {pe['peak_mapped_mib']:.1f} vs {ps['peak_mapped_mib']:.1f} MiB"
+        )
+    goal = s["ttft_p99_ms"] / e["ttft_p99_ms"]
+    print(
+        f"\np99 TTFT static/elastic = {goal:.2f}x (goal >= 2x: {'met' if goal >= 2 else 'NOT met'})"
+    )
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    png = os.path.splitext(args.out)[0] + ".png"
+    plot(png, runs, budget, args)
+    out = {
+        "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "budget_bytes": budget,
+        "requests": len(trace),
+        "elastic": e,
+        "static": s,
+        "p99_ttft_ratio": goal,
+        "timelines": {c: runs[c]["timeline"] for c in runs},
+    }
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out} and {png}")
+
+
+if __name__ == "__main__":
+    main()
