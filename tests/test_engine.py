@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
+import jax_kvcached.engine as engine_module
 from jax_kvcached.attention import dense_causal_attention
 from jax_kvcached.engine import Engine
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
@@ -110,13 +111,22 @@ def test_steady_state_decode_never_recompiles():
         return run(batch)
 
     eng.runner.run_padded = recording_run
-    sampler_before = sample._cache_size()
-    eng.generate(PROMPTS[:3], SamplingParams(max_tokens=60, ignore_eos=True))
-    # Sampling is padded to the step's batch bucket: at most one compile per bucket, not
-    # one per number of sampled rows (3 prompts finishing prefill at different steps).
-    assert sample._cache_size() - sampler_before <= len({sh[0] for sh in shapes})
+    sampled = []
+
+    def recording_sample(logits, *rest):
+        sampled.append(logits.shape[0])
+        return sample(logits, *rest)
+
+    engine_module.sample = recording_sample
+    try:
+        eng.generate(PROMPTS[:3], SamplingParams(max_tokens=60, ignore_eos=True))
+    finally:
+        engine_module.sample = sample
     # Every compile is a new bucket: no step ever recompiled a shape seen before.
     assert eng.runner.num_compiled == len(set(shapes))
+    # Sampling is padded to the step's batch bucket (3 sequences sample 4 rows), so it
+    # compiles once per bucket, not once per number of sampled rows.
+    assert sampled and set(sampled) <= {sh[0] for sh in shapes} and 3 not in sampled
     decode = [sh for sh in shapes if sh[1] == 1]
     assert len(decode) >= 59 and len(set(decode)) <= 3  # 60 decode steps, <= 3 buckets
     pool.close()
