@@ -94,8 +94,9 @@ def test_cli_serve_and_top(tmp_path):
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     bad = subprocess.run(
-        [*cmd, "top", "--url", url, "--once"], capture_output=True, text=True, timeout=60
-    )
+        [*cmd, "top", "--url", url, "--once"], capture_output=True, text=True, timeout=60,
+        cwd=tmp_path,
+    )  # fmt: skip
     assert bad.returncode == 1 and "cannot read" in bad.stderr
 
 
