@@ -267,8 +267,13 @@ class ServingLoop:
                 if req.model in self.failed:
                     self._close(req, "error", Unavailable(self.failed[req.model]))
                     continue
-                req.request_id = engine.add_request(req.prompt, req.params, self._streamer(req))
-                self._active[req.model][req.request_id] = req
+                try:
+                    rid = engine.add_request(req.prompt, req.params, self._streamer(req))
+                except Exception as e:  # validated in submit(); never stop the loop for it
+                    self._close(req, "error", e)
+                    continue
+                req.request_id = rid
+                self._active[req.model][rid] = req
             elif kind == "cancel" and req.request_id is not None and not req.closed:
                 engine.abort(req.request_id)
                 self._active[req.model].pop(req.request_id, None)
@@ -279,7 +284,11 @@ class ServingLoop:
         def on_token(rid: int, token: int, finished: bool) -> None:
             if not req.closed:
                 self.generated_tokens[req.model] += 1
-                req.on_event("token", token)
+                try:
+                    req.on_event("token", token)
+                except Exception:  # a consumer's bug (or a closed server): cancel the
+                    log.exception("request event callback failed; cancelling the request")
+                    self.cancel(req)  # request, not the model
 
         return on_token
 

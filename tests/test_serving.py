@@ -198,3 +198,25 @@ def test_limit_change_while_serving_and_a_request_too_big_for_its_limit():
     assert [c.tokens for c in cols] == reference("qwen", ps, long)
     assert all(c.error is None for c in other)
     pool.close()
+
+
+def test_a_failing_event_callback_cancels_only_its_request():
+    pool = make_pool(256)
+    engs = engines(pool, max_batch=2, prefix_caching=False)
+
+    def broken(kind, value):
+        raise RuntimeError("consumer bug")
+
+    with ServingLoop(engs) as loop:
+        loop.submit("qwen", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), broken)
+        cols = submit_all(loop, "qwen", prompts(7, 2))
+        wait(cols)
+        for _ in range(200):
+            if loop.stats()["qwen"]["outstanding"] == 0:
+                break
+            threading.Event().wait(0.05)
+        stats = loop.stats()["qwen"]
+    assert [c.tokens for c in cols] == reference("qwen", prompts(7, 2))
+    assert stats["outstanding"] == 0 and not stats["failed"]
+    assert engs["qwen"].cache.num_used_blocks == 0
+    pool.close()
