@@ -136,8 +136,7 @@ def run_trace(engines, trace, max_tokens, sample_every=0.05) -> dict:
             while not done.is_set():
                 row = {"t": time.perf_counter() - t0}
                 for n, e in engines.items():
-                    c = e.cache
-                    row[n] = c.num_mapped_pages * c.pages_per_kv_page * e.pool.page_size
+                    row[n] = e.cache.mapped_bytes
                     row[n + ":waiting"] = len(e.scheduler.waiting)
                 timeline.append(row)
                 time.sleep(sample_every)

@@ -23,8 +23,9 @@ class BlockAllocator:
         self._mapped = [False] * num_pages
         # _buckets[k]: mapped pages with exactly k free blocks, 1 <= k <= blocks_per_page.
         self._buckets: list[set[int]] = [set() for _ in range(blocks_per_page + 1)]
-        # A heap. With one block per page, page 0 holds only the null block: never mapped.
-        self._unmapped = list(range(1 if blocks_per_page == 1 else 0, num_pages))
+        # With one block per page, page 0 holds only the null block: it is never mapped.
+        self._never_mapped = 1 if blocks_per_page == 1 else 0
+        self._unmapped = list(range(self._never_mapped, num_pages))  # a heap
         self._used: set[int] = set()
         self._free_in_mapped = 0
 
@@ -38,8 +39,7 @@ class BlockAllocator:
 
     @property
     def num_mapped_pages(self) -> int:
-        never = 1 if self.blocks_per_page == 1 else 0  # page 0 of one-block pages
-        return self.num_pages - never - len(self._unmapped)
+        return self.num_pages - self._never_mapped - len(self._unmapped)
 
     @property
     def free_in_mapped(self) -> int:

@@ -331,9 +331,7 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions,
-            "mapped_bytes": self.cache.num_mapped_pages
-            * self.cache.pages_per_kv_page
-            * self.pool.page_size,
+            "mapped_bytes": self.cache.mapped_bytes,
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else None,
         }
 

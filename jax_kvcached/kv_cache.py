@@ -118,6 +118,15 @@ class KVCache:
         return self._buffer.num_mapped_pages
 
     @property
+    def mapped_pages(self) -> int:
+        """Physical pages mapped (``num_mapped_pages * pages_per_kv_page``)."""
+        return self.num_mapped_pages * self.pages_per_kv_page
+
+    @property
+    def mapped_bytes(self) -> int:
+        return self.mapped_pages * self.pool.page_size
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks :meth:`alloc` can hand out now: free blocks of mapped pages plus what this
         tenant's room in the pool (budget, limit, others' guarantees) can still map."""

@@ -204,13 +204,9 @@ class Pool:
             raise KeyError(f"no KV cache named {name!r} in this pool; have {sorted(self._caches)}")
         return t
 
-    @staticmethod
-    def _mapped(cache: KVCache) -> int:
-        return cache.num_mapped_pages * cache.pages_per_kv_page
-
     def _limit_result(self, name: str) -> MemoryLimit:
         t, cache, ps = self._tenants[name], self._caches[name], self.page_size
-        mapped = self._mapped(cache)
+        mapped = cache.mapped_pages
         s = self._pool.stats()
         free = s["budget_pages"] - s["in_use_pages"]
         # Other tenants' unmet guarantees are held back from the free pages first.
@@ -262,7 +258,7 @@ class Pool:
                     f"memory guarantee of {name!r} ({pages * self.page_size} bytes) exceeds "
                     f"its limit ({self._limit_pages(t) * self.page_size})"
                 )
-            others = sum(o.guarantee_pages for n, o in self._tenants.items() if n != name)
+            others = self._guaranteed_to_others(name)
             if others + pages > self.budget_pages:
                 raise ValueError(
                     f"guarantees would total {(others + pages) * self.page_size} bytes, more "
@@ -276,9 +272,13 @@ class Pool:
         with self._lock:
             return {name: self._limit_result(name) for name in self._caches}
 
+    def _guaranteed_to_others(self, name: str) -> int:
+        """Pages guaranteed to every tenant but ``name``."""
+        return sum(t.guarantee_pages for n, t in self._tenants.items() if n != name)
+
     def _held_for_others(self, cache: KVCache) -> int:
         return sum(
-            max(0, self._tenants[n].guarantee_pages - self._mapped(c))
+            max(0, self._tenants[n].guarantee_pages - c.mapped_pages)
             for n, c in self._caches.items()
             if c is not cache
         )
@@ -290,18 +290,18 @@ class Pool:
         room = s["budget_pages"] - s["in_use_pages"] - self._held_for_others(cache)
         t = self._tenants.get(cache.name)
         if t is not None:
-            room = min(room, self._limit_pages(t) - self._mapped(cache))
+            room = min(room, self._limit_pages(t) - cache.mapped_pages)
         return max(0, room)
 
     def capacity_pages(self, cache: KVCache) -> int:
         """The most physical pages ``cache`` could ever map under the current limits."""
         t = self._tenants[cache.name]
-        others = sum(o.guarantee_pages for n, o in self._tenants.items() if n != cache.name)
+        others = self._guaranteed_to_others(cache.name)
         return max(0, min(self._limit_pages(t), self.budget_pages - others))
 
     def over_limit_pages(self, cache: KVCache) -> int:
         t = self._tenants.get(cache.name)
-        return 0 if t is None else max(0, self._mapped(cache) - self._limit_pages(t))
+        return 0 if t is None else max(0, cache.mapped_pages - self._limit_pages(t))
 
     def _map_for(self, cache: KVCache, pages: int, do_map: Callable[[], None]) -> None:
         """Maps ``pages`` physical pages for ``cache`` if its room allows (atomically)."""
@@ -326,7 +326,7 @@ class Pool:
         freed = 0
         order = sorted(
             (
-                (self._mapped(c) - self._tenants[n].guarantee_pages, n)
+                (c.mapped_pages - self._tenants[n].guarantee_pages, n)
                 for n, c in list(self._caches.items())
                 if c is not cache
             ),

@@ -97,7 +97,8 @@ class Scheduler:
                 hashes = hash_blocks(seq.tokens[: seq.num_tokens - 1], bs, seq.extra)
             hit = self.prefix.lookup(hashes) if self._caching else 0
             need = self.blocks_for(min(seq.num_tokens + 1, self.max_model_len)) - hit
-            if need > self._available_blocks() - hit:
+            available = self._available_blocks() - hit
+            if need > available:
                 capacity = self.cache.capacity_blocks
                 if need + hit > capacity:
                     # It can never fit: drop it so the requests behind it still run.
@@ -111,8 +112,9 @@ class Scheduler:
                     err.request_id = seq.request_id
                     raise err
                 # Other tenants may hold idle cached prefixes; else wait for memory.
-                short = need - (self._available_blocks() - hit)
-                if not self.cache.pool.reclaim(self.cache, self._pages_for_blocks(short)):
+                if not self.cache.pool.reclaim(
+                    self.cache, self._pages_for_blocks(need - available)
+                ):
                     return
                 continue
             self.waiting.popleft()

@@ -284,9 +284,10 @@ def create_app(
                     pool.set_memory_limit(name, body["limit"])
             except (ValueError, TypeError) as e:
                 raise APIError(400, str(e), param="limit") from None
-        limits = {n: dataclasses.asdict(r) for n, r in pool.memory_limits().items()}
-        for n, r in pool.memory_limits().items():
-            limits[n]["applied"] = r.applied
+        limits = {
+            n: {**dataclasses.asdict(r), "applied": r.applied}
+            for n, r in pool.memory_limits().items()
+        }
         return JSONResponse({"budget_bytes": pool.memory_limit, "models": limits})
 
     async def on_api_error(request: Request, exc: Exception) -> Response:

@@ -180,7 +180,6 @@ class ServingLoop:
         for name, eng in self.engines.items():
             pc = eng.prefix_cache.stats() if eng.prefix_cache else None
             lim = limits.get(name)
-            cache = eng.cache
             out[name] = {
                 "waiting": len(eng.scheduler.waiting),
                 "running": len(eng.scheduler.running),
@@ -192,9 +191,7 @@ class ServingLoop:
                 "errors": self.errors[name],
                 "generated_tokens": self.generated_tokens[name],
                 "preemptions": eng.scheduler.num_preemptions,
-                "mapped_bytes": cache.num_mapped_pages
-                * cache.pages_per_kv_page
-                * eng.pool.page_size,
+                "mapped_bytes": eng.cache.mapped_bytes,
                 "limit_bytes": lim.limit_bytes if lim else None,
                 "guarantee_bytes": lim.guarantee_bytes if lim else 0,
                 "prefix_hit_rate": pc["hit_rate"] if pc else 0.0,
