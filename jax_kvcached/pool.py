@@ -272,6 +272,12 @@ class Pool:
         with self._lock:
             return {name: self._limit_result(name) for name in self._caches}
 
+    def memory_limit_of(self, name: str) -> MemoryLimit:
+        """One tenant's limit, guarantee and mapped memory."""
+        with self._lock:
+            self._tenant(name)
+            return self._limit_result(name)
+
     def _guaranteed_to_others(self, name: str) -> int:
         """Pages guaranteed to every tenant but ``name``."""
         return sum(t.guarantee_pages for n, t in self._tenants.items() if n != name)

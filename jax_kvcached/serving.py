@@ -175,11 +175,10 @@ class ServingLoop:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per-model queue, memory and cache figures (a snapshot; any thread)."""
-        limits = next(iter(self.engines.values())).pool.memory_limits()
         out = {}
-        for name, eng in self.engines.items():
+        for name, eng in self.engines.items():  # engines may live in different pools
             pc = eng.prefix_cache.stats() if eng.prefix_cache else None
-            lim = limits.get(name)
+            lim = eng.pool.memory_limit_of(name)
             out[name] = {
                 "waiting": len(eng.scheduler.waiting),
                 "running": len(eng.scheduler.running),
@@ -192,8 +191,8 @@ class ServingLoop:
                 "generated_tokens": self.generated_tokens[name],
                 "preemptions": eng.scheduler.num_preemptions,
                 "mapped_bytes": eng.cache.mapped_bytes,
-                "limit_bytes": lim.limit_bytes if lim else None,
-                "guarantee_bytes": lim.guarantee_bytes if lim else 0,
+                "limit_bytes": lim.limit_bytes,
+                "guarantee_bytes": lim.guarantee_bytes,
                 "prefix_hit_rate": pc["hit_rate"] if pc else 0.0,
                 "prefix_cached_tokens": pc["cached_tokens"] if pc else 0,
                 "prefix_hits_tokens": pc["hits_tokens"] if pc else 0,

@@ -220,3 +220,18 @@ def test_a_failing_event_callback_cancels_only_its_request():
     assert stats["outstanding"] == 0 and not stats["failed"]
     assert engs["qwen"].cache.num_used_blocks == 0
     pool.close()
+
+
+def test_stats_read_each_engines_own_pool():
+    pools = [make_pool(64), make_pool(64)]
+    llama = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1), pools[0], name="llama")
+    qwen = Engine(
+        build_model(BUILTIN_CONFIGS["tiny-qwen2"], seed=2), pools[1], name="qwen",
+        memory_limit=12 * PAGE, memory_guarantee=6 * PAGE,
+    )  # fmt: skip
+    stats = ServingLoop({"llama": llama, "qwen": qwen}).stats()
+    assert stats["qwen"]["limit_bytes"] == 12 * PAGE
+    assert stats["qwen"]["guarantee_bytes"] == 6 * PAGE
+    assert stats["llama"]["limit_bytes"] is None
+    for p in pools:
+        p.close()
