@@ -49,7 +49,8 @@ ffi::Error CopyBlocksCpu(uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst
   return finish(token_out);
 }
 
-// map_pages and unmap_pages: validate, then call KVBuffer::map_pages / unmap_pages.
+// map_pages and unmap_pages: validate, then call KVBuffer::map_pages_op / unmap_pages_op
+// (the ops own the pages they map; the allocator's pages are refused).
 template <void (KVBuffer::*Method)(const int32_t*, size_t)>
 ffi::Error PageOpCpu(const char* op, uint64_t handle, ffi::AnyBuffer ids,
                      ffi::Result<ffi::AnyBuffer> token_out) {
@@ -68,13 +69,13 @@ ffi::Error PageOpCpu(const char* op, uint64_t handle, ffi::AnyBuffer ids,
 
 ffi::Error MapPagesCpu(uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                        ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCpu<&KVBuffer::map_pages>("map_pages", handle, ids, token_out);
+  return PageOpCpu<&KVBuffer::map_pages_op>("map_pages", handle, ids, token_out);
 }
 
 // Pass the reads of the pages as "after" operands so XLA finishes them before the unmap.
 ffi::Error UnmapPagesCpu(uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                          ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCpu<&KVBuffer::unmap_pages>("unmap_pages", handle, ids, token_out);
+  return PageOpCpu<&KVBuffer::unmap_pages_op>("unmap_pages", handle, ids, token_out);
 }
 
 }  // namespace

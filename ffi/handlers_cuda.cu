@@ -163,12 +163,12 @@ ffi::Error PageOpCuda(const char* op, cudaStream_t stream, uint64_t handle, ffi:
 
 ffi::Error MapPagesCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                         ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCuda<&KVBuffer::map_pages>("map_pages", stream, handle, ids, token_out);
+  return PageOpCuda<&KVBuffer::map_pages_op>("map_pages", stream, handle, ids, token_out);
 }
 
 ffi::Error UnmapPagesCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                           ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCuda<&KVBuffer::unmap_pages>("unmap_pages", stream, handle, ids, token_out);
+  return PageOpCuda<&KVBuffer::unmap_pages_op>("unmap_pages", stream, handle, ids, token_out);
 }
 
 }  // namespace

@@ -47,6 +47,7 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout)
   plane_bytes_ = static_cast<size_t>(layout.num_pages) * page_size_;
   base_ = pool_->backend().reserve(total_bytes());
   phys_.resize(static_cast<size_t>(layout.num_pages));
+  owner_.assign(static_cast<size_t>(layout.num_pages), PageOwner::kNone);
 }
 
 KVBuffer::~KVBuffer() {
@@ -61,7 +62,11 @@ void KVBuffer::check_open() const {
   if (closed_) throw Error("the KV cache is closed");
 }
 
-void KVBuffer::check_ids(const int32_t* ids, size_t n, bool want_mapped) const {
+static const char* owner_name(PageOwner o) {
+  return o == PageOwner::kOp ? "a map_pages op" : "the block allocator";
+}
+
+void KVBuffer::check_ids(const int32_t* ids, size_t n, bool want_mapped, PageOwner owner) const {
   std::vector<bool> seen(phys_.size(), false);
   for (size_t i = 0; i < n; ++i) {
     const int64_t p = ids[i];
@@ -74,6 +79,12 @@ void KVBuffer::check_ids(const int32_t* ids, size_t n, bool want_mapped) const {
     const bool mapped = !phys_[static_cast<size_t>(p)].empty();
     if (mapped != want_mapped) {
       throw Error("page " + std::to_string(p) + (mapped ? " is already mapped" : " is not mapped"));
+    }
+    const PageOwner has = owner_[static_cast<size_t>(p)];
+    if (want_mapped && has != owner) {
+      throw Error("page " + std::to_string(p) + " was mapped by " + owner_name(has) +
+                  " and can only be unmapped by it" +
+                  (has == PageOwner::kAllocator ? " (free its blocks instead)" : ""));
     }
   }
 }
@@ -116,10 +127,10 @@ void KVBuffer::map_locked(const std::vector<int32_t>& sorted, const std::vector<
   }
 }
 
-void KVBuffer::map_pages(const int32_t* ids, size_t n) {
+void KVBuffer::map_pages(const int32_t* ids, size_t n, PageOwner owner) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   check_open();
-  check_ids(ids, n, /*want_mapped=*/false);
+  check_ids(ids, n, /*want_mapped=*/false, owner);
   if (n == 0) return;
   std::vector<int32_t> sorted(ids, ids + n);
   std::sort(sorted.begin(), sorted.end());
@@ -134,6 +145,7 @@ void KVBuffer::map_pages(const int32_t* ids, size_t n) {
   for (size_t k = 0; k < n; ++k) {
     phys_[static_cast<size_t>(sorted[k])].assign(phys.begin() + static_cast<std::ptrdiff_t>(k * planes),
                                                  phys.begin() + static_cast<std::ptrdiff_t>((k + 1) * planes));
+    owner_[static_cast<size_t>(sorted[k])] = owner;
   }
   mapped_ += n;
 }
@@ -152,15 +164,16 @@ void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted) {
     auto& v = phys_[static_cast<size_t>(p)];
     phys.insert(phys.end(), v.begin(), v.end());
     v.clear();
+    owner_[static_cast<size_t>(p)] = PageOwner::kNone;
   }
   mapped_ -= sorted.size();
   pool_->release(phys);
 }
 
-void KVBuffer::unmap_pages(const int32_t* ids, size_t n) {
+void KVBuffer::unmap_pages(const int32_t* ids, size_t n, PageOwner owner) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   check_open();
-  check_ids(ids, n, /*want_mapped=*/true);
+  check_ids(ids, n, /*want_mapped=*/true, owner);
   if (n == 0) return;
   std::vector<int32_t> sorted(ids, ids + n);
   std::sort(sorted.begin(), sorted.end());

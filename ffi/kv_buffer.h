@@ -20,6 +20,11 @@
 namespace kvcached {
 
 enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Who mapped a KV page. The block allocator (host API) and the map_pages / unmap_pages FFI
+// ops each unmap only their own pages, so an op can never pull a page from under the
+// allocator's blocks (or the reverse) and desynchronise its bookkeeping.
+enum class PageOwner : uint8_t { kNone = 0, kAllocator = 1, kOp = 2 };
 size_t dtype_size(DType t);
 std::string dtype_name(DType t);
 
@@ -55,9 +60,13 @@ class KVBuffer {
   size_t pages_per_kv_page() const { return static_cast<size_t>(layout_.num_planes()); }
 
   // Maps / unmaps KV pages. All ids are validated before anything changes: each must be
-  // in range, unique, and unmapped (map) or mapped (unmap). Throws Error / PoolExhausted.
-  void map_pages(const int32_t* ids, size_t n);
-  void unmap_pages(const int32_t* ids, size_t n);
+  // in range, unique, and unmapped (map) or mapped by the same owner (unmap). Throws
+  // Error / PoolExhausted.
+  void map_pages(const int32_t* ids, size_t n, PageOwner owner = PageOwner::kAllocator);
+  void unmap_pages(const int32_t* ids, size_t n, PageOwner owner = PageOwner::kAllocator);
+  // The FFI ops' entry points (owner kOp).
+  void map_pages_op(const int32_t* ids, size_t n) { map_pages(ids, n, PageOwner::kOp); }
+  void unmap_pages_op(const int32_t* ids, size_t n) { unmap_pages(ids, n, PageOwner::kOp); }
   bool is_mapped(int64_t page) const;
   size_t num_mapped_pages() const;
   std::vector<int32_t> mapped_pages() const;
@@ -87,7 +96,7 @@ class KVBuffer {
 
  private:
   void check_open() const;
-  void check_ids(const int32_t* ids, size_t n, bool want_mapped) const;
+  void check_ids(const int32_t* ids, size_t n, bool want_mapped, PageOwner owner) const;
   // Maps (or unmaps) page runs plane by plane.
   void map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys);
   void unmap_locked(const std::vector<int32_t>& sorted);
@@ -102,6 +111,7 @@ class KVBuffer {
   bool closed_ = false;
   // phys_[p] holds the 2L physical pages of KV page p (plane order), empty if unmapped.
   std::vector<std::vector<PageHandle>> phys_;
+  std::vector<PageOwner> owner_;  // per KV page; kNone while unmapped
   size_t mapped_ = 0;
 };
 

@@ -181,7 +181,10 @@ class KVCache:
         so it never races with an in-flight read. With ``after=None`` the caller
         guarantees that no dispatched computation still reads the blocks.
         """
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1).tolist()
+        arr = np.asarray(block_ids)
+        if arr.size and (arr.dtype == np.bool_ or arr.dtype.kind not in "iu"):
+            raise TypeError(f"free() takes integer block ids, got {arr.dtype} {arr.ravel()[:4]}")
+        ids = arr.astype(np.int64).reshape(-1).tolist()
         with self._lock:
             self._check_open()
             empty = self._allocator.free(ids)

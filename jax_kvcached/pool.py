@@ -11,7 +11,7 @@ import jax
 
 from jax_kvcached import _C
 from jax_kvcached.config import Config, parse_bytes
-from jax_kvcached.errors import PoolExhausted
+from jax_kvcached.errors import KVCacheError, PoolExhausted
 from jax_kvcached.kv_cache import KVCache, dtype_code
 from jax_kvcached.tenants import MemoryLimit, Reclaimer, Tenant
 
@@ -111,6 +111,7 @@ class Pool:
         self._tenants: dict[str, Tenant] = {}
         # Held while a cache checks its room and maps pages, and while limits change.
         self._lock = threading.RLock()
+        self._closed = False
         self._apply_reserve()
 
     # -- caches ----------------------------------------------------------------------
@@ -143,6 +144,7 @@ class Pool:
                 raise ValueError(f"{what} must be a positive int, got {v!r}")
         code = dtype_code(dtype)
         with self._lock:
+            self._check_open()
             if name in self._caches:
                 raise ValueError(f"a KV cache named {name!r} already exists in this pool")
             group = 2 * num_layers
@@ -312,6 +314,7 @@ class Pool:
     def _map_for(self, cache: KVCache, pages: int, do_map: Callable[[], None]) -> None:
         """Maps ``pages`` physical pages for ``cache`` if its room allows (atomically)."""
         with self._lock:
+            self._check_open()
             room = self.room_pages(cache)
             if pages > room:
                 raise PoolExhausted(
@@ -372,8 +375,19 @@ class Pool:
             "limits": {n: dataclasses.asdict(r) for n, r in self.memory_limits().items()},
         }
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise KVCacheError("the pool is closed")
+
     def close(self) -> None:
-        """Closes every cache and gives all physical memory back."""
+        """Closes every cache and gives all physical memory back. The pool cannot be used
+        afterwards (creating a cache or allocating raises KVCacheError)."""
+        with self._lock:
+            self._closed = True
         for cache in list(self._caches.values()):
             cache.close()
         self._pool.set_reserve(0, 0)

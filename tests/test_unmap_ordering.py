@@ -42,15 +42,18 @@ def test_free_after_waits_for_dispatched_reads(pool):
 
 
 def test_unmap_op_runs_after_its_after_operands(pool):
-    c, ids = _cache_with_ones(pool)
-    pages = sorted({int(b) // c.blocks_per_page for b in ids})
-    # The allocator thinks these pages are in use; unmap them behind its back only to
-    # test the op's ordering, then hand the cache a consistent state again.
+    c = make_cache(pool)
+    page = c.num_pages - 1  # mapped by the ops, away from the allocator's pages
+    ids = np.arange(4, dtype=np.int32) + page * c.blocks_per_page
+    slots = c.slot_mapping(ids, np.arange(64))
+    k = jnp.ones((64, 2, 64))
+    token = ops.map_pages(c, jnp.array([page], jnp.int32), ops.new_token())
+    ops.write_kv(c, 0, k, k, slots, token).block_until_ready()
 
     @jax.jit
     def step(view, ids, x, token):
         total = _slow_read(view, ids, x)
-        token = ops.unmap_pages(c, jnp.asarray(pages, jnp.int32), token, total)
+        token = ops.unmap_pages(c, jnp.array([page], jnp.int32), token, total)
         return total, token
 
     x = jnp.full((1024, 1024), 1e-3, jnp.float32)
@@ -58,5 +61,3 @@ def test_unmap_op_runs_after_its_after_operands(pool):
     token.block_until_ready()
     assert float(total) == 64 * 2 * 64
     assert c.num_mapped_pages == 0
-    c._buffer.map_pages(np.asarray(pages, np.int32))
-    c.free(ids)
