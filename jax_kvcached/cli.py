@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -40,11 +41,49 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-cached-tokens", type=int, default=None, help="prefix-cache bound")
     s.add_argument("--seed", type=int, default=0, help="weights of the built-in presets")
     s.add_argument("--no-warmup", action="store_true", help="skip compiling before serving")
+    s.add_argument(
+        "--api-key", default=None,
+        help="required as 'Authorization: Bearer KEY' on /v1/* (default: $KVCACHED_API_KEY)",
+    )  # fmt: skip
+    s.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    s.add_argument(
+        "--admin-key", default=None,
+        help="required on /admin/* (default: $KVCACHED_ADMIN_KEY); without one the admin "
+        "routes are disabled",
+    )  # fmt: skip
+    s.add_argument(
+        "--allow-unauthenticated-admin", action="store_true",
+        help="serve /admin/* without a key (only behind a trusted proxy or on loopback)",
+    )  # fmt: skip
+    s.add_argument(
+        "--shutdown-timeout", type=float, default=10.0,
+        help="seconds in-flight requests get after SIGTERM/SIGINT before they are cancelled",
+    )  # fmt: skip
     t = sub.add_parser("top", help="live view of a running server's models")
     t.add_argument("--url", default="http://127.0.0.1:8000")
+    t.add_argument("--api-key", default=None, help="sent as a Bearer key ($KVCACHED_API_KEY)")
     t.add_argument("--interval", type=float, default=1.0)
     t.add_argument("--once", action="store_true", help="print one frame and exit")
     return p
+
+
+def _auth(args: argparse.Namespace):  # -> AuthConfig
+    """The server's keys: flags first, then the key file, then the environment."""
+    from jax_kvcached.server import AuthConfig
+
+    api_key = args.api_key
+    if api_key is None and args.api_key_file is not None:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            api_key = f.read().strip()
+        if not api_key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+    if api_key is None:
+        api_key = os.environ.get("KVCACHED_API_KEY") or None
+    admin_key = args.admin_key or os.environ.get("KVCACHED_ADMIN_KEY") or None
+    for what, key in (("API key", api_key), ("admin key", admin_key)):
+        if key is not None and (not key.isprintable() or " " in key):
+            raise ValueError(f"the {what} must be printable and contain no spaces")
+    return AuthConfig(api_key, admin_key, args.allow_unauthenticated_admin)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,9 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_batch <= 0 or args.max_queue < 0:
             print("error: --max-batch must be > 0 and --max-queue >= 0", file=sys.stderr)
             return 2
+        if not args.shutdown_timeout >= 0:
+            print("error: --shutdown-timeout must be >= 0", file=sys.stderr)
+            return 2
         try:
             specs = parse_specs(args.model, args.limit, args.guarantee)
-        except ValueError as e:
+            auth = _auth(args)
+        except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         try:
@@ -96,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                 specs, memory=args.memory, host=args.host, port=args.port, backend=args.backend,
                 page_size=args.page_size, max_batch=args.max_batch, max_queue=args.max_queue,
                 max_cached_tokens=args.max_cached_tokens, seed=args.seed,
-                warmup=not args.no_warmup,
+                warmup=not args.no_warmup, auth=auth, shutdown_timeout=args.shutdown_timeout,
             )  # fmt: skip
         except (ValueError, FileNotFoundError) as e:  # a bad model, size or limit
             print(f"error: {e}", file=sys.stderr)
@@ -107,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.interval <= 0:
             print("error: --interval must be > 0", file=sys.stderr)
             return 2
-        return run_top(args.url, args.interval, args.once)
+        key = args.api_key or os.environ.get("KVCACHED_API_KEY") or None
+        return run_top(args.url, args.interval, args.once, api_key=key)
     return 0
 
 

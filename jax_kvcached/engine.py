@@ -149,9 +149,14 @@ class Engine:
         ``adapter_id``.
         """
         ids = self.encode(prompt)
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.top_k >= self.config.vocab_size:  # keeps the whole vocabulary: off
+            params = dataclasses.replace(params, top_k=0)
         with self._lock:
             rid = next(self._ids)
-            seq = Sequence(rid, ids, params or SamplingParams(), on_token)
+            seq = Sequence(rid, ids, params, on_token)
             seq.extra = extra_key_bytes(self.name, cache_salt, adapter_id)
             self.scheduler.add(seq)
             self._by_id[rid] = seq

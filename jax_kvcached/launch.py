@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 
 from jax_kvcached.chat_template import ChatTemplate
@@ -12,7 +14,7 @@ from jax_kvcached.config import parse_bytes
 from jax_kvcached.engine import Engine
 from jax_kvcached.pool import Pool
 from jax_kvcached.sampling import SamplingParams
-from jax_kvcached.server import ServedModel
+from jax_kvcached.server import AuthConfig, ServedModel
 
 log = logging.getLogger("jax_kvcached.serve")
 
@@ -110,11 +112,28 @@ def serve(
     max_cached_tokens: int | None = None,
     seed: int = 0,
     warmup: bool = True,
+    auth: AuthConfig | None = None,
+    shutdown_timeout: float = 10.0,
+    max_body_bytes: int = 1 << 20,
 ) -> None:
+    """Builds the engines and serves until SIGINT / SIGTERM. On the signal it stops
+    accepting connections and requests, lets in-flight requests finish for up to
+    ``shutdown_timeout`` seconds, cancels the rest (an error event each, blocks freed)
+    and returns."""
     import uvicorn
 
     from jax_kvcached.server import create_app
     from jax_kvcached.serving import ServingLoop
+
+    class GracefulServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+            if first:
+                log.info("shutting down: in-flight requests get %.1f s", shutdown_timeout)
+                threading.Thread(
+                    target=loop.shutdown, args=(shutdown_timeout,), daemon=True
+                ).start()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     pool = Pool(memory, page_size=page_size, backend=backend)
@@ -128,12 +147,26 @@ def serve(
             if warmup:
                 log.info("%s: compiled in %.1f s", spec.name, warm_up(models[spec.name]))
         loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
-        app = create_app(loop, models, pool)
+        app = create_app(loop, models, pool, auth=auth, max_body_bytes=max_body_bytes)
         log.info(
             "serving %s on http://%s:%d (pool %s on %s)",
             ", ".join(models), host, port, memory, pool.backend,
         )  # fmt: skip
-        with loop:
-            uvicorn.run(app, host=host, port=port, log_level="warning")
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning",
+            timeout_graceful_shutdown=shutdown_timeout + 5,  # a backstop: the loop ends first
+        )  # fmt: skip
+        # uvicorn re-raises the signal it handled once it is done: make that a no-op so
+        # a graceful shutdown exits 0.
+        previous = {s: signal.signal(s, lambda *_: None) for s in _SIGNALS}
+        try:
+            with loop:
+                GracefulServer(config).run()
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
     finally:
         pool.close()
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)

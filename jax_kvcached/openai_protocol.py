@@ -85,13 +85,23 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(v)
 
 
-def _int(body: dict, key: str, default: int | None, lo: int) -> int | None:
+INT32_MAX = (1 << 31) - 1
+
+
+def _int(body: dict, key: str, default: int | None, lo: int, hi: int = INT32_MAX) -> int | None:
     v = body.get(key)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise _bad(f"'{key}' must be an integer >= {lo}, got {v!r}", key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        shown = v if not isinstance(v, int) or abs(v) < 10**30 else f"{str(v)[:12]}..."
+        raise _bad(f"'{key}' must be an integer in [{lo}, {hi}], got {shown!r}", key)
     return v
+
+
+def _seed(body: dict) -> int:
+    """The request's seed (a signed or unsigned 64-bit integer) folded to 32 bits."""
+    v = _int(body, "seed", 0, -(1 << 63), (1 << 64) - 1)
+    return v % (1 << 32)
 
 
 def _flag(body: dict, key: str) -> bool:
@@ -157,7 +167,7 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=_int(body, "top_k", 0, 0) if body.get("top_k") != -1 else 0,
-        seed=_int(body, "seed", 0, 0) % (1 << 32),
+        seed=_seed(body),
         stop=stop,
         stream=_flag(body, "stream"),
         include_usage=bool(opts.get("include_usage", False)),
@@ -202,38 +212,63 @@ def parse_chat(body: Any) -> GenerationRequest:
 
 
 class TextStream:
-    """Turns generated token ids into text deltas, holding back incomplete characters
-    and any text that may be the start of a stop string."""
+    """Turns generated token ids into text deltas, incrementally.
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: list[str]) -> None:
+    Each token decodes only a short window of recent ids (from the last emitted point),
+    so a long output costs O(tokens), not O(tokens^2). A token whose text ends in an
+    incomplete character (U+FFFD) is held back, but at most ``max_hold_tokens`` tokens:
+    invalid bytes are then released as U+FFFD instead of stalling the stream. Text that
+    may be the start of a stop string is held back until it can be decided.
+    """
+
+    def __init__(
+        self, decode: Callable[[list[int]], str], stop: list[str], max_hold_tokens: int = 6
+    ) -> None:
         self._decode = decode
         self.stop = stop
+        self.max_hold_tokens = max_hold_tokens
         self.ids: list[int] = []
-        self.text = ""  # all text so far (cut at a stop string once one appears)
+        self.text = ""  # the text so far (cut at a stop string once one appears)
         self.sent = 0  # characters already returned
         self.stopped = False
+        self._prefix = 0  # ids[_prefix:_read] give context for decoding the next ids
+        self._read = 0  # ids whose text is in self.text
+        self._longest_stop = max((len(x) for x in stop), default=0)
 
-    def _cut_at_stop(self) -> None:
-        hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
+    def _decode_new(self) -> str | None:
+        """Text of the ids after ``_read``, or None while it is an incomplete character."""
+        before = self._decode(self.ids[self._prefix : self._read])
+        full = self._decode(self.ids[self._prefix :])
+        held = len(self.ids) - self._read
+        if full.endswith("\ufffd") and held < self.max_hold_tokens:
+            return None
+        if not full.startswith(before):  # the context changed its own text: rare
+            new = self._decode(self.ids[self._read :])
+        else:
+            new = full[len(before) :]
+        self._prefix, self._read = self._read, len(self.ids)
+        return new
 
     def feed(self, token: int) -> str:
         """The text that is final after ``token`` (may be empty)."""
         if self.stopped:
             return ""
         self.ids.append(token)
-        self.text = self._decode(self.ids)
-        self._cut_at_stop()
+        new = self._decode_new()
+        if not new:
+            return ""
+        start = max(0, len(self.text) - self._longest_stop + 1)
+        self.text += new
+        hits = [i for i in (self.text.find(x, start) for x in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
         end = len(self.text)
         if not self.stopped:
-            while end > self.sent and self.text[end - 1] == "\ufffd":  # incomplete UTF-8
-                end -= 1
             hold = 0  # the longest end that may be the start of a stop string
-            for s in self.stop:
-                for k in range(min(len(s) - 1, end - self.sent), hold, -1):
-                    if self.text[end - k : end] == s[:k]:
+            for x in self.stop:
+                for k in range(min(len(x) - 1, end - self.sent), hold, -1):
+                    if self.text[end - k : end] == x[:k]:
                         hold = k
                         break
             end -= hold
@@ -241,6 +276,12 @@ class TextStream:
         return delta
 
     def flush(self) -> str:
-        """What is left at the end of the request."""
+        """What is left at the end of the request (held ids decoded as they are)."""
+        if not self.stopped and self._read < len(self.ids):
+            self.text += self._decode(self.ids[self._read :])
+            self._read = len(self.ids)
+            hits = [i for i in (self.text.find(x, self.sent) for x in self.stop) if i >= 0]
+            if hits:
+                self.text, self.stopped = self.text[: min(hits)], True
         delta, self.sent = self.text[self.sent :], len(self.text)
         return delta

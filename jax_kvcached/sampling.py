@@ -7,6 +7,8 @@ so outputs do not depend on batching, scheduling or preemption.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -23,16 +25,30 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise TypeError("max_tokens must be an int")
-        if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+        _check_int("top_k", self.top_k, 0, INT32_MAX)
+        _check_int("seed", self.seed, 0, UINT32_MAX)
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids[i]", t, 0, INT32_MAX)
+        for name, v in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise ValueError(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+INT32_MAX = (1 << 31) - 1
+UINT32_MAX = (1 << 32) - 1
+
+
+def _check_int(name: str, v: object, lo: int, hi: int) -> None:
+    """Sampling fields go into int32 / uint32 step inputs: reject what does not fit."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
 
 
 @jax.jit

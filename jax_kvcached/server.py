@@ -3,12 +3,17 @@
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``
 (``stream: true`` answers server-sent events), ``GET /metrics`` (Prometheus),
 ``GET /health``, ``GET|POST /admin/memory`` (per-model limits and guarantees).
+
+Auth (:class:`AuthConfig`): ``/v1/*`` need ``Authorization: Bearer <api_key>`` when an
+API key is set; ``/admin/*`` need the admin key, and are disabled when no admin key is set
+unless unauthenticated admin is allowed explicitly. ``/health`` and ``/metrics`` are open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 import socket
 import threading
@@ -48,7 +53,62 @@ class ServedModel:
 
 
 def _error(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthConfig:
+    """Who may call what. Keys are compared in constant time."""
+
+    api_key: str | None = None  # required on /v1/* when set
+    admin_key: str | None = None  # required on /admin/* when set
+    allow_unauthenticated_admin: bool = False  # /admin/* open when no admin key is set
+
+    def check(self, request: Request, admin: bool) -> None:
+        """Raises APIError 401 / 403 unless ``request`` may call its route."""
+        if admin:
+            if self.admin_key is None:
+                if self.allow_unauthenticated_admin:
+                    return
+                raise APIError(
+                    403, "admin routes are disabled: start the server with --admin-key "
+                    "(or --allow-unauthenticated-admin)", code="admin_disabled",
+                )  # fmt: skip
+            key = self.admin_key
+        elif self.api_key is None:
+            return
+        else:
+            key = self.api_key
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        ok = scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode(), key.encode()
+        )
+        if not ok:
+            what = "admin key" if admin else "API key"
+            raise APIError(
+                401, f"invalid or missing {what}: send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )  # fmt: skip
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its response was complete."""
+
+
+def parse_json(raw: bytes) -> Any:
+    """JSON from a request body; APIError 400 on anything that is not plain JSON."""
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw, parse_constant=no_constants)
+    except RecursionError:
+        raise APIError(400, "could not parse the JSON body: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise APIError(400, f"could not parse the JSON body: {e}") from None
 
 
 class _Generation:
@@ -75,18 +135,28 @@ def create_app(
     pool: Pool,
     *,
     max_body_bytes: int = 1 << 20,
+    auth: AuthConfig | None = None,
 ) -> Starlette:
     """The ASGI app. ``loop`` must be started (and stopped) by the caller."""
     metrics = ServerMetrics(loop, pool)
+    auth = auth or AuthConfig()
+    too_large = APIError(413, f"request body over {max_body_bytes} bytes")
 
     async def read_json(request: Request) -> Any:
-        raw = await request.body()
-        if len(raw) > max_body_bytes:
-            raise APIError(413, f"request body over {max_body_bytes} bytes")
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"could not parse the JSON body: {e}") from None
+        """The body, read chunk by chunk and refused (413) as soon as it is too large."""
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, f"bad Content-Length {length[:32]!r}")
+            if int(length) > max_body_bytes:
+                raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return parse_json(b"".join(chunks))
 
     def served(name: str) -> ServedModel:
         m = models.get(name)
@@ -106,10 +176,18 @@ def create_app(
             prompt = m.tokenizer.encode(req.prompt)
         else:
             prompt = req.prompt
+        param = "messages" if req.chat else "prompt"
+        if len(prompt) >= eng.max_model_len:
+            raise APIError(
+                400,
+                f"this model's maximum context length is {eng.max_model_len} tokens; the "
+                f"prompt has {len(prompt)}",
+                param=param, code="context_length_exceeded",
+            )  # fmt: skip
         try:
             ids = eng.encode(prompt)
         except ValueError as e:
-            raise APIError(400, str(e), param="messages" if req.chat else "prompt") from None
+            raise APIError(400, str(e), param=param) from None
         room = eng.max_model_len - len(ids)
         max_tokens = req.max_tokens if req.max_tokens is not None else room
         if max_tokens > room:
@@ -119,7 +197,12 @@ def create_app(
                 f"prompt has {len(ids)} and max_tokens asks for {max_tokens}",
                 param="max_tokens", code="context_length_exceeded",
             )  # fmt: skip
-        return m, ids, req.sampling(max_tokens)
+        if req.top_k >= eng.config.vocab_size:  # top_k clipped to the vocabulary: off
+            req = dataclasses.replace(req, top_k=0)
+        try:
+            return m, ids, req.sampling(max_tokens)
+        except (TypeError, ValueError) as e:  # parse_* validated already; a second guard
+            raise APIError(400, str(e)) from None
 
     def start(req: GenerationRequest) -> tuple[ServedModel, _Generation, float]:
         m, ids, params = prepare(req)
@@ -163,6 +246,8 @@ def create_app(
                         gen.cancel()
                         reason, completion = "stop", len(text.ids)
                         break
+                elif kind == "gone":
+                    raise _ClientGone
                 elif kind == "done":
                     gen.over = True
                     info: Finished = value
@@ -186,6 +271,15 @@ def create_app(
         }
         yield "done", (reason, usage)
 
+    async def watch_disconnect(request: Request, gen: _Generation) -> None:
+        """Cancels a non-streaming request whose client went away (frees its blocks)."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                gen.cancel()
+                gen.events.put_nowait(("gone", None))
+                return
+
     def choice(req: GenerationRequest, text: str | None, reason: str | None, delta: bool):
         if not req.chat:
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
@@ -204,6 +298,7 @@ def create_app(
         head = {"id": rid, "object": obj, "created": created, "model": req.model}
         if not req.stream:
             parts, reason, usage = [], None, None
+            watcher = asyncio.create_task(watch_disconnect(request, gen))
             try:
                 async for kind, value in events(req, m, gen, arrival):
                     if kind == "text":
@@ -212,6 +307,11 @@ def create_app(
                         reason, usage = value
             except APIError as e:
                 return _error(e)
+            except _ClientGone:
+                metrics.requests.labels(req.model, "cancelled").inc()
+                return Response(status_code=499)  # nobody reads it
+            finally:
+                watcher.cancel()
             body = {**head, "choices": [choice(req, "".join(parts), reason, False)]}
             return JSONResponse({**body, "usage": usage})
         chunk_obj = "chat.completion.chunk" if req.chat else "text_completion"
@@ -241,12 +341,15 @@ def create_app(
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     async def completions(request: Request) -> Response:
+        auth.check(request, admin=False)
         return await generate(request, parse_completion)
 
     async def chat_completions(request: Request) -> Response:
+        auth.check(request, admin=False)
         return await generate(request, parse_chat)
 
     async def list_models(request: Request) -> Response:
+        auth.check(request, admin=False)
         data = [
             {
                 "id": name,
@@ -269,6 +372,7 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     async def memory(request: Request) -> Response:
+        auth.check(request, admin=True)
         if request.method == "POST":
             body = await read_json(request)
             if not isinstance(body, dict) or set(body) - {"model", "limit", "guarantee"}:

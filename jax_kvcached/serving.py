@@ -119,6 +119,20 @@ class ServingLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def shutdown(self, timeout: float) -> None:
+        """Graceful stop: refuses new requests at once, lets in-flight ones finish for up
+        to ``timeout`` seconds, then stops; those still active get an Unavailable error
+        and their blocks are freed."""
+        with self._lock:
+            self._accepting = False
+        deadline = time.monotonic() + timeout
+        while self.running and time.monotonic() < deadline:
+            with self._lock:
+                if not any(self._outstanding.values()):
+                    break
+            time.sleep(0.02)
+        self.stop()
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
@@ -154,7 +168,7 @@ class ServingLoop:
         req = Request(model, ids, params, on_event)
         with self._lock:
             if not self._accepting:
-                raise Unavailable("the serving loop is not running")
+                raise Unavailable("the server is shutting down")
             limit = engine.scheduler.max_batch + self.max_queue
             if self._outstanding[model] >= limit:
                 raise Overloaded(

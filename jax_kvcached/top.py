@@ -13,9 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 MiB = 1 << 20
 
 
-def scrape(url: str, timeout: float = 5.0) -> dict[str, Any]:
-    """The server's /metrics as {metric: {labels tuple: value}} plus histograms."""
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
+def scrape(url: str, timeout: float = 5.0, api_key: str | None = None) -> dict[str, Any]:
+    """The server's /metrics as {metric: {labels tuple: value}} plus histograms.
+
+    ``api_key`` is sent as a Bearer key (``/metrics`` is open on our server; a proxy in
+    front of it may not be)."""
+    req = urllib.request.Request(url.rstrip("/") + "/metrics")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=timeout) as r:
         text = r.read().decode()
     out: dict[str, Any] = {}
     for fam in text_string_to_metric_families(text):
@@ -97,18 +103,20 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
     return "\n".join(lines)
 
 
-def run_top(url: str, interval: float = 1.0, once: bool = False) -> int:
+def run_top(
+    url: str, interval: float = 1.0, once: bool = False, api_key: str | None = None
+) -> int:
     try:
-        return _loop(url, interval, once)
+        return _loop(url, interval, once, api_key)
     except KeyboardInterrupt:
         return 0
 
 
-def _loop(url: str, interval: float, once: bool) -> int:
+def _loop(url: str, interval: float, once: bool, api_key: str | None) -> int:
     prev, t_prev = None, time.monotonic()
     while True:
         try:
-            m = scrape(url)
+            m = scrape(url, api_key=api_key)
         except OSError as e:
             print(f"error: cannot read {url}/metrics: {e}", file=sys.stderr)
             return 1

@@ -12,7 +12,7 @@ import jax_kvcached as kv
 from jax_kvcached.engine import Engine
 from jax_kvcached.models import BUILTIN_CONFIGS, ByteTokenizer, build_model
 from jax_kvcached.sampling import SamplingParams
-from jax_kvcached.server import BackgroundServer, ServedModel, create_app
+from jax_kvcached.server import AuthConfig, BackgroundServer, ServedModel, create_app
 from jax_kvcached.serving import ServingLoop
 from jax_kvcached.top import render, scrape
 
@@ -41,12 +41,14 @@ def make_pool(pages=96):
 
 
 class Server:
-    def __init__(self, max_batch=4, max_queue=64, pages=96):
+    def __init__(self, max_batch=4, max_queue=64, pages=96, auth=None):
         self.pool = make_pool(pages)
         self.engines = make_engines(self.pool, max_batch)
         self.loop = ServingLoop(self.engines, max_queue=max_queue).start()
         models = {n: ServedModel(e, ByteTokenizer()) for n, e in self.engines.items()}
-        self.http = BackgroundServer(create_app(self.loop, models, self.pool)).start()
+        auth = auth or AuthConfig(allow_unauthenticated_admin=True)
+        app = create_app(self.loop, models, self.pool, auth=auth)
+        self.http = BackgroundServer(app).start()
         self.url = self.http.url
 
     def close(self):
