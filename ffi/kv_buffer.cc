@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <numeric>
 
 #include "errors.h"
 
@@ -38,16 +39,20 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout)
     throw Error("num_layers, num_kv_heads, head_dim, block_size and num_pages must be positive");
   }
   const size_t bb = layout.block_bytes();
-  if (bb > page_size_ || page_size_ % bb != 0) {
+  if (bb > page_size_) {
     throw Error("a KV block of " + std::to_string(bb) + " bytes (block_size * num_kv_heads * "
-                "head_dim * itemsize) must divide the page size of " + std::to_string(page_size_) +
-                " bytes");
+                "head_dim * itemsize) is larger than the page size of " +
+                std::to_string(page_size_) + " bytes");
   }
+  // Round the virtual pages up so a plane holds a whole number of blocks (dense view).
+  const int64_t period = static_cast<int64_t>(bb / std::gcd(bb, page_size_));
+  layout_.num_pages = (layout.num_pages + period - 1) / period * period;
   blocks_per_page_ = static_cast<int64_t>(page_size_ / bb);
-  plane_bytes_ = static_cast<size_t>(layout.num_pages) * page_size_;
+  plane_bytes_ = static_cast<size_t>(layout_.num_pages) * page_size_;
+  num_blocks_ = static_cast<int64_t>(plane_bytes_ / bb);
   base_ = pool_->backend().reserve(total_bytes());
-  phys_.resize(static_cast<size_t>(layout.num_pages));
-  owner_.assign(static_cast<size_t>(layout.num_pages), PageOwner::kNone);
+  phys_.resize(static_cast<size_t>(layout_.num_pages));
+  owner_.assign(static_cast<size_t>(layout_.num_pages), PageOwner::kNone);
 }
 
 KVBuffer::~KVBuffer() {
@@ -225,7 +230,6 @@ std::string KVBuffer::check_write(int64_t layer, int64_t num_layers, const int32
            " out of range [0, " + std::to_string(layout_.num_layers) + ")";
   }
   const int64_t total = num_slots();
-  const int64_t slots_per_page = blocks_per_page_ * layout_.block_size;
   for (size_t i = 0; i < n; ++i) {
     const int64_t s = slots[i];
     if (s == -1) continue;
@@ -233,13 +237,18 @@ std::string KVBuffer::check_write(int64_t layer, int64_t num_layers, const int32
       return "slot " + std::to_string(s) + " (index " + std::to_string(i) + ") out of range [0, " +
              std::to_string(total) + "); use -1 to skip a padded token";
     }
-    if (s < layout_.block_size) {
+    const int64_t b = s / layout_.block_size;
+    if (b == 0) {
       return "slot " + std::to_string(s) + " (index " + std::to_string(i) +
              ") is in the null block 0, which is never written";
     }
-    if (phys_[static_cast<size_t>(s / slots_per_page)].empty()) {
+    if (block_straddles(b)) {
+      return "slot " + std::to_string(s) + " (index " + std::to_string(i) + ") is in block " +
+             std::to_string(b) + ", which straddles two pages and is never used";
+    }
+    if (phys_[static_cast<size_t>(page_of_block(b))].empty()) {
       return "slot " + std::to_string(s) + " (index " + std::to_string(i) + ") is in unmapped page " +
-             std::to_string(s / slots_per_page);
+             std::to_string(page_of_block(b));
     }
   }
   return {};
@@ -268,7 +277,10 @@ std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t 
                ") out of range [0, " + std::to_string(nb) + ")";
       }
       if (which == 1 && b == 0) return "destination block 0 is the null block";
-      if (phys_[static_cast<size_t>(b / blocks_per_page_)].empty()) {
+      if (block_straddles(b)) {
+        return std::string(name) + " block " + std::to_string(b) + " straddles two pages";
+      }
+      if (phys_[static_cast<size_t>(page_of_block(b))].empty()) {
         return std::string(name) + " block " + std::to_string(b) + " is in an unmapped page";
       }
     }

@@ -5,6 +5,13 @@
 // KV page p stands for the same offset in all 2 * num_layers planes: mapping it takes
 // 2 * num_layers physical pages from the pool. Block 0 is the null block: never written,
 // it reads zeros, so padded block-table entries can point at it.
+//
+// A block's bytes need not divide the page (3 KV heads x 64 x bf16 x 16 tokens is 6 KiB
+// against 2 MiB): blocks are laid out densely and a block that straddles two pages is
+// never used (as kvcached does), so page p holds blocks
+// [ceil(p * page / block), floor((p + 1) * page / block)). The virtual page count is
+// rounded up so each plane is a whole number of both pages and blocks, which keeps the
+// view one dense array.
 #pragma once
 
 #include <cstddef>
@@ -54,8 +61,18 @@ class KVBuffer {
   size_t page_size() const { return page_size_; }
   size_t plane_bytes() const { return plane_bytes_; }
   size_t total_bytes() const { return plane_bytes_ * static_cast<size_t>(layout_.num_planes()); }
+  // The most blocks one page holds (floor(page / block)); a page may hold one fewer.
   int64_t blocks_per_page() const { return blocks_per_page_; }
-  int64_t num_blocks() const { return layout_.num_pages * blocks_per_page_; }
+  int64_t num_blocks() const { return num_blocks_; }
+  size_t block_bytes() const { return layout_.block_bytes(); }
+  // A block lies wholly inside page_of_block(b) unless it straddles two pages.
+  int64_t page_of_block(int64_t b) const {
+    return static_cast<int64_t>(static_cast<size_t>(b) * block_bytes() / page_size_);
+  }
+  bool block_straddles(int64_t b) const {
+    const size_t start = static_cast<size_t>(b) * block_bytes();
+    return start / page_size_ != (start + block_bytes() - 1) / page_size_;
+  }
   int64_t num_slots() const { return num_blocks() * layout_.block_size; }
   size_t pages_per_kv_page() const { return static_cast<size_t>(layout_.num_planes()); }
 
@@ -106,6 +123,7 @@ class KVBuffer {
   size_t page_size_;
   size_t plane_bytes_;
   int64_t blocks_per_page_;
+  int64_t num_blocks_;
   uintptr_t base_ = 0;
   mutable std::shared_mutex mu_;
   bool closed_ = false;

@@ -111,6 +111,7 @@ NB_MODULE(_C, m) {
       .def_prop_ro("num_pages", [](KVBuffer& b) { return b.layout().num_pages; })
       .def_prop_ro("num_blocks", &KVBuffer::num_blocks)
       .def_prop_ro("blocks_per_page", &KVBuffer::blocks_per_page)
+      .def_prop_ro("block_bytes", &KVBuffer::block_bytes)
       .def_prop_ro("pages_per_kv_page", &KVBuffer::pages_per_kv_page)
       .def(
           "map_pages", [](KVBuffer& b, IdArray ids) { b.map_pages(ids.data(), ids.shape(0)); },

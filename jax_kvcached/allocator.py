@@ -5,6 +5,11 @@ the pages it is told became empty. Placement is best-fit: blocks come first from
 mapped pages with the fewest free blocks, so pages fill up and empty out whole, and
 only then from new pages (lowest id first). Block 0 is the null block and is never
 handed out.
+
+Blocks are laid out densely over the pages; when a block's bytes do not divide the page,
+a block that straddles two pages is never handed out, so page p holds the blocks
+``[ceil(p * page / block), floor((p + 1) * page / block))`` (one fewer than the most on
+some pages). A page that holds no usable block is never mapped.
 """
 
 from __future__ import annotations
@@ -14,24 +19,41 @@ from collections.abc import Callable, Iterable
 
 
 class BlockAllocator:
-    def __init__(self, num_pages: int, blocks_per_page: int) -> None:
-        if num_pages <= 0 or blocks_per_page <= 0:
-            raise ValueError("num_pages and blocks_per_page must be positive")
+    def __init__(self, num_pages: int, page_bytes: int, block_bytes: int) -> None:
+        if num_pages <= 0 or block_bytes <= 0 or block_bytes > page_bytes:
+            raise ValueError("num_pages must be positive and a block must fit in a page")
         self.num_pages = num_pages
-        self.blocks_per_page = blocks_per_page
+        self.page_bytes, self.block_bytes = page_bytes, block_bytes
+        self.blocks_per_page = page_bytes // block_bytes  # the most blocks in one page
+        self.uniform = page_bytes % block_bytes == 0
         self._free: list[set[int]] = [set() for _ in range(num_pages)]  # mapped pages only
         self._mapped = [False] * num_pages
         # _buckets[k]: mapped pages with exactly k free blocks, 1 <= k <= blocks_per_page.
-        self._buckets: list[set[int]] = [set() for _ in range(blocks_per_page + 1)]
-        # With one block per page, page 0 holds only the null block: it is never mapped.
-        self._never_mapped = 1 if blocks_per_page == 1 else 0
-        self._unmapped = list(range(self._never_mapped, num_pages))  # a heap
+        self._buckets: list[set[int]] = [set() for _ in range(self.blocks_per_page + 1)]
+        usable = [p for p in range(num_pages) if self.capacity(p) > 0]
+        self._never_mapped = num_pages - len(usable)  # e.g. page 0 holding only block 0
+        self._unmapped = usable  # a heap (sorted)
+        # The fewest blocks a usable page holds, page 0 aside: a lower bound for planning.
+        self.min_blocks_per_page = min(
+            (self.capacity(p) for p in usable if p != 0), default=self.blocks_per_page
+        )
+        self._cum = [0]  # _cum[k]: blocks the k lowest usable pages hold
+        for p in usable:
+            self._cum.append(self._cum[-1] + self.capacity(p))
         self._used: set[int] = set()
         self._free_in_mapped = 0
 
+    def page_blocks(self, page: int) -> range:
+        """The blocks page ``page`` holds (block 0 included for page 0)."""
+        first = -(-page * self.page_bytes // self.block_bytes)
+        return range(first, (page + 1) * self.page_bytes // self.block_bytes)
+
+    def page_of(self, block: int) -> int:
+        return block * self.block_bytes // self.page_bytes
+
     # -- queries ---------------------------------------------------------------------
     def capacity(self, page: int) -> int:
-        return self.blocks_per_page - (1 if page == 0 else 0)
+        return len(self.page_blocks(page)) - (1 if page == 0 else 0)
 
     @property
     def num_used(self) -> int:
@@ -50,7 +72,14 @@ class BlockAllocator:
         k = min(max_new_pages, len(self._unmapped))
         if k <= 0:
             return 0
+        if not self.uniform:  # pages hold different counts: the k pages allocate() takes
+            return sum(self.capacity(p) for p in heapq.nsmallest(k, self._unmapped))
         return k * self.blocks_per_page - (1 if self._unmapped[0] == 0 else 0)
+
+    def capacity_of_pages(self, k: int) -> int:
+        """Blocks ``k`` pages hold when they are the k lowest usable pages (the ones the
+        allocator maps first, so what ``k`` pages of room give an empty cache)."""
+        return self._cum[max(0, min(k, len(self._cum) - 1))]
 
     def used_in_page(self, page: int) -> int:
         if not self._mapped[page]:
@@ -119,8 +148,7 @@ class BlockAllocator:
             out.extend(blocks)
         for page in new_pages:
             self._mapped[page] = True
-            first = page * self.blocks_per_page
-            all_blocks = [b for b in range(first, first + self.blocks_per_page) if b != 0]
+            all_blocks = [b for b in self.page_blocks(page) if b != 0]
             use = all_blocks[:need]
             need -= len(use)
             self._set_free(page, set(all_blocks[len(use) :]))
@@ -144,7 +172,7 @@ class BlockAllocator:
         ids = self.check_free(blocks)
         by_page: dict[int, list[int]] = {}
         for b in ids:
-            by_page.setdefault(b // self.blocks_per_page, []).append(b)
+            by_page.setdefault(self.page_of(b), []).append(b)
         empty = []
         for page, bs in by_page.items():
             self._set_free(page, self._free[page].union(bs))

@@ -78,7 +78,10 @@ class KVCache:
         self.num_blocks: int = buffer.num_blocks
         self.pages_per_kv_page: int = buffer.pages_per_kv_page
         self.shape = (num_layers, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
-        self._allocator = BlockAllocator(self.num_pages, self.blocks_per_page)
+        self.block_bytes: int = buffer.block_bytes
+        self._allocator = BlockAllocator(self.num_pages, buffer.page_size, self.block_bytes)
+        # Every usable page but page 0 holds at least this many blocks.
+        self.min_blocks_per_page: int = self._allocator.min_blocks_per_page
         self._view: jax.Array | None = None
         self._closed = False
         self._lock = threading.RLock()  # alloc / free / close from several threads
@@ -136,8 +139,8 @@ class KVCache:
     @property
     def capacity_blocks(self) -> int:
         """The most blocks this cache could hold under the pool's current limits."""
-        kv_pages = min(self.num_pages, self.pool.capacity_pages(self) // self.pages_per_kv_page)
-        return max(0, kv_pages * self.blocks_per_page - 1)  # block 0 is the null block
+        kv_pages = self.pool.capacity_pages(self) // self.pages_per_kv_page
+        return self._allocator.capacity_of_pages(kv_pages)  # block 0 is never counted
 
     @property
     def over_limit_pages(self) -> int:
@@ -196,6 +199,14 @@ class KVCache:
 
     def is_allocated(self, block_id: int) -> bool:
         return self._allocator.is_used(int(block_id))
+
+    def page_of(self, block_id: int) -> int:
+        """The KV page that holds ``block_id``."""
+        return self._allocator.page_of(int(block_id))
+
+    def page_blocks(self, page: int) -> range:
+        """The block ids KV page ``page`` holds (a block straddling two pages is in none)."""
+        return self._allocator.page_blocks(int(page))
 
     def used_blocks_per_page(self, pages: Iterable[int]) -> dict[int, int]:
         """Allocated blocks in each of ``pages``."""

@@ -193,10 +193,9 @@ class PrefixCache:
             return 0
         if not page_aware:
             return self._drop(list(self._lru)[:num_blocks], after)
-        bpp = self.cache.blocks_per_page
         by_page: dict[int, list[int]] = {}
         for block in self._lru:  # oldest first
-            by_page.setdefault(block // bpp, []).append(block)
+            by_page.setdefault(self.cache.page_of(block), []).append(block)
         usage = self.cache.used_blocks_per_page(by_page)
         whole = [p for p, bs in by_page.items() if len(bs) == usage[p]]
         victims: list[int] = []

@@ -84,7 +84,7 @@ class Scheduler:
 
     def _pages_for_blocks(self, n: int) -> int:
         """Physical pages that hold n more blocks (whole KV pages)."""
-        kv_pages = -(-n // self.cache.blocks_per_page)
+        kv_pages = -(-n // self.cache.min_blocks_per_page)
         return kv_pages * self.cache.pages_per_kv_page
 
     def _admit(self) -> None:

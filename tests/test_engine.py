@@ -51,7 +51,7 @@ def assert_only_cached_blocks_hold_pages(eng, pool):
     assert c.num_used_blocks == (pc.num_cached_blocks if pc else 0)
     if pc:
         assert pc.num_evictable_blocks == pc.num_cached_blocks  # no refs left
-        pages = {b // c.blocks_per_page for b in pc._hash_of}
+        pages = {c.page_of(b) for b in pc._hash_of}
         assert set(c._buffer.mapped_pages()) == pages
         assert pool.stats()["caches"][c.name]["mapped_pages"] == len(pages) * c.pages_per_kv_page
         pc.reset()

@@ -62,7 +62,7 @@ def assert_no_leak(s):
         wait_for(lambda eng=eng: not eng.has_work)
         c, pc = eng.cache, eng.prefix_cache
         assert c.num_used_blocks == pc.num_cached_blocks
-        pages = {b // c.blocks_per_page for b in pc._hash_of}
+        pages = {c.page_of(b) for b in pc._hash_of}
         assert set(c._buffer.mapped_pages()) == pages
 
 
