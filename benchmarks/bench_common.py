@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +21,18 @@ BENCH_MODEL = ModelConfig(
     head_dim=64,
     max_position_embeddings=8192,
 )
+
+
+def load_model(name: str) -> Any:
+    """``bench`` (the random BENCH_MODEL) or a packaged trained model (``smollm2-135m``,
+    fp32: the CPU's fast path)."""
+    import jax.numpy as jnp
+
+    from jax_kvcached.models import build_model, load_pretrained
+
+    if name == "bench":
+        return build_model(BENCH_MODEL, seed=0)
+    return load_pretrained(name, dtype=jnp.float32).model
 
 
 def median_time(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:

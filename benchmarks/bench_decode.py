@@ -17,12 +17,11 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bench_common import BENCH_MODEL, median_time
+from bench_common import load_model, median_time
 from flax import nnx
 
 import jax_kvcached as kv
 from jax_kvcached.attention import gqa_attention
-from jax_kvcached.models import build_model
 from jax_kvcached.runner import ModelRunner, StepInput
 
 
@@ -136,11 +135,14 @@ def main() -> None:
     p.add_argument("--ctx", default="256,1024,2048")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--model", default="bench", help="bench (random, small) or smollm2-135m")
     here = os.path.dirname(__file__)
-    p.add_argument("--out", default=os.path.join(here, "results", "bench_decode.json"))
+    p.add_argument("--out", default=None, help="default results/bench_decode[_MODEL].json")
     args = p.parse_args()
+    suffix = "" if args.model == "bench" else f"_{args.model}"
+    args.out = args.out or os.path.join(here, "results", f"bench_decode{suffix}.json")
 
-    model = build_model(BENCH_MODEL, seed=0)
+    model = load_model(args.model)
     rows = [
         bench_decode(model, b, c, args.iters, args.rounds)
         for c in map(int, args.ctx.split(","))
@@ -148,10 +150,11 @@ def main() -> None:
     ]
     prefill = [bench_prefill(model, n, args.iters) for n in (128, 512)]
     copy = memcpy_gbps()
-    cfg = BENCH_MODEL
+    cfg = model.config
     print(
-        f"\nDecode, {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads / "
-        f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, fp32, one token per sequence"
+        f"\nDecode, {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}, fp32, "
+        "one token per sequence"
     )
     print(
         f"{'batch':>5} {'ctx':>5} {'paged ms':>9} {'dense ms':>9} {'paged/dense':>12} "
@@ -171,7 +174,8 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(
-            {"decode": rows, "prefill": prefill, "memcpy_gbps": copy, "jax": jax.__version__},
+            {"model": args.model, "decode": rows, "prefill": prefill, "memcpy_gbps": copy,
+             "jax": jax.__version__},  # fmt: skip
             f,
             indent=2,
         )

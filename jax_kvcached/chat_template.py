@@ -1,10 +1,14 @@
-"""Chat templates: a checkpoint's own (tokenizer_config.json, Jinja) or a plain default."""
+"""Chat templates: a checkpoint's own Jinja template (``chat_template.jinja``,
+``tokenizer_config.json`` or GGUF metadata) or a plain default."""
 
 from __future__ import annotations
 
-import json
-import os
+import datetime
+import logging
 from collections.abc import Sequence
+from typing import NoReturn
+
+log = logging.getLogger("jax_kvcached.chat_template")
 
 # For checkpoints without a template (the built-in tiny models).
 DEFAULT_TEMPLATE = (
@@ -20,30 +24,41 @@ class ChatTemplate:
         import jinja2.sandbox
 
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # The globals transformers' apply_chat_template gives templates.
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         self.source = source
         self._template = env.from_string(source)
         self._context = context
 
     @classmethod
-    def for_model(cls, model_dir: str | None) -> ChatTemplate:
-        """The checkpoint's ``chat_template`` when it has one, else the default."""
-        path = os.path.join(model_dir, "tokenizer_config.json") if model_dir else ""
-        if path and os.path.exists(path):
-            with open(path) as f:
-                cfg = json.load(f)
-            source = cfg.get("chat_template")
-            if isinstance(source, list):  # named templates: take "default"
-                source = next((t["template"] for t in source if t.get("name") == "default"), None)
-            if isinstance(source, str):
-                special = {
-                    k: v if isinstance(v, str) else (v or {}).get("content", "")
-                    for k, v in cfg.items()
-                    if k in ("bos_token", "eos_token")
-                }
-                return cls(source, **special)
-        return cls()
+    def for_model(cls, model_path: str | None) -> ChatTemplate:
+        """The checkpoint's template (``chat_template.jinja``, ``tokenizer_config.json``,
+        then GGUF metadata) or, with a warning, the plain default."""
+        from jax_kvcached.models import find_chat_template
 
-    def render(self, messages: Sequence[dict[str, str]]) -> str:
+        return cls.from_source(*find_chat_template(model_path), where=model_path)
+
+    @classmethod
+    def from_source(
+        cls, source: str | None, special: dict[str, str], where: str | None = None
+    ) -> ChatTemplate:
+        """A checkpoint's template, or (with a warning when it has none) the default."""
+        if source is None:
+            if where:
+                log.warning("%s has no chat template: using a plain <|role|> one", where)
+            return cls()
+        return cls(source, **special)
+
+    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
         return self._template.render(
-            messages=list(messages), add_generation_prompt=True, **self._context
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **self._context
         )
+
+
+class TemplateError(ValueError):
+    """A chat template refused the messages (its ``raise_exception``)."""
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise TemplateError(message)

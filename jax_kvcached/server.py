@@ -47,7 +47,7 @@ from jax_kvcached.serving import Finished, Overloaded, ServingLoop, Unavailable
 @dataclasses.dataclass
 class ServedModel:
     engine: Engine
-    tokenizer: Any  # encode(str) -> ids, decode(ids) -> str
+    tokenizer: Any  # encode(str, add_special_tokens=True) -> ids, decode(ids) -> str
     chat_template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
@@ -171,7 +171,12 @@ def create_app(
         m = served(req.model)
         eng = m.engine
         if req.chat:
-            prompt: Any = m.tokenizer.encode(m.chat_template.render(req.messages))
+            try:  # a template may refuse messages (raise_exception) or fail on them
+                text = m.chat_template.render(req.messages)
+            except Exception as e:
+                raise APIError(400, f"the chat template failed: {e}", param="messages") from None
+            # The rendered template brings its own special tokens.
+            prompt: Any = m.tokenizer.encode(text, add_special_tokens=False)
         elif isinstance(req.prompt, str):
             prompt = m.tokenizer.encode(req.prompt)
         else:

@@ -103,9 +103,7 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
     return "\n".join(lines)
 
 
-def run_top(
-    url: str, interval: float = 1.0, once: bool = False, api_key: str | None = None
-) -> int:
+def run_top(url: str, interval: float = 1.0, once: bool = False, api_key: str | None = None) -> int:
     try:
         return _loop(url, interval, once, api_key)
     except KeyboardInterrupt:

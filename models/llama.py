@@ -144,3 +144,9 @@ class LlamaModel(nnx.Module):
 def build_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> LlamaModel:
     """A randomly initialised model (the tiny presets use this)."""
     return LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
+
+
+def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32) -> LlamaModel:
+    """The model's structure with shape-only parameters (no initialisation cost), for a
+    loader to fill in."""
+    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))

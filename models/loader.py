@@ -1,6 +1,7 @@
-"""Load local Hugging Face checkpoints (config.json + safetensors, sharded or not).
+"""Load local checkpoints: Hugging Face folders (config.json + safetensors, sharded or
+not) and GGUF files (a ``.gguf`` file, or a folder holding one).
 
-Nothing is downloaded: ``path`` must be a directory on disk.
+Nothing is downloaded: ``path`` must exist on disk.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .llama import LlamaModel, build_model
+from .llama import LlamaModel, abstract_model
 
 
 def _tensor_files(path: str) -> list[str]:
@@ -60,13 +61,35 @@ def _targets(model: LlamaModel) -> dict[str, tuple[object, str, bool]]:
     return t
 
 
-def load_checkpoint(path: str, *, dtype=jnp.float32) -> tuple[ModelConfig, LlamaModel]:
-    """Reads config.json and the safetensors weights in ``path`` into a LlamaModel."""
+def load_checkpoint(path: str, *, dtype=None) -> tuple[ModelConfig, LlamaModel]:
+    """Reads a checkpoint into a LlamaModel.
+
+    ``path``: a Hugging Face folder (config.json + safetensors; default dtype float32) or
+    a GGUF file / a folder with one (dequantized; default dtype bfloat16).
+    """
+    from .gguf import GGUFCheckpoint, gguf_file
+
+    gguf = gguf_file(path)
+    if gguf is not None:
+        return load_gguf(GGUFCheckpoint(gguf), dtype=dtype)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+        raise FileNotFoundError(f"checkpoint {path!r}: no such folder or .gguf file")
     cfg = ModelConfig.from_dir(path)
-    model = build_model(cfg, dtype=dtype)
-    tensors = _read_tensors(path)
+    model = abstract_model(cfg, dtype=dtype or jnp.float32)
+    _assign(model, cfg, _read_tensors(path), path)
+    return cfg, model
+
+
+def load_gguf(ck, *, dtype=None) -> tuple[ModelConfig, LlamaModel]:
+    """The model of an opened :class:`GGUFCheckpoint` (default dtype bfloat16)."""
+    cfg = ck.config()
+    model = abstract_model(cfg, dtype=dtype or jnp.bfloat16)
+    _assign(model, cfg, ck.tensors(cfg), ck.path)
+    return cfg, model
+
+
+def _assign(model: LlamaModel, cfg: ModelConfig, tensors: dict, path: str) -> None:
+    """Copies HF-named tensors into the model, checking names and shapes."""
     targets = _targets(model)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway
@@ -81,12 +104,46 @@ def load_checkpoint(path: str, *, dtype=jnp.float32) -> tuple[ModelConfig, Llama
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
     for name, (module, attr, transpose) in targets.items():
-        value = jnp.asarray(tensors[name])
+        value = tensors[name]
         if transpose:
             value = value.T
         param = getattr(module, attr)
-        current = param[...]
+        current = param.get_value()  # an array, or a shape-only struct (abstract model)
         if value.shape != current.shape:
-            raise ValueError(f"{name}: shape {value.shape} != model's {current.shape}")
-        param[...] = value.astype(current.dtype)
-    return cfg, model
+            raise ValueError(f"{path}: {name}: shape {value.shape} != model's {current.shape}")
+        param.set_value(jnp.asarray(value, dtype=current.dtype))
+
+
+def find_chat_template(path: str | None) -> tuple[str | None, dict[str, str]]:
+    """A checkpoint's chat template and the special tokens it may use, looked up in
+    ``chat_template.jinja`` (transformers 5), ``tokenizer_config.json``, then GGUF
+    metadata. ``(None, {})`` when it has none."""
+    from .gguf import GGUFCheckpoint, gguf_file
+
+    if not path:
+        return None, {}
+    gguf = gguf_file(path)
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    cfg: dict = {}
+    tc = os.path.join(folder, "tokenizer_config.json")
+    if os.path.exists(tc):
+        with open(tc, encoding="utf-8") as f:
+            cfg = json.load(f)
+    special = {
+        k: v if isinstance(v, str) else (v or {}).get("content", "")
+        for k, v in cfg.items()
+        if k in ("bos_token", "eos_token")
+    }
+    jinja = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read(), special
+    source = cfg.get("chat_template")
+    if isinstance(source, list):  # named templates: take "default"
+        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+    if isinstance(source, str):
+        return source, special
+    if gguf is not None:
+        ck = GGUFCheckpoint(gguf)
+        return ck.chat_template(), ck.tokenizer().special_tokens
+    return None, {}

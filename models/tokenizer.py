@@ -1,16 +1,21 @@
-"""Tokenizers: tokenizer.json through `tokenizers` when present, else byte-level."""
+"""Tokenizers: a checkpoint's own (``tokenizer.json`` or GGUF metadata, through the
+``tokenizers`` package) or, for the built-in random models, byte-level."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
-from typing import Protocol
+from typing import Any, Protocol
+
+log = logging.getLogger("jax_kvcached.models")
 
 
 class Tokenizer(Protocol):
     bos_token_id: int | None
     eos_token_id: int | None
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
 
 
@@ -19,36 +24,95 @@ class ByteTokenizer:
 
     bos_token_id = 256
     eos_token_id = 257
+    special_tokens: dict[str, str] = {}
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_token_id, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Bytes, after BOS unless ``add_special_tokens`` is False (a rendered chat
+        template brings its own special tokens)."""
+        ids = list(text.encode("utf-8"))
+        return [self.bos_token_id, *ids] if add_special_tokens else ids
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
-    def __init__(self, path: str) -> None:
+    """A ``tokenizers.Tokenizer``; special tokens in the text (``<|im_start|>``) stay
+    whole, and decoding drops special tokens. ``add_special_tokens`` runs the tokenizer's
+    post-processor (a ``tokenizer.json``'s BOS) and prepends BOS where a GGUF file asks
+    for it (``add_bos``); a rendered chat template passes False, as transformers'
+    ``apply_chat_template`` does."""
+
+    def __init__(
+        self,
+        tok: Any,
+        *,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        add_bos: bool = False,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self._tok = tok
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.add_bos = add_bos and bos_token_id is not None
+        self.special_tokens = special_tokens or {}  # bos_token / eos_token strings
+
+    @classmethod
+    def from_tokenizer(cls, tok: Any, **kw: Any) -> HFTokenizer:
+        return cls(tok, **kw)
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> HFTokenizer:
+        """``tokenizer.json`` plus the special tokens of ``tokenizer_config.json``."""
         from tokenizers import Tokenizer as _Tok
 
-        self._tok = _Tok.from_file(path)
-        self.bos_token_id = None
-        self.eos_token_id = None
+        tok = _Tok.from_file(os.path.join(model_dir, "tokenizer.json"))
+        cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        special = {k: _content(cfg.get(k)) for k in ("bos_token", "eos_token") if cfg.get(k)}
+        ids = {k: tok.token_to_id(v) for k, v in special.items()}
+        return cls(
+            tok, bos_token_id=ids.get("bos_token"), eos_token_id=ids.get("eos_token"),
+            special_tokens=special,  # BOS, if any, comes from the post-processor
+        )  # fmt: skip
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return [self.bos_token_id, *ids] if self.add_bos and add_special_tokens else ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tok.decode(ids)
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _content(v: Any) -> str:
+    return v if isinstance(v, str) else (v or {}).get("content", "")
 
 
 def load_tokenizer(model_dir: str | None) -> Tokenizer:
-    """The checkpoint's tokenizer.json when it and `tokenizers` exist, else bytes."""
+    """The checkpoint's tokenizer: a GGUF file's metadata, or ``tokenizer.json``.
+
+    Falls back to bytes (with a warning: text will not match the model's training) when
+    the checkpoint has none."""
+    from .gguf import GGUFCheckpoint, gguf_file
+
     if model_dir:
-        path = os.path.join(model_dir, "tokenizer.json")
-        if os.path.exists(path):
-            try:
-                return HFTokenizer(path)
-            except ImportError:
-                pass
+        gguf = gguf_file(model_dir)
+        if gguf is not None:
+            return GGUFCheckpoint(gguf).tokenizer()
+        if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+            return HFTokenizer.from_dir(model_dir)
+    log.warning(
+        "no tokenizer in %r: using raw UTF-8 bytes, which do not match a trained model's "
+        "vocabulary (outputs will be gibberish)", model_dir,
+    )  # fmt: skip
     return ByteTokenizer()

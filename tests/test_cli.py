@@ -25,16 +25,16 @@ def test_kv_demo_verifies_and_returns_every_page():
 
 
 def test_cli_demo_entry_point(tmp_path):
-    # Run from an empty folder so the installed package is imported, not the checkout.
+    # The default model is the trained SmolLM2-135M-Instruct. Run from an empty folder so
+    # the installed package is imported, not the checkout.
     r = subprocess.run(
-        [sys.executable, "-m", "jax_kvcached.cli", "demo", "--max-tokens", "4", "--batch", "2"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
+        [sys.executable, "-m", "jax_kvcached.cli", "demo", "--max-tokens", "10", "--batch", "1",
+         "--memory", "160MiB"],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stdout and "TTFT" in r.stdout and "peak mapped" in r.stdout
+    assert "'What is the capital of France?' -> 'The capital of France is Paris.'" in r.stdout
 
 
 def test_cli_rejects_bad_arguments(capsys):
@@ -106,7 +106,7 @@ def test_cli_serve_rejects_bad_arguments(tmp_path):
         (["--model", "tiny-llama"], "NAME=VALUE"),
         (["--model", "a=tiny-llama", "--limit", "b=1MiB"], "not a --model"),
         (["--model", "a=tiny-llama", "--limit", "a=lots"], "cannot parse"),
-        (["--model", "a=no-such-model"], "neither a built-in model"),
+        (["--model", "a=no-such-model"], "neither a packaged model"),
     ]:
         r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
