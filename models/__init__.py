@@ -3,9 +3,9 @@
 from .config import BUILTIN_CONFIGS, ModelConfig
 from .gguf import GGUFCheckpoint, GGUFError
 from .llama import LlamaModel, build_model
-from .loader import find_chat_template, load_checkpoint
+from .loader import find_chat_template, load_checkpoint, load_tokenizer
 from .pretrained import PRETRAINED, Pretrained, load_pretrained, pretrained_path
-from .tokenizer import ByteTokenizer, load_tokenizer
+from .tokenizer import ByteTokenizer
 
 __all__ = [
     "BUILTIN_CONFIGS",

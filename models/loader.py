@@ -7,6 +7,7 @@ Nothing is downloaded: ``path`` must exist on disk.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax.numpy as jnp
@@ -14,6 +15,9 @@ import numpy as np
 
 from .config import ModelConfig
 from .llama import LlamaModel, abstract_model
+from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+log = logging.getLogger("jax_kvcached.models")
 
 
 def _tensor_files(path: str) -> list[str]:
@@ -147,3 +151,23 @@ def find_chat_template(path: str | None) -> tuple[str | None, dict[str, str]]:
         ck = GGUFCheckpoint(gguf)
         return ck.chat_template(), ck.tokenizer().special_tokens
     return None, {}
+
+
+def load_tokenizer(model_dir: str | None) -> Tokenizer:
+    """The checkpoint's tokenizer: a GGUF file's metadata, or ``tokenizer.json``.
+
+    Falls back to bytes (with a warning: text will not match the model's training) when
+    the checkpoint has none."""
+    from .gguf import GGUFCheckpoint, gguf_file
+
+    if model_dir:
+        gguf = gguf_file(model_dir)
+        if gguf is not None:
+            return GGUFCheckpoint(gguf).tokenizer()
+        if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+            return HFTokenizer.from_dir(model_dir)
+    log.warning(
+        "no tokenizer in %r: using raw UTF-8 bytes, which do not match a trained model's "
+        "vocabulary (outputs will be gibberish)", model_dir,
+    )  # fmt: skip
+    return ByteTokenizer()

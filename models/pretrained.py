@@ -47,8 +47,7 @@ def load_pretrained(source: str, *, dtype: Any = None) -> Pretrained:
     """A packaged model by name (``smollm2-135m``), a GGUF file or a checkpoint folder,
     with its own tokenizer."""
     from .gguf import GGUFCheckpoint, gguf_file
-    from .loader import find_chat_template, load_checkpoint, load_gguf
-    from .tokenizer import load_tokenizer
+    from .loader import find_chat_template, load_checkpoint, load_gguf, load_tokenizer
 
     path = pretrained_path(source) if source in PRETRAINED else source
     gguf = gguf_file(path)

@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 from typing import Any, Protocol
-
-log = logging.getLogger("jax_kvcached.models")
 
 
 class Tokenizer(Protocol):
@@ -96,23 +93,3 @@ def _read_json(path: str) -> dict[str, Any]:
 
 def _content(v: Any) -> str:
     return v if isinstance(v, str) else (v or {}).get("content", "")
-
-
-def load_tokenizer(model_dir: str | None) -> Tokenizer:
-    """The checkpoint's tokenizer: a GGUF file's metadata, or ``tokenizer.json``.
-
-    Falls back to bytes (with a warning: text will not match the model's training) when
-    the checkpoint has none."""
-    from .gguf import GGUFCheckpoint, gguf_file
-
-    if model_dir:
-        gguf = gguf_file(model_dir)
-        if gguf is not None:
-            return GGUFCheckpoint(gguf).tokenizer()
-        if os.path.exists(os.path.join(model_dir, "tokenizer.json")):
-            return HFTokenizer.from_dir(model_dir)
-    log.warning(
-        "no tokenizer in %r: using raw UTF-8 bytes, which do not match a trained model's "
-        "vocabulary (outputs will be gibberish)", model_dir,
-    )  # fmt: skip
-    return ByteTokenizer()

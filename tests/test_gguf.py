@@ -19,9 +19,9 @@ from jax_kvcached.models import (
     find_chat_template,
     load_checkpoint,
     load_pretrained,
+    load_tokenizer,
     pretrained_path,
 )
-from jax_kvcached.models.tokenizer import load_tokenizer
 from jax_kvcached.sampling import SamplingParams
 
 CHATS = [
@@ -131,8 +131,9 @@ def test_engine_greedy_matches_transformers_generate(ours, hf):
 
 
 # -- GGUF files that cannot be loaded --------------------------------------------------
-def _write_gguf(path, arch="llama", tensor_type=None):
-    """A tiny GGUF: 1 layer, hidden 8, 2 heads, vocab 16, F32 weights."""
+def _write_gguf(path, arch="llama", tensor_type=None, extra=()):
+    """A tiny GGUF: 1 layer, hidden 8, 2 heads, vocab 16, F32 weights; ``extra``:
+    (name, array, quant type) tensors added as they are."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
@@ -158,6 +159,8 @@ def _write_gguf(path, arch="llama", tensor_type=None):
             w.add_tensor(name, raw, raw_dtype=tensor_type)
         else:
             w.add_tensor(name, data)
+    for name, data, quant in extra:
+        w.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -180,6 +183,25 @@ def test_a_small_gguf_loads_and_q_k_rows_are_unpermuted(tmp_path):
     np.testing.assert_array_equal(perm, raw["blk.0.attn_q.weight"])
     v = np.asarray(model.layers[0].self_attn.v_proj.kernel[...]).T
     np.testing.assert_array_equal(v, raw["blk.0.attn_v.weight"])  # not permuted
+
+
+def test_every_supported_tensor_type_dequantizes(tmp_path):
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    types = {Q.F32: 0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 2e-2, Q.Q4_1: 0.25, Q.Q4_0: 0.3}
+    path = tmp_path / "types.gguf"
+    _write_gguf(path, extra=[(f"t.{q.name}", x, q) for q in types])
+    ck = GGUFCheckpoint(str(path))
+    for t in gguf.GGUFReader(str(path)).tensors:
+        if t.name.startswith("t."):
+            q = Q[t.name[2:]]
+            got = ck._dequantize(t.name, t)
+            assert got.shape == x.shape and got.dtype == np.float32, q
+            want = gguf.quants.dequantize(gguf.quants.quantize(x, q), q).reshape(x.shape)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=q.name)
+            assert np.abs(got - x).max() <= types[q] * np.abs(x).max() + 1e-6, q.name
 
 
 def test_bad_gguf_files_give_clear_errors(tmp_path):
