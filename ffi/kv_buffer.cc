@@ -254,6 +254,31 @@ std::string KVBuffer::check_write(int64_t layer, int64_t num_layers, const int32
   return {};
 }
 
+std::string KVBuffer::check_read(int64_t layer, const int32_t* tables, int64_t batch, int64_t nb,
+                                 const int32_t* ctx_lens) const {
+  if (closed_) return "the KV cache is closed";
+  if (layer < 0 || layer >= layout_.num_layers) {
+    return "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(layout_.num_layers) + ")";
+  }
+  const int64_t bs = layout_.block_size;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t ctx = ctx_lens[b];
+    if (ctx < 0 || ctx > nb * bs) {
+      return "ctx_lens[" + std::to_string(b) + "] = " + std::to_string(ctx) + " out of range [0, " +
+             std::to_string(nb * bs) + "] (the block table's width x block size)";
+    }
+    for (int64_t i = 0; i < (ctx + bs - 1) / bs; ++i) {
+      const int64_t blk = tables[b * nb + i];
+      const std::string where = "block_tables[" + std::to_string(b) + ", " + std::to_string(i) + "] = " +
+                                std::to_string(blk);
+      if (blk <= 0 || blk >= num_blocks()) return where + " is not a block of this cache";
+      if (block_straddles(blk)) return where + " straddles two pages";
+      if (phys_[static_cast<size_t>(page_of_block(blk))].empty()) return where + " is in an unmapped page";
+    }
+  }
+  return {};
+}
+
 std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t n) const {
   if (closed_) return "the KV cache is closed";
   const int64_t nb = num_blocks();

@@ -100,6 +100,12 @@ class KVBuffer {
   // [layer, layer + num_layers): every slot is -1 (skipped) or a slot of a mapped page
   // outside the null block. Returns an empty string when valid, else the reason.
   std::string check_write(int64_t layer, int64_t num_layers, const int32_t* slots, size_t n) const;
+  // Checks (under the caller's shared lock) a read of `batch` sequences through block
+  // tables (batch, nb): ctx_lens[b] in [0, nb * block_size], and every block holding one of
+  // the first ctx_lens[b] tokens in range, not the null block, not straddling two pages,
+  // in a mapped page. Returns an empty string when valid, else the reason.
+  std::string check_read(int64_t layer, const int32_t* tables, int64_t batch, int64_t nb,
+                         const int32_t* ctx_lens) const;
   // Checks block copies: src and dst in range and mapped, dst not the null block, no
   // destination repeated or also used as a source (so copy order never matters).
   std::string check_copy(const int32_t* src, const int32_t* dst, size_t n) const;

@@ -170,6 +170,7 @@ NB_MODULE(_C, m) {
   cpu["copy_blocks"] = handler(kvcached_copy_blocks_cpu);
   cpu["map_pages"] = handler(kvcached_map_pages_cpu);
   cpu["unmap_pages"] = handler(kvcached_unmap_pages_cpu);
+  cpu["paged_attention"] = handler(kvcached_paged_attention_cpu);
 #ifdef KVCACHED_WITH_CUDA
   nb::dict cuda;
   cuda["write_kv"] = handler(kvcached_write_kv_cuda);

@@ -60,6 +60,9 @@ class Engine:
       log_every: steps between INFO logs of the prefix-cache metrics.
       memory_limit / memory_guarantee: this tenant's share of the pool (see
         :meth:`Pool.set_memory_limit`); changeable at run time through the pool.
+      attention: ``auto`` (the Pallas paged-attention kernel for a CUDA cache, the host
+        custom call for a host cache), ``host``, ``xla``, ``pallas`` or
+        ``pallas-interpret`` (the kernel interpreted).
     """
 
     def __init__(
@@ -79,6 +82,7 @@ class Engine:
         log_every: int = 200,
         memory_limit: int | str | None = None,
         memory_guarantee: int | str = 0,
+        attention: str = "auto",
     ) -> None:
         cfg = model.config
         if max_batch <= 0 or prefill_chunk <= 0:
@@ -98,7 +102,7 @@ class Engine:
         )
         self.name = name
         self.pool = pool
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, attention)
         self.prefix_cache = PrefixCache(self.cache, max_cached_tokens) if prefix_caching else None
         self.scheduler = Scheduler(
             self.cache, max_batch, prefill_chunk, self.max_model_len, self.prefix_cache

@@ -10,6 +10,7 @@ block-table width are padded to buckets so steady-state serving never recompiles
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,32 @@ import numpy as np
 from flax import nnx
 
 from jax_kvcached import ops
-from jax_kvcached.attention import paged_attention
+from jax_kvcached.attention import host_paged_attention, paged_attention
 from jax_kvcached.kv_cache import KVCache
+
+ATTENTION_IMPLS = ("auto", "host", "xla", "pallas", "pallas-interpret")
+
+
+def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
+    """The paged attention for ``impl``. ``auto``: the Pallas kernel for a CUDA cache, the
+    host custom call for a host cache. ``xla`` is the portable fallback;
+    ``pallas-interpret`` runs the kernel interpreted (tests)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if impl == "auto":
+        impl = "pallas" if cache.pool.backend == "cuda" else "host"
+    if impl == "xla":
+        return paged_attention
+    if impl == "host":
+        if cache.pool.backend != "host":
+            raise ValueError("attention='host' needs a host-backend cache")
+        return functools.partial(host_paged_attention, cache, token)
+    from jax_kvcached.pallas_attention import pallas_paged_attention
+
+    splits = max(1, min(8, nb // 32))  # flash decoding: split long contexts
+    return functools.partial(
+        pallas_paged_attention, num_splits=splits, interpret=impl == "pallas-interpret"
+    )
 
 
 def bucket(n: int, minimum: int = 1) -> int:
@@ -35,7 +60,10 @@ class StepInput:
 
 
 class ModelRunner:
-    def __init__(self, model: nnx.Module, cache: KVCache) -> None:
+    """``attention``: ``auto`` (the Pallas kernel for a CUDA cache, the host custom call
+    for a host cache), ``host``, ``xla``, ``pallas`` or ``pallas-interpret``."""
+
+    def __init__(self, model: nnx.Module, cache: KVCache, attention: str = "auto") -> None:
         cfg = model.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
             cfg.num_layers,
@@ -43,8 +71,11 @@ class ModelRunner:
             cfg.head_dim,
         ):
             raise ValueError("the KV cache's layers / KV heads / head_dim do not match the model")
+        if attention not in ATTENTION_IMPLS:
+            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
         self.config = cfg
         self.cache = cache
+        self.attention = attention
         self.graphdef, self.state = nnx.split(model)
         self.token = ops.new_token(cache.pool.device)
         self._step = jax.jit(self._make_step(), static_argnums=(3, 4, 5))
@@ -67,10 +98,11 @@ class ModelRunner:
             tables = ops.after(tables, token)  # reads see every earlier step's writes
             new_k: list = [None] * layers
             new_v: list = [None] * layers
+            attention = attention_fn(self.attention, cache, nb, token)
 
             def attend(i, q, k, v):
                 new_k[i], new_v[i] = k, v
-                return paged_attention(q, k, v, view, i, tables, ctx_lens, new_lens)
+                return attention(q, k, v, view, i, tables, ctx_lens, new_lens)
 
             logits = model(tokens, positions, attend)
             last = logits[jnp.arange(b), jnp.maximum(new_lens - 1, 0)]

@@ -376,7 +376,7 @@ def test_sigterm_finishes_within_the_deadline_and_cancels_the_rest(tmp_path):
             assert time.monotonic() < t_end, "the server did not come up"
             time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key file is used
-        body = {"model": "a", "prompt": "hi", "max_tokens": 300, "ignore_eos": True,
+        body = {"model": "a", "prompt": "hi", "max_tokens": 1000, "ignore_eos": True,
                 "temperature": 0}  # fmt: skip
         # Compile every shape the measured run will use first (a compile in progress
         # cannot be interrupted, so it would delay the cancel past the deadline).

@@ -1,0 +1,79 @@
+"""The engine end to end on the CUDA backend, with the Pallas paged-attention kernel
+compiled for the GPU. Skipped only when no GPU is present."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvcached as kv
+from jax_kvcached.attention import paged_attention
+from jax_kvcached.engine import Engine
+from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+from jax_kvcached.pallas_attention import pallas_paged_attention
+from jax_kvcached.sampling import SamplingParams
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU engine tests need one")
+
+PROMPTS = [[256, 72, 101, 108, 108, 111], [256, *range(40, 77)], [256, 9], [256, *range(1, 70)]]
+
+
+def _run(backend, device, attention="auto"):
+    with jax.default_device(device):
+        model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=3)
+        pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
+        eng = Engine(model, pool, name="m", max_batch=4, attention=attention)
+        view = eng.cache.view
+        assert view.unsafe_buffer_pointer() == eng.cache.base_address  # zero-copy
+        outs = eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+        eng.prefix_cache.reset(after=eng.runner.token)
+        assert pool.stats()["mapped_pages"] == 0  # nothing leaks
+        pool.close()
+    return [o.token_ids for o in outs]
+
+
+def test_engine_on_cuda_matches_the_cpu_run():
+    cpu = _run("host", jax.devices("cpu")[0])
+    assert _run("cuda", _gpus()[0]) == cpu  # the Pallas kernel (auto on CUDA)
+    assert _run("cuda", _gpus()[0], attention="xla") == cpu
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("bs,groups,splits", [(16, 1, 1), (32, 4, 2), (64, 8, 4)])
+def test_pallas_kernel_matches_the_xla_path_on_gpu(dtype, bs, groups, splits):
+    with jax.default_device(_gpus()[0]):
+        pool = kv.Pool("512MiB", backend="cuda", min_reserved_pages=0, max_reserved_pages=0)
+        c = pool.create_kv_cache("a", 1, 2, 64, dtype, block_size=bs)
+        rng = np.random.default_rng(bs)
+        ctx = [0, 5, bs * 3 + 1, 700]
+        nb = -(-max(ctx) // bs)
+        tables = np.zeros((4, nb), np.int32)
+        from jax_kvcached import ops
+
+        for i, n in enumerate(ctx):
+            k = -(-n // bs)
+            if k:
+                tables[i, :k] = c.alloc(k)
+                kv_ = jnp.asarray(rng.standard_normal((1, n, 2, 64)), dtype)
+                slots = c.slot_mapping(tables[i, :k], np.arange(n))
+                ops.write_kv(
+                    c, 0, kv_, -kv_, jnp.asarray(slots), ops.new_token()
+                ).block_until_ready()
+        q = jnp.asarray(rng.standard_normal((4, 1, 2 * groups, 64)), jnp.float32)
+        kn = jnp.asarray(rng.standard_normal((4, 1, 2, 64)), jnp.float32)
+        args = (q, kn, kn, c.view, 0, jnp.asarray(tables), jnp.asarray(ctx), jnp.ones(4, jnp.int32))
+        want = jax.jit(paged_attention, static_argnums=4)(*args)
+        got = jax.jit(lambda *a: pallas_paged_attention(*a, num_splits=splits), static_argnums=4)(
+            *args
+        )
+        tol = 1e-4 if dtype == "float32" else 2e-2
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol)
+        pool.close()
