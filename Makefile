@@ -25,6 +25,7 @@ test: install
 bench: install
 	$(BIN)/python -m pip install -q --no-build-isolation ".[test,bench]"
 	$(BIN)/python benchmarks/bench_vmm.py
+	$(BIN)/python benchmarks/bench_attention.py
 	$(BIN)/python benchmarks/bench_decode.py
 	$(BIN)/python benchmarks/bench_prefix.py
 	$(BIN)/python benchmarks/bench_multitenant.py

@@ -57,9 +57,11 @@ def bench_decode(model, batch: int, ctx: int, iters: int, rounds: int) -> dict:
     itemsize = 4
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
     need = batch * (ctx + bs) * kv_per_token
+    one_kv_page = 2 * cfg.num_layers * (2 << 20)  # one 2 MiB page per layer for K and V
     pool = kv.Pool(
-        max(2 * need, 64 << 20), backend="host", min_reserved_pages=0, max_reserved_pages=0
-    )
+        max(2 * need, 4 * one_kv_page), backend="host", min_reserved_pages=0,
+        max_reserved_pages=0,
+    )  # fmt: skip
     cache = pool.create_kv_cache(
         "bench", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32", block_size=bs
     )
