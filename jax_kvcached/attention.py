@@ -142,11 +142,11 @@ def host_paged_attention(
     from jax_kvcached import ops
 
     b, t, h, d = q.shape
+    if t > 1:  # prefill is compute-bound: XLA's dense dots beat the call's row loops
+        return paged_attention(q, k_new, v_new, view, layer, block_tables, ctx_lens, new_lens)
     kvh = view.shape[4]
     qg = q.reshape(b, t, kvh, h // kvh, d).astype(jnp.float32)
     # New K/V rounded to the cache dtype, as the other paths (and later steps) see them.
     kn, vn = (x.astype(view.dtype).astype(jnp.float32) for x in (k_new, v_new))
-    if t > 1:  # prefill is compute-bound: XLA's dense dots beat the call's row loops
-        return paged_attention(q, k_new, v_new, view, layer, block_tables, ctx_lens, new_lens)
     o, _, _ = ops.paged_attention(cache, layer, qg, kn, vn, block_tables, ctx_lens, new_lens, token)
     return o.reshape(b, t, h, d).astype(q.dtype)

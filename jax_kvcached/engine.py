@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcached.errors import PoolExhausted
+from jax_kvcached.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.kv_cache import KVCache
 from jax_kvcached.pool import Pool
 from jax_kvcached.prefix_cache import PrefixCache, extra_key_bytes
@@ -118,7 +118,8 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int]) -> list[int]:
-        """Token ids of a prompt, validated (vocabulary, length); raises ValueError."""
+        """Token ids of a prompt, validated (vocabulary, length); raises ValueError
+        (:class:`ContextLengthExceeded` for a prompt that leaves no room)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a string prompt needs an Engine tokenizer")
@@ -133,7 +134,7 @@ class Engine:
                 f"token ids out of the vocabulary [0, {self.config.vocab_size}): {bad[:5]}"
             )
         if len(ids) >= self.max_model_len:
-            raise ValueError(
+            raise ContextLengthExceeded(
                 f"prompt of {len(ids)} tokens leaves no room in max_model_len={self.max_model_len}"
             )
         return ids

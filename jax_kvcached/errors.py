@@ -2,4 +2,9 @@
 
 from jax_kvcached._C import BackendError, KVCacheError, PoolExhausted
 
-__all__ = ["BackendError", "KVCacheError", "PoolExhausted"]
+
+class ContextLengthExceeded(ValueError):
+    """A prompt (plus the tokens asked for) does not fit the model's context length."""
+
+
+__all__ = ["BackendError", "ContextLengthExceeded", "KVCacheError", "PoolExhausted"]

@@ -24,19 +24,24 @@ from jax_kvcached.kv_cache import KVCache
 ATTENTION_IMPLS = ("auto", "host", "xla", "pallas", "pallas-interpret")
 
 
-def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
-    """The paged attention for ``impl``. ``auto``: the Pallas kernel for a CUDA cache, the
-    host custom call for a host cache. ``xla`` is the portable fallback;
-    ``pallas-interpret`` runs the kernel interpreted (tests)."""
+def resolve_attention(impl: str, cache: KVCache) -> str:
+    """Validates an attention choice for ``cache``; ``auto`` becomes the Pallas kernel for
+    a CUDA cache and the host custom call for a host cache."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl == "auto":
-        impl = "pallas" if cache.pool.backend == "cuda" else "host"
+        return "pallas" if cache.pool.backend == "cuda" else "host"
+    if impl == "host" and cache.pool.backend != "host":
+        raise ValueError("attention='host' needs a host-backend cache")
+    return impl
+
+
+def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
+    """The paged attention of a resolved choice (:func:`resolve_attention`): ``xla`` is
+    the portable fallback; ``pallas-interpret`` runs the kernel interpreted (tests)."""
     if impl == "xla":
         return paged_attention
     if impl == "host":
-        if cache.pool.backend != "host":
-            raise ValueError("attention='host' needs a host-backend cache")
         return functools.partial(host_paged_attention, cache, token)
     from jax_kvcached.pallas_attention import pallas_paged_attention
 
@@ -71,11 +76,9 @@ class ModelRunner:
             cfg.head_dim,
         ):
             raise ValueError("the KV cache's layers / KV heads / head_dim do not match the model")
-        if attention not in ATTENTION_IMPLS:
-            raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {attention!r}")
         self.config = cfg
         self.cache = cache
-        self.attention = attention
+        self.attention = resolve_attention(attention, cache)
         self.graphdef, self.state = nnx.split(model)
         self.token = ops.new_token(cache.pool.device)
         self._step = jax.jit(self._make_step(), static_argnums=(3, 4, 5))

@@ -30,7 +30,7 @@ from starlette.routing import Route
 
 from jax_kvcached.chat_template import ChatTemplate
 from jax_kvcached.engine import Engine
-from jax_kvcached.errors import PoolExhausted
+from jax_kvcached.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.metrics import CONTENT_TYPE, ServerMetrics
 from jax_kvcached.openai_protocol import (
     APIError,
@@ -182,15 +182,10 @@ def create_app(
         else:
             prompt = req.prompt
         param = "messages" if req.chat else "prompt"
-        if len(prompt) >= eng.max_model_len:
-            raise APIError(
-                400,
-                f"this model's maximum context length is {eng.max_model_len} tokens; the "
-                f"prompt has {len(prompt)}",
-                param=param, code="context_length_exceeded",
-            )  # fmt: skip
         try:
             ids = eng.encode(prompt)
+        except ContextLengthExceeded as e:
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
         room = eng.max_model_len - len(ids)
@@ -202,9 +197,7 @@ def create_app(
                 f"prompt has {len(ids)} and max_tokens asks for {max_tokens}",
                 param="max_tokens", code="context_length_exceeded",
             )  # fmt: skip
-        if req.top_k >= eng.config.vocab_size:  # top_k clipped to the vocabulary: off
-            req = dataclasses.replace(req, top_k=0)
-        try:
+        try:  # (Engine.add_request clips top_k to the vocabulary)
             return m, ids, req.sampling(max_tokens)
         except (TypeError, ValueError) as e:  # parse_* validated already; a second guard
             raise APIError(400, str(e)) from None

@@ -52,32 +52,44 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_cli_serve_and_top(tmp_path):
-    import signal
+def start_serve(args: list[str], cwd) -> tuple[subprocess.Popen, str]:
+    """`jax-kvcached serve ARGS` on a free loopback port, once /health answers 200."""
     import time
 
     import httpx
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "jax_kvcached.cli"]
     proc = subprocess.Popen(
-        [*cmd, "serve", "--model", "a=tiny-llama", "--model", "b=tiny-qwen2", "--memory",
-         "32MiB", "--page-size", "256KiB", "--limit", "b=4MiB", "--port", str(port),
-         "--no-warmup", "--backend", "host"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "jax_kvcached.cli", "serve", *args, "--port", str(port)],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("the server did not come up")
+        time.sleep(0.2)
+
+
+def test_cli_serve_and_top(tmp_path):
+    import signal
+
+    import httpx
+
+    cmd = [sys.executable, "-m", "jax_kvcached.cli"]
+    proc, url = start_serve(
+        ["--model", "a=tiny-llama", "--model", "b=tiny-qwen2", "--memory", "32MiB",
+         "--page-size", "256KiB", "--limit", "b=4MiB", "--no-warmup", "--backend", "host"],
+        tmp_path,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
         body = {"model": "b", "prompt": "hi", "max_tokens": 3, "temperature": 0}
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

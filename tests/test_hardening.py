@@ -5,8 +5,6 @@ import json
 import math
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,6 +15,7 @@ import pytest
 from conftest import FFI_ERRORS, make_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_cli import start_serve
 from test_engine import assert_only_cached_blocks_hold_pages
 from test_server import Server, wait_for
 
@@ -346,35 +345,17 @@ def test_engine_survives_bad_params_and_clips_top_k():
 
 
 # -- graceful shutdown -------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_finishes_within_the_deadline_and_cancels_the_rest(tmp_path):
-    port, deadline_s = _free_port(), 1.5
-    url = f"http://127.0.0.1:{port}"
+    deadline_s = 1.5
     key_file = tmp_path / "key"
     key_file.write_text(API + "\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jax_kvcached.cli", "serve", "--model", "a=tiny-llama",
-         "--memory", "32MiB", "--page-size", "256KiB", "--port", str(port), "--no-warmup",
-         "--backend", "host", "--api-key-file", str(key_file),
+    proc, url = start_serve(
+        ["--model", "a=tiny-llama", "--memory", "32MiB", "--page-size", "256KiB",
+         "--no-warmup", "--backend", "host", "--api-key-file", str(key_file),
          "--shutdown-timeout", str(deadline_s)],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        tmp_path,
     )  # fmt: skip
     try:
-        t_end = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < t_end, "the server did not come up"
-            time.sleep(0.2)
         assert httpx.get(f"{url}/v1/models").status_code == 401  # the key file is used
         body = {"model": "a", "prompt": "hi", "max_tokens": 1000, "ignore_eos": True,
                 "temperature": 0}  # fmt: skip
