@@ -45,7 +45,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
     s.add_argument("--max-cached-tokens", type=int, default=None, help="prefix-cache bound")
     s.add_argument("--seed", type=int, default=0, help="weights of the built-in presets")
-    s.add_argument("--no-warmup", action="store_true", help="skip compiling before serving")
+    s.add_argument(
+        "--no-warmup", action="store_true",
+        help="skip compiling every step shape before serving (shapes then compile on first use)",
+    )  # fmt: skip
+    s.add_argument(
+        "--compile-cache", default=None, metavar="DIR",
+        help="JAX's persistent compilation cache, so a second start is fast ('off' disables; "
+        "default: $KVCACHED_COMPILE_CACHE or ~/.cache/jax-kvcached/xla)",
+    )  # fmt: skip
     s.add_argument(
         "--api-key", default=None,
         help="required as 'Authorization: Bearer KEY' on /v1/* (default: $KVCACHED_API_KEY)",
@@ -144,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 specs, memory=args.memory, host=args.host, port=args.port, backend=args.backend,
                 page_size=args.page_size, max_batch=args.max_batch, max_queue=args.max_queue,
                 max_cached_tokens=args.max_cached_tokens, seed=args.seed,
-                warmup=not args.no_warmup, auth=auth, shutdown_timeout=args.shutdown_timeout,
+                warmup=not args.no_warmup, compile_cache=args.compile_cache, auth=auth,
+                shutdown_timeout=args.shutdown_timeout,
             )  # fmt: skip
         except (ValueError, FileNotFoundError) as e:  # a bad model, size or limit
             print(f"error: {e}", file=sys.stderr)

@@ -6,11 +6,11 @@ import dataclasses
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from jax_kvcached.errors import ContextLengthExceeded, PoolExhausted
@@ -18,7 +18,7 @@ from jax_kvcached.kv_cache import KVCache
 from jax_kvcached.pool import Pool
 from jax_kvcached.prefix_cache import PrefixCache, extra_key_bytes
 from jax_kvcached.runner import ModelRunner
-from jax_kvcached.sampling import SamplingParams, sample
+from jax_kvcached.sampling import SamplingParams
 from jax_kvcached.scheduler import Scheduler, Sequence
 
 
@@ -32,6 +32,7 @@ class RequestOutput:
     latency_s: float
     preemptions: int
     cached_tokens: int = 0
+    seed: int | None = None  # the request's sampling seed (drawn if it gave none)
     text: str | None = None
 
 
@@ -39,8 +40,9 @@ class RequestOutput:
 class PendingStep:
     """A dispatched step whose sampled tokens may still be computing."""
 
-    sequences: list[Sequence]  # the rows that sample a token, in order
-    tokens: Any  # device array of their next tokens, or None
+    sequences: list[Sequence]  # the sequences that sample a token, in order
+    tokens: Any  # device array of the step's sampled tokens, or None
+    rows: list[int] = dataclasses.field(default_factory=list)  # their rows in ``tokens``
 
 
 class Engine:
@@ -63,6 +65,8 @@ class Engine:
       attention: ``auto`` (the Pallas paged-attention kernel for a CUDA cache, the host
         custom call for a host cache), ``host``, ``xla``, ``pallas`` or
         ``pallas-interpret`` (the kernel interpreted).
+      overlap: prepare and dispatch step n+1 before waiting for step n's tokens (the
+        device feeds them to step n+1); False waits after every step. Same outputs.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Engine:
         memory_limit: int | str | None = None,
         memory_guarantee: int | str = 0,
         attention: str = "auto",
+        overlap: bool = True,
     ) -> None:
         cfg = model.config
         if max_batch <= 0 or prefill_chunk <= 0:
@@ -102,15 +107,20 @@ class Engine:
         )
         self.name = name
         self.pool = pool
-        self.runner = ModelRunner(model, self.cache, attention)
+        self.runner = ModelRunner(
+            model, self.cache, attention, max_batch=max_batch, prefill_tokens=prefill_chunk,
+            max_model_len=self.max_model_len,
+        )  # fmt: skip
         self.prefix_cache = PrefixCache(self.cache, max_cached_tokens) if prefix_caching else None
         self.scheduler = Scheduler(
-            self.cache, max_batch, prefill_chunk, self.max_model_len, self.prefix_cache
-        )
+            self.cache, max_batch, prefill_chunk, self.max_model_len, self.prefix_cache,
+            prefill_fits=self.runner.prefill_fits,
+        )  # fmt: skip
         self.log_every = log_every
+        self.overlap = overlap
         self._ids = itertools.count()
         self._by_id: dict[int, Sequence] = {}
-        self._pending: PendingStep | None = None
+        self._inflight: deque[PendingStep] = deque()  # dispatched, oldest first
         self._lock = threading.RLock()  # steps vs. another tenant's reclaim
         self.finished: list[Sequence] = []
         self.steps = 0
@@ -159,6 +169,7 @@ class Engine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.top_k >= self.config.vocab_size:  # keeps the whole vocabulary: off
             params = dataclasses.replace(params, top_k=0)
+        params = params.seeded()  # an unseeded request gets a fresh seed (reported)
         with self._lock:
             rid = next(self._ids)
             seq = Sequence(rid, ids, params, on_token)
@@ -174,22 +185,46 @@ class Engine:
             seq = self._by_id.pop(request_id, None)
             return seq is not None and self.scheduler.abort(seq, after=self.runner.token)
 
+    def params_of(self, request_id: int) -> SamplingParams | None:
+        """The parameters an active request runs with (its seed filled in)."""
+        seq = self._by_id.get(request_id)
+        return None if seq is None else seq.params
+
+    @property
+    def num_inflight(self) -> int:
+        """Dispatched steps whose results have not been completed."""
+        return len(self._inflight)
+
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or self._pending is not None
+        return self.scheduler.has_work or bool(self._inflight)
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """Runs one scheduled step; returns the sequences that finished in it."""
-        return self.complete(self.dispatch())
+        """Advances the pipeline: dispatches the next step (the host prepares it while the
+        device runs the previous one), then completes the previous step. Returns the
+        sequences that finished."""
+        new = self.dispatch() if self.scheduler.has_work else None
+        if not self.overlap or (self._inflight and (len(self._inflight) > 1 or new is None)):
+            if not self._inflight:
+                return []
+            return self.complete(self._inflight[0])
+        return []
+
+    def drain(self) -> list[Sequence]:
+        """Completes every dispatched step."""
+        done: list[Sequence] = []
+        while self._inflight:
+            done += self.complete(self._inflight[0])
+        return done
 
     def dispatch(self) -> PendingStep | None:
-        """Schedules and dispatches one step without waiting for its result (None: nothing
-        could run). Call :meth:`complete` before the next dispatch; other engines may
-        dispatch in between, so their host work overlaps this step's device work."""
+        """Schedules and dispatches one step without waiting for any result (None:
+        nothing could run). At most one step may be in flight when dispatching: the
+        next one's decode rows take their tokens from it on the device."""
         with self._lock:
-            if self._pending is not None:
-                raise RuntimeError("complete() the dispatched step before dispatching another")
+            if len(self._inflight) > 1:
+                raise RuntimeError("complete() a dispatched step before dispatching another")
             try:
                 seqs, inputs = self.scheduler.schedule(after=self.runner.token)
             except PoolExhausted as e:  # a request that can never fit was dropped
@@ -197,62 +232,58 @@ class Engine:
                 raise
             if not seqs:
                 return None
-            logits = self.runner.run_padded(inputs)
-            self.steps += 1
-            # Rows whose new tokens reached the end of their sequence yield a next token.
-            rows = [
-                i
-                for i, (s, x) in enumerate(zip(seqs, inputs, strict=True))
-                if x.start + len(x.tokens) == s.num_tokens
-            ]
-            sampling = [seqs[i] for i in rows]
+            # Rows whose new tokens reach the end of their sequence sample a next token.
+            sampling = []
             for s, x in zip(seqs, inputs, strict=True):
+                if x.start + len(x.tokens) == s.num_tokens:
+                    x.params, x.sample_step = s.params, s.num_output
+                    sampling.append(s)
+            _, tokens = self.runner.run_padded(inputs)
+            self.steps += 1
+            rows = []
+            for i, (s, x) in enumerate(zip(seqs, inputs, strict=True)):
                 self.scheduler.computed(s, x.start + len(x.tokens))
+                if x.params is not None:
+                    s.num_pending += 1
+                    s.last_row = i
+                    rows.append(i)
             if self.prefix_cache and self.steps % self.log_every == 0:
                 self.prefix_cache.log_stats()
-            tokens = None
-            if sampling:
-                # Padded to the step's bucket: sampling compiles once per bucket.
-                pad = logits.shape[0] - len(rows)
-                p = [s.params for s in sampling] + [SamplingParams()] * pad
-                steps = [len(s.output) for s in sampling] + [0] * pad
-                tokens = sample(
-                    logits[jnp.asarray(rows + [0] * pad)],
-                    jnp.asarray([q.temperature for q in p], jnp.float32),
-                    jnp.asarray([q.top_k for q in p], jnp.int32),
-                    jnp.asarray([q.top_p for q in p], jnp.float32),
-                    jnp.asarray([q.seed for q in p], jnp.uint32),
-                    jnp.asarray(steps, jnp.int32),
-                )
-            self._pending = PendingStep(sampling, tokens)
-            return self._pending
+            step = PendingStep(sampling, tokens if sampling else None, rows)
+            self._inflight.append(step)
+            return step
 
     def complete(self, step: PendingStep | None) -> list[Sequence]:
-        """Waits for a dispatched step's tokens, streams them and finishes sequences."""
+        """Waits for a dispatched step's tokens (the oldest in flight), streams them and
+        finishes sequences."""
         if step is None:
             return []
         with self._lock:
-            if step is not self._pending:
-                raise RuntimeError("this step is not the engine's dispatched step")
-            self._pending = None
+            if not self._inflight or step is not self._inflight[0]:
+                raise RuntimeError("this step is not the engine's oldest dispatched step")
+            self._inflight.popleft()
             if step.tokens is None:
                 return []
-            new_tokens = np.asarray(step.tokens)[: len(step.sequences)].tolist()
+            host = np.asarray(step.tokens)
             now = time.perf_counter()
             done = []
             eos = self.config.eos_ids
-            for s, tok in zip(step.sequences, new_tokens, strict=True):
-                if s.finish_reason is not None:  # aborted while the step ran
+            for s, row in zip(step.sequences, step.rows, strict=True):
+                s.num_pending -= 1
+                if s.finish_reason is not None:  # aborted or finished while in flight
                     continue
-                s.output.append(tok)
+                tok = int(host[row])
+                s.token_ids.append(tok)
                 if s.first_token_time is None:
                     s.first_token_time = now
+                if s.blocks:  # a block that held this pending token can be cached now
+                    self.scheduler.computed(s, s.num_computed)
                 reason = None
                 if tok in s.params.stop_token_ids or (tok in eos and not s.params.ignore_eos):
                     reason = "stop"
-                elif len(s.output) >= s.params.max_tokens:
+                elif len(s.token_ids) - s.num_prompt >= s.params.max_tokens:
                     reason = "length"
-                elif s.num_tokens >= self.max_model_len:
+                elif len(s.token_ids) >= self.max_model_len:
                     reason = "length"
                 if reason:
                     self.scheduler.finish(s, reason, after=self.runner.token)
@@ -287,13 +318,14 @@ class Engine:
         (run each engine from a serving loop to wait for it instead)."""
         while self.has_work:
             preemptions = self.scheduler.num_preemptions
-            pending = self.dispatch()
-            if pending is None and preemptions == self.scheduler.num_preemptions:
+            steps, inflight = self.steps, len(self._inflight)
+            self.step()
+            stuck = self.steps == steps and not inflight
+            if stuck and preemptions == self.scheduler.num_preemptions:
                 raise PoolExhausted(
                     f"{self.name!r}: {len(self.scheduler.waiting)} requests wait for KV memory "
                     "held by other tenants of the pool"
                 )
-            self.complete(pending)
 
     def generate(
         self,
@@ -330,6 +362,7 @@ class Engine:
                     latency_s=time.perf_counter() - s.arrival,
                     preemptions=s.preemptions,
                     cached_tokens=s.cached_tokens,
+                    seed=s.params.seed,
                     text=self.tokenizer.decode(s.output) if self.tokenizer else None,
                 )
             )

@@ -6,14 +6,14 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
-import time
 
 from jax_kvcached.chat_template import ChatTemplate
 from jax_kvcached.config import parse_bytes
 from jax_kvcached.engine import Engine
 from jax_kvcached.pool import Pool
-from jax_kvcached.sampling import SamplingParams
+from jax_kvcached.progress import Log
 from jax_kvcached.server import AuthConfig, ServedModel
 
 log = logging.getLogger("jax_kvcached.serve")
@@ -90,19 +90,61 @@ def build_served(
     return ServedModel(engine, tokenizer, template)
 
 
-def warm_up(served: ServedModel) -> float:
-    """Compiles the common step shapes (short and long prompts, each power-of-two batch)
-    before the server accepts requests; new shapes compile on first use."""
-    t0 = time.perf_counter()
-    eng = served.engine
-    batches = [b for b in (1, 2, 4, 8, 16, 32) if b <= eng.scheduler.max_batch]
-    for n in (8, 100):
-        for b in batches:
-            ps = [[1 + (i + j) % 200 for i in range(n)] for j in range(b)]
-            eng.generate(ps, SamplingParams(max_tokens=3))
-    if eng.prefix_cache:
-        eng.prefix_cache.reset(after=eng.runner.token)
-    return time.perf_counter() - t0
+def warm_up(served: ServedModel, name: str, out: Log | None = None) -> float:
+    """Compiles every step shape the engine can use (a progress bar, a log line), so a
+    served run compiles nothing later; returns the seconds taken."""
+    runner = served.engine.runner
+    out = out or Log(quiet=False)
+    shapes = runner.step_shapes()
+    secs = runner.compile(shapes, progress=lambda d, n: out.progress(name, d, n, "compiled"))
+    log.info(
+        "%s: %d step shapes and %d samplers compiled in %.1f s",
+        name, len(shapes), len({s[0] for s in shapes}), secs,
+    )  # fmt: skip
+    return secs
+
+
+COMPILE_CACHE_ENV = "KVCACHED_COMPILE_CACHE"
+
+
+def default_compile_cache() -> str:
+    """``$KVCACHED_COMPILE_CACHE``, else ``$XDG_CACHE_HOME`` (or ``~/.cache``) +
+    ``/jax-kvcached/xla``."""
+    if os.environ.get(COMPILE_CACHE_ENV):
+        return os.environ[COMPILE_CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jax-kvcached", "xla")
+
+
+def enable_compile_cache(path: str | None) -> str | None:
+    """Turns on JAX's persistent compilation cache in ``path`` (None: the default; "off"
+    or "": disabled), so a second start loads its compiled steps instead of compiling
+    them; returns the directory used."""
+    import jax
+
+    path = default_compile_cache() if path is None else path
+    if path in ("", "off", "none"):
+        return None
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the (long) warm-up so a busy port
+    fails at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def serve(
@@ -118,6 +160,7 @@ def serve(
     max_cached_tokens: int | None = None,
     seed: int = 0,
     warmup: bool = True,
+    compile_cache: str | None = None,
     auth: AuthConfig | None = None,
     shutdown_timeout: float = 10.0,
     max_body_bytes: int = 1 << 20,
@@ -144,6 +187,9 @@ def serve(
     import jax.numpy as jnp
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    sock = bind_socket(host, port)
+    cache_dir = enable_compile_cache(compile_cache)
+    log.info("compilation cache: %s", cache_dir or "off")
     pool = Pool(memory, page_size=page_size, backend=backend)
     # Trained weights: bf16 on a GPU; fp32 on the CPU, where XLA emulates bf16 matmuls.
     dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
@@ -155,7 +201,7 @@ def serve(
                 max_cached_tokens=max_cached_tokens,
             )  # fmt: skip
             if warmup:
-                log.info("%s: compiled in %.1f s", spec.name, warm_up(models[spec.name]))
+                warm_up(models[spec.name], spec.name)
         loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
         app = create_app(loop, models, pool, auth=auth, max_body_bytes=max_body_bytes)
         log.info(
@@ -171,11 +217,12 @@ def serve(
         previous = {s: signal.signal(s, lambda *_: None) for s in _SIGNALS}
         try:
             with loop:
-                GracefulServer(config).run()
+                GracefulServer(config).run(sockets=[sock])
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
     finally:
+        sock.close()
         pool.close()
 
 

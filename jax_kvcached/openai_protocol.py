@@ -58,7 +58,7 @@ class GenerationRequest:
     temperature: float
     top_p: float
     top_k: int
-    seed: int
+    seed: int | None  # None: a fresh random seed per request (reported in the response)
     stop: list[str]
     stream: bool
     include_usage: bool
@@ -73,7 +73,7 @@ class GenerationRequest:
             top_k=self.top_k,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
-        )
+        ).seeded()
 
 
 def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
@@ -98,8 +98,11 @@ def _int(body: dict, key: str, default: int | None, lo: int, hi: int = INT32_MAX
     return v
 
 
-def _seed(body: dict) -> int:
-    """The request's seed (a signed or unsigned 64-bit integer) folded to 32 bits."""
+def _seed(body: dict) -> int | None:
+    """The request's seed (a signed or unsigned 64-bit integer) folded to 32 bits; None
+    when it gives none."""
+    if body.get("seed") is None:
+        return None
     v = _int(body, "seed", 0, -(1 << 63), (1 << 64) - 1)
     return v % (1 << 32)
 

@@ -1,16 +1,30 @@
-"""ModelRunner: one jitted, shape-bucketed step of a Flax model over a paged KV cache.
+"""ModelRunner: one compiled, shape-bucketed step of a Flax model over a paged KV cache.
 
 A step takes, per sequence, a run of new tokens (a prefill chunk or one decode token), its
-cached context length and its block table; it attends over the cached blocks plus the new
-tokens, writes the new K/V of every layer with one ``ops.write_kv`` call after all reads,
-and returns the logits of each sequence's last new token. Batch size, new-token count and
-block-table width are padded to buckets so steady-state serving never recompiles.
+cached context length, its block table and its sampling parameters; it attends over the
+cached blocks plus the new tokens, writes the new K/V of every layer with one
+``ops.write_kv`` call after all reads, and samples each row's next token on the device.
+Every integer and float input travels as one packed array (one transfer). A decode row
+whose input token is still being sampled by the previous step takes it from that step's
+device output (``StepInput.src``), so the host never waits for a step before preparing
+the next one.
+
+Shapes come from a fixed, bounded set (:meth:`ModelRunner.step_shapes`): batch sizes
+step by at most 1.25x, prefill chunks by one block (16 tokens) within a token budget,
+block-table widths by 8 blocks then 1.25x (decode with attention that walks only the
+context, the host custom call and the Pallas kernel, uses one width). Each shape is
+compiled once, ahead of time (:meth:`ModelRunner.compile`), and counted.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import logging
+import os
+import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +34,9 @@ from flax import nnx
 from jax_kvcached import ops
 from jax_kvcached.attention import host_paged_attention, paged_attention
 from jax_kvcached.kv_cache import KVCache
+from jax_kvcached.sampling import NUM_CANDIDATES, SamplingParams, sample
+
+log = logging.getLogger(__name__)
 
 ATTENTION_IMPLS = ("auto", "host", "xla", "pallas", "pallas-interpret")
 
@@ -51,10 +68,27 @@ def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
     )
 
 
-def bucket(n: int, minimum: int = 1) -> int:
-    """The smallest power of two >= max(n, minimum)."""
-    n = max(n, minimum)
-    return 1 << (n - 1).bit_length()
+def ladder(lo: int, hi: int, multiple: int = 1, ratio: float = 1.25) -> tuple[int, ...]:
+    """Bucket sizes from ``lo`` to ``hi`` (both included): each step adds ``multiple`` or
+    grows by at most ``ratio`` (rounded down to a multiple), whichever is larger."""
+    if hi < lo:
+        return (hi,)
+    out = [lo]
+    while out[-1] < hi:
+        v = out[-1]
+        out.append(min(hi, max(v + multiple, int(v * ratio) // multiple * multiple)))
+    return tuple(out)
+
+
+def bucket(n: int, sizes: tuple[int, ...]) -> int:
+    """The smallest of ``sizes`` (ascending) >= n."""
+    for s in sizes:
+        if s >= n:
+            return s
+    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+
+
+TOKEN_MULTIPLE = 16  # prefill chunks are padded to a multiple of this many tokens
 
 
 @dataclasses.dataclass
@@ -62,13 +96,35 @@ class StepInput:
     tokens: list[int]  # the new tokens
     start: int  # tokens of this sequence already in the cache (their positions come first)
     blocks: list[int]  # the sequence's block table; covers start + len(tokens) tokens
+    # >= 0: the (single) token is the one row ``src`` of the previous step samples.
+    src: int = -1
+    params: SamplingParams | None = None  # this row samples its next token (None: not)
+    sample_step: int = 0  # tokens the request generated before this one (its draw's key)
+
+
+_GREEDY = SamplingParams(seed=0)
+_WALKS_CONTEXT = ("host", "pallas", "pallas-interpret")  # cost independent of the width
 
 
 class ModelRunner:
     """``attention``: ``auto`` (the Pallas kernel for a CUDA cache, the host custom call
-    for a host cache), ``host``, ``xla``, ``pallas`` or ``pallas-interpret``."""
+    for a host cache), ``host``, ``xla``, ``pallas`` or ``pallas-interpret``.
 
-    def __init__(self, model: nnx.Module, cache: KVCache, attention: str = "auto") -> None:
+    ``max_batch`` sequences per step, prefill steps of at most ``prefill_tokens`` new
+    tokens in all (one sequence may always take a whole chunk), contexts up to
+    ``max_model_len`` tokens: these bound the shape set."""
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        cache: KVCache,
+        attention: str = "auto",
+        *,
+        max_batch: int = 8,
+        prefill_tokens: int = 128,
+        max_model_len: int | None = None,
+        num_candidates: int = NUM_CANDIDATES,
+    ) -> None:
         cfg = model.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
             cfg.num_layers,
@@ -76,27 +132,54 @@ class ModelRunner:
             cfg.head_dim,
         ):
             raise ValueError("the KV cache's layers / KV heads / head_dim do not match the model")
+        if max_batch <= 0 or prefill_tokens <= 0:
+            raise ValueError("max_batch and prefill_tokens must be positive")
         self.config = cfg
         self.cache = cache
         self.attention = resolve_attention(attention, cache)
+        self.num_candidates = num_candidates
         self.graphdef, self.state = nnx.split(model)
         self.token = ops.new_token(cache.pool.device)
-        self._step = jax.jit(self._make_step(), static_argnums=(3, 4, 5))
+        max_len = max_model_len or cfg.max_position_embeddings
+        bs = cache.block_size
+        self.max_blocks = -(-max_len // bs)
+        self.batch_sizes = ladder(1, max_batch)
+        self.prefill_batch_sizes = tuple(b for b in self.batch_sizes if b & (b - 1) == 0)
+        chunk = -(-prefill_tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
+        self.prefill_tokens = chunk
+        self.chunk_sizes = ladder(TOKEN_MULTIPLE, chunk, TOKEN_MULTIPLE, ratio=1.0)
+        top = -(-self.max_blocks // 8) * 8
+        self.widths = ladder(8, top, 8)
+        self.decode_widths = (top,) if self.attention in _WALKS_CONTEXT else self.widths
+        self.prefill_widths = ladder(8, top, 8, ratio=4.0)
+        self.max_rows = self.batch_sizes[-1]
+        step, sample_rows = self._make_step()
+        self._jitted = jax.jit(step, static_argnums=(4, 5, 6))
+        self._jitted_sample = jax.jit(sample_rows)
+        self._compiled: dict[tuple[int, int, int], Callable] = {}
+        self._samplers: dict[int, Callable] = {}  # by batch size
+        self.warm = False  # set by compile(): a shape compiled later is counted and logged
+        self.compiles_after_warmup = 0
+        self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32)
 
     def _make_step(self):
         graphdef, cache = self.graphdef, self.cache
         layers = self.config.num_layers
+        num_candidates = self.num_candidates
+        max_rows = self.max_rows
 
-        def step(state, view, packed, b, t, nb, token):
-            # All integer inputs travel as one array (one host-to-device transfer).
-            sizes = (b * t, b * t, b * nb, b, b, b * t)
+        def step(state, view, packed, prev, b, t, nb, token):
+            sizes = (b * t, b * t, b * nb, b, b, b * t, b)
             parts, at = [], 0
             for n in sizes:
                 parts.append(packed[at : at + n])
                 at += n
             tokens, positions = parts[0].reshape(b, t), parts[1].reshape(b, t)
             tables, ctx_lens, new_lens = parts[2].reshape(b, nb), parts[3], parts[4]
-            slots = parts[5]
+            slots, src = parts[5], parts[6]
+            # Rows fed by the previous step's samples (still on the device).
+            fed = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)], tokens[:, 0])
+            tokens = tokens.at[:, 0].set(fed)
             model = nnx.merge(graphdef, state)
             tables = ops.after(tables, token)  # reads see every earlier step's writes
             new_k: list = [None] * layers
@@ -116,54 +199,155 @@ class ModelRunner:
             token = ops.write_kv(cache, 0, k_all, v_all, slots, token, last)
             return last, token
 
-        return step
+        def sample_rows(logits, params):
+            """Next tokens of every row, padded to ``(max_rows,)``; ``params`` ``(5, b)``:
+            temperature and top_p as float32 bits, top_k, seed, tokens generated."""
+            temperature = jax.lax.bitcast_convert_type(params[0], jnp.float32)
+            top_p = jax.lax.bitcast_convert_type(params[2], jnp.float32)
+            seeds = jax.lax.bitcast_convert_type(params[3], jnp.uint32)
+            nxt = sample(logits, temperature, params[1], top_p, seeds, params[4], num_candidates)
+            return jnp.zeros((max_rows,), jnp.int32).at[: logits.shape[0]].set(nxt)
+
+        return step, sample_rows
+
+    # -- shapes --------------------------------------------------------------------------
+    def step_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (batch, new tokens, table width) a step can take: decode, then prefill."""
+        shapes = [(b, 1, nb) for b in self.batch_sizes for nb in self.decode_widths]
+        for b in self.prefill_batch_sizes:
+            for t in self.chunk_sizes:
+                if b == 1 or b * t <= self.prefill_tokens:
+                    shapes += [(b, t, nb) for nb in self.prefill_widths]
+        return shapes
+
+    def prefill_fits(self, rows: int, tokens: int) -> bool:
+        """Whether a prefill step of ``rows`` sequences, the longest ``tokens`` new
+        tokens, has a shape (see :meth:`step_shapes`)."""
+        if rows == 1:
+            return tokens <= self.prefill_tokens
+        if rows > self.prefill_batch_sizes[-1]:
+            return False
+        t = -(-tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
+        return bucket(rows, self.prefill_batch_sizes) * t <= self.prefill_tokens
+
+    def shapes_for(self, batch: list[StepInput]) -> tuple[int, int, int]:
+        t = max(len(x.tokens) for x in batch)
+        width = max(-(-x.start // self.cache.block_size) for x in batch)
+        if t == 1:
+            return bucket(len(batch), self.batch_sizes), 1, bucket(width, self.decode_widths)
+        if not self.prefill_fits(len(batch), t):
+            raise ValueError(
+                f"a prefill step of {len(batch)} sequences x {t} tokens exceeds the "
+                f"runner's prefill budget of {self.prefill_tokens} tokens"
+            )
+        b = bucket(len(batch), self.prefill_batch_sizes)
+        t = bucket(t, self.chunk_sizes)
+        return b, t, bucket(width, self.prefill_widths)
 
     @property
     def num_compiled(self) -> int:
-        """Distinct shapes compiled so far."""
-        return self._step._cache_size()
+        """Distinct step shapes compiled so far (plus one sampler per batch size)."""
+        return len(self._compiled)
 
-    def shapes_for(self, batch: list[StepInput]) -> tuple[int, int, int]:
-        b = bucket(len(batch))
-        t = max(len(x.tokens) for x in batch)
-        t = 1 if t == 1 else bucket(t, 16)  # prefill chunks: at least 16 (fewer shapes)
-        nb = bucket(max(-(-x.start // self.cache.block_size) for x in batch))
-        return b, t, nb
+    def _lower(self, key: tuple[int, int, int] | int):
+        if isinstance(key, int):  # the sampler of a batch size
+            logits = jax.ShapeDtypeStruct((key, self.config.vocab_size), jnp.float32)
+            params = jax.ShapeDtypeStruct((5, key), jnp.int32)
+            return self._jitted_sample.lower(logits, params)
+        b, t, nb = key
+        packed = jax.ShapeDtypeStruct((3 * b * t + b * nb + 3 * b,), jnp.int32)
+        args = (self.state, self.cache.view, packed, self.last_tokens, b, t, nb, self.token)
+        return self._jitted.lower(*args)
 
+    def _executable(self, key: tuple[int, int, int] | int) -> Callable:
+        table = self._samplers if isinstance(key, int) else self._compiled
+        exe = table.get(key)
+        if exe is None:
+            if self.warm:
+                self.compiles_after_warmup += 1
+                log.warning("compiling %s after warm-up", key)
+            exe = table[key] = self._lower(key).compile()
+        return exe
+
+    def compile(
+        self,
+        shapes: list[tuple[int, int, int]] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        threads: int | None = None,
+    ) -> float:
+        """Compiles ``shapes`` (default: every shape of :meth:`step_shapes`) ahead of
+        time, lowering here and compiling on ``threads`` threads; returns the seconds
+        taken. Afterwards the runner is warm: any other shape is a counted, logged
+        compile (:attr:`compiles_after_warmup`)."""
+        t0 = time.perf_counter()
+        shapes = shapes or self.step_shapes()
+        todo: list = [b for b in sorted({s[0] for s in shapes}) if b not in self._samplers]
+        todo += [s for s in shapes if s not in self._compiled]
+        threads = threads or min(8, os.cpu_count() or 1)
+        done = 0
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            futures = {pool.submit(self._lower(key).compile): key for key in todo}
+            for f in concurrent.futures.as_completed(futures):
+                key = futures[f]
+                (self._samplers if isinstance(key, int) else self._compiled)[key] = f.result()
+                done += 1
+                if progress:
+                    progress(done, len(todo))
+        self.warm = True
+        return time.perf_counter() - t0
+
+    # -- running -------------------------------------------------------------------------
     def run(self, batch: list[StepInput]) -> jax.Array:
         """Runs one step; returns logits ``(len(batch), vocab)`` (device array)."""
-        return self.run_padded(batch)[: len(batch)]
+        return self.run_padded(batch)[0][: len(batch)]
 
-    def run_padded(self, batch: list[StepInput]) -> jax.Array:
-        """Runs one step; returns logits of the whole bucketed batch ``(b, vocab)``:
-        rows past ``len(batch)`` are padding. Their shape depends only on the bucket,
-        so what consumes them compiles once per bucket."""
+    def run_padded(self, batch: list[StepInput]) -> tuple[jax.Array, jax.Array]:
+        """Runs one step; returns the logits of the whole bucketed batch ``(b, vocab)``
+        and the sampled next tokens ``(max_rows,)`` (rows past ``len(batch)`` and rows
+        without ``params`` are padding), both on the device."""
         if not batch:
             raise ValueError("empty batch")
         bsz = self.cache.block_size
-        b, t, nb = self.shapes_for(batch)
+        b, t, nb = shape = self.shapes_for(batch)
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
         tables = np.zeros((b, nb), np.int32)
         ctx = np.zeros(b, np.int32)
         new = np.zeros(b, np.int32)
         slots = np.full((b, t), -1, np.int32)
+        src = np.full(b, -1, np.int32)
+        temperature = np.zeros(b, np.float32)
+        top_k = np.zeros(b, np.int32)
+        top_p = np.ones(b, np.float32)
+        seeds = np.zeros(b, np.uint32)
+        steps = np.zeros(b, np.int32)
         for i, x in enumerate(batch):
             n = len(x.tokens)
             if n == 0 or len(x.blocks) * bsz < x.start + n:
                 raise ValueError("a step input needs tokens and blocks covering them")
+            if x.src >= self.max_rows or (x.src >= 0 and n != 1):
+                raise ValueError(f"bad src row {x.src} for a step of {n} tokens")
             tokens[i, :n] = x.tokens
             pos = np.arange(x.start, x.start + n)
             positions[i, :n] = pos
             cached_blocks = -(-x.start // bsz)
             tables[i, :cached_blocks] = x.blocks[:cached_blocks]
-            ctx[i], new[i] = x.start, n
+            ctx[i], new[i], src[i] = x.start, n, x.src
             blk = np.asarray(x.blocks, np.int64)[pos // bsz]
             slots[i, :n] = blk * bsz + pos % bsz
+            p = x.params or _GREEDY
+            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
+            seeds[i], steps[i] = p.seed or 0, x.sample_step
         packed = np.concatenate(
-            [tokens.ravel(), positions.ravel(), tables.ravel(), ctx, new, slots.ravel()]
+            [tokens.ravel(), positions.ravel(), tables.ravel(), ctx, new, slots.ravel(), src]
         )
-        logits, self.token = self._step(
-            self.state, self.cache.view, jnp.asarray(packed), b, t, nb, self.token
+        params = np.stack(
+            [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]
         )
-        return logits
+        step, sampler = self._executable(shape), self._executable(b)
+        logits, self.token = step(
+            self.state, self.cache.view, jnp.asarray(packed), self.last_tokens, self.token
+        )
+        # Dispatched right behind the step: no host round trip in between.
+        self.last_tokens = sampler(logits, jnp.asarray(params))
+        return logits, self.last_tokens

@@ -1,7 +1,21 @@
-"""Sampling: greedy, or seeded temperature / top-k / top-p, per row, inside jit.
+"""Sampling: greedy, or seeded temperature / top-k / top-p, per row, inside the jitted step.
 
-A row's random key is ``fold_in(PRNGKey(seed), step)`` (step = tokens generated so far),
-so outputs do not depend on batching, scheduling or preemption.
+Semantics (exact, documented in the README). Temperature 0 is greedy (argmax, lowest id on
+ties). Otherwise a row's tokens are ordered by ``logit / temperature`` descending, ties by
+ascending token id; top-k keeps the first ``top_k`` of that order (0 or >= vocabulary: all);
+top-p keeps the shortest prefix of the kept tokens whose probability (softmax over the
+kept tokens) reaches ``top_p``, i.e. every token whose strictly-earlier mass is below
+``top_p``. The draw is the Gumbel-max trick with counter-based noise: the kept token with
+the largest ``logit / temperature + g(seed, step, token id)``, ``g`` Gumbel noise from a
+hash of its arguments, ``step`` the number of tokens the request generated so far. So a
+draw depends only on its own row: outputs do not change with batching, scheduling or
+preemption.
+
+No full-vocabulary sort on the common path: the ``num_candidates`` largest logits come
+from ``lax.top_k``; a row is served from them when its kept set provably lies inside them
+(``top_k <= num_candidates``, or the candidates' mass reaches ``top_p``). Rows with no
+filter (``top_k`` off, ``top_p == 1``) draw over the whole vocabulary without sorting;
+only a row whose top-p set reaches past the candidates sorts its vocabulary.
 """
 
 from __future__ import annotations
@@ -9,25 +23,33 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import secrets
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+NUM_CANDIDATES = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """``seed``: None draws a fresh random one per request (the engine reports it, so the
+    output can be replayed); an int makes the request reproducible."""
+
     max_tokens: int = 16
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
-    seed: int = 0
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
         _check_int("top_k", self.top_k, 0, INT32_MAX)
-        _check_int("seed", self.seed, 0, UINT32_MAX)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, UINT32_MAX)
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[i]", t, 0, INT32_MAX)
         for name, v in (("temperature", self.temperature), ("top_p", self.top_p)):
@@ -37,6 +59,12 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def seeded(self) -> SamplingParams:
+        """These parameters with a seed: a fresh random one if none was given."""
+        if self.seed is not None:
+            return self
+        return dataclasses.replace(self, seed=secrets.randbits(32))
 
 
 INT32_MAX = (1 << 31) - 1
@@ -51,22 +79,135 @@ def _check_int(name: str, v: object, lo: int, hi: int) -> None:
         raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
 
 
-@jax.jit
-def sample(logits, temperature, top_k, top_p, seeds, steps):
-    """Next tokens ``(B,)`` from logits ``(B, V)`` and per-row parameters ``(B,)``."""
-    v = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-    desc = jnp.sort(scaled, axis=-1)[:, ::-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, v), v)
-    kth = jnp.take_along_axis(desc, (k - 1)[:, None], axis=-1)
-    scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    desc = jnp.where(jnp.arange(v)[None] < k[:, None], desc, -jnp.inf)
-    probs = jax.nn.softmax(desc, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each token
-    keep = before < top_p[:, None]
-    threshold = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
-    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(seeds, steps)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(temperature == 0, greedy, drawn)
+def _mix(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection with full avalanche."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seeds: jax.Array, steps: jax.Array, ids: jax.Array) -> jax.Array:
+    """Gumbel noise ``(B, N)`` for token ``ids`` ``(B, N)`` of rows with ``seeds`` (uint32)
+    and ``steps`` ``(B,)``: a counter-based hash of (seed, step, id), so each value is a
+    function of its own (seed, step, id) only, at any batch position."""
+    row = _mix(_mix(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9)) + steps.astype(jnp.uint32))
+    col = _mix(ids.astype(jnp.uint32) * jnp.uint32(0x27D4EB2F) + jnp.uint32(0x165667B1))
+    bits = _mix(_mix(row[:, None] ^ col) + row[:, None])
+    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -jnp.log(-jnp.log(u))
+
+
+def sample(logits, temperature, top_k, top_p, seeds, steps, num_candidates=NUM_CANDIDATES):
+    """Next tokens ``(B,)`` int32 from logits ``(B, V)`` and per-row parameters ``(B,)``
+    (temperature f32, top_k i32, top_p f32, seeds uint32, steps i32). Traceable; the
+    all-greedy batch costs one argmax."""
+    logits = logits.astype(jnp.float32)
+
+    def greedy(_):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        return _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates)
+
+    return lax.cond(jnp.all(temperature <= 0), greedy, draw, None)
+
+
+def _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates):
+    b, v = logits.shape
+    k = min(num_candidates, v)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    k_eff = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+    no_filter = (k_eff == v) & (top_p >= 1.0)
+
+    # Candidates: the k largest, descending, ties by lower id (lax.top_k is stable). The
+    # barrier keeps XLA from folding the gathers below into the top-k's sort, which
+    # would stop the CPU backend from using its partial-sort kernel.
+    cand, ids = lax.optimization_barrier(lax.top_k(scaled, k))
+    in_k = jnp.arange(k)[None] < k_eff[:, None]
+    top = cand[:, :1]
+    lse_all = top[:, 0] + jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1))
+    lse_cand = top[:, 0] + jnp.log(jnp.sum(jnp.where(in_k, jnp.exp(cand - top), 0.0), axis=-1))
+    probs = jnp.exp(cand - jnp.where(k_eff <= k, lse_cand, lse_all)[:, None])
+    probs = jnp.where(in_k, probs, 0.0)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_k & (before < top_p[:, None])
+    # The kept set lies inside the candidates: top-k within them, or their mass reaches
+    # top_p (so the first token past them has earlier mass >= top_p).
+    covered = (k_eff <= k) | (~no_filter & (k_eff == v) & (jnp.sum(probs, axis=-1) >= top_p))
+    score = jnp.where(keep, cand + gumbel_noise(seeds, steps, ids), -jnp.inf)
+    fast = jnp.take_along_axis(ids, jnp.argmax(score, -1)[:, None], -1)[:, 0]
+
+    def whole_vocabulary(_):
+        all_ids = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32)[None], (b, v))
+        filtered = ~covered & ~no_filter
+        keep = lax.cond(
+            jnp.any(filtered),
+            lambda _: _exact_keep(scaled, k_eff, top_p) | ~filtered[:, None],
+            lambda _: jnp.ones((b, v), bool),
+            None,
+        )
+        score = jnp.where(keep, scaled + gumbel_noise(seeds, steps, all_ids), -jnp.inf)
+        return jnp.argmax(score, axis=-1).astype(jnp.int32)
+
+    slow = lax.cond(jnp.all(covered), lambda _: fast, whole_vocabulary, None)
+    # Greedy rows of a mixed batch: the first candidate is the argmax (lowest id on ties).
+    return jnp.where(temperature > 0, jnp.where(covered, fast, slow), ids[:, 0])
+
+
+def _ordered_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (finite values and infinities)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(1 << 31))
+
+
+def _smallest(pred, b: int) -> jax.Array:
+    """Per row, the smallest uint32 ``t`` with ``pred(t)`` (monotone: False, then True;
+    true at 2^32 - 1): 32 halvings of the key range."""
+
+    def body(_, lo_hi):
+        lo, hi = lo_hi
+        mid = lo + (hi - lo) // 2
+        ok = pred(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+    lo = jnp.zeros((b,), jnp.uint32)
+    hi = jnp.full((b,), UINT32_MAX, jnp.uint32)
+    return lax.fori_loop(0, 32, body, (lo, hi))[1]
+
+
+def _ties_first(mask: jax.Array, weight: jax.Array, room: jax.Array) -> jax.Array:
+    """Of the tied tokens ``mask``, those (by ascending id) whose exclusive running total
+    of ``weight`` is below ``room``."""
+    w = jnp.where(mask, weight, 0)
+    return mask & (jnp.cumsum(w, axis=-1) - w < room[:, None])
+
+
+def _exact_keep(scaled, k_eff, top_p):
+    """The kept set over the whole vocabulary, without sorting: the top-k and top-p
+    boundaries are found by bisection over the order-preserving integer keys."""
+    b, v = scaled.shape
+    key = _ordered_key(scaled)
+
+    def count_above(t):
+        return jnp.sum(key > t[:, None], axis=-1)
+
+    tk = _smallest(lambda t: count_above(t) < k_eff, b)  # the k-th largest key
+    above = key > tk[:, None]
+    tied = key == tk[:, None]
+    room = k_eff - jnp.sum(above, axis=-1)
+    in_k = above | _ties_first(tied, jnp.ones_like(key, jnp.int32), room)
+    top = jnp.max(scaled, axis=-1, keepdims=True)
+    e = jnp.where(in_k, jnp.exp(scaled - top), 0.0)
+    probs = e / jnp.sum(e, axis=-1, keepdims=True)
+
+    def mass_above(t):
+        return jnp.sum(jnp.where(key > t[:, None], probs, 0.0), axis=-1)
+
+    tp = _smallest(lambda t: mass_above(t) < top_p, b)  # the last kept key
+    above = in_k & (key > tp[:, None])
+    tied = in_k & (key == tp[:, None])
+    room = top_p - jnp.sum(jnp.where(above, probs, 0.0), axis=-1)
+    keep = above | _ties_first(tied, probs, room)
+    return jnp.where((top_p >= 1.0)[:, None], in_k, keep)

@@ -294,6 +294,7 @@ def create_app(
         obj = "chat.completion" if req.chat else "text_completion"
         created = int(time.time())
         head = {"id": rid, "object": obj, "created": created, "model": req.model}
+        head["seed"] = gen.handle.params.seed  # (drawn if the request gave none): replayable
         if not req.stream:
             parts, reason, usage = [], None, None
             watcher = asyncio.create_task(watch_disconnect(request, gen))

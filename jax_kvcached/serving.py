@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jax_kvcached.engine import Engine, PendingStep
+from jax_kvcached.engine import Engine
 from jax_kvcached.errors import PoolExhausted
 from jax_kvcached.sampling import SamplingParams
 from jax_kvcached.scheduler import Sequence as Seq
@@ -46,6 +46,7 @@ class Finished:
     completion_tokens: int
     cached_tokens: int
     preemptions: int
+    seed: int | None = None  # the sampling seed it ran with (drawn if it gave none)
 
 
 # on_event(kind, value): ("token", int), then ("done", Finished) or ("error", Exception).
@@ -93,7 +94,6 @@ class ServingLoop:
         self._wake = threading.Event()
         self._outstanding = dict.fromkeys(self.engines, 0)
         self._active: dict[str, dict[int, Request]] = {n: {} for n in self.engines}
-        self._pending: dict[str, PendingStep] = {}
         self.failed: dict[str, str] = {}  # model -> why its engine stopped
         self.rounds = 0
         self.steps = dict.fromkeys(self.engines, 0)
@@ -241,15 +241,11 @@ class ServingLoop:
                 continue
             engine = self.engines[name]
             try:
-                if name in self._pending:
-                    self._complete(name, engine)
-                    progressed = True
-                if engine.scheduler.has_work:
-                    step = engine.dispatch()
-                    if step is not None:
-                        self._pending[name] = step
-                        self.steps[name] += 1
-                        progressed = True
+                if engine.has_work:
+                    steps, inflight = engine.steps, engine.num_inflight
+                    self._report(name, engine.step())
+                    self.steps[name] += engine.steps - steps
+                    progressed |= (engine.steps, engine.num_inflight) != (steps, inflight)
             except PoolExhausted as e:
                 rid = getattr(e, "request_id", None)
                 if rid is None:
@@ -302,8 +298,8 @@ class ServingLoop:
 
         return on_token
 
-    def _complete(self, name: str, engine: Engine) -> None:
-        done: list[Seq] = engine.complete(self._pending.pop(name))
+    def _report(self, name: str, done: list[Seq]) -> None:
+        engine = self.engines[name]
         engine.finished.clear()  # the loop reports finished requests itself
         for s in done:
             req = self._active[name].pop(s.request_id, None)
@@ -319,6 +315,7 @@ class ServingLoop:
                     completion_tokens=len(s.output),
                     cached_tokens=s.cached_tokens,
                     preemptions=s.preemptions,
+                    seed=s.params.seed,
                 ),
             )
 
@@ -339,7 +336,6 @@ class ServingLoop:
     def _fail_engine(self, name: str, err: BaseException) -> None:
         log.error("engine %r failed and is taken out of service: %r", name, err)
         self.failed[name] = repr(err)
-        self._pending.pop(name, None)
         for req in list(self._active[name].values()):
             self._close(req, "error", Unavailable(f"model {name!r} failed: {err!r}"))
         self._active[name].clear()
@@ -349,12 +345,11 @@ class ServingLoop:
             self._accepting = False
         self._drain()
         for name, engine in self.engines.items():
-            if name in self._pending and name not in self.failed:
+            if name not in self.failed:
                 try:
-                    self._complete(name, engine)
+                    self._report(name, engine.drain())
                 except Exception as e:
                     log.error("completing %r at shutdown failed: %r", name, e)
-            self._pending.pop(name, None)
             for req in list(self._active[name].values()):
                 if req.request_id is not None:
                     try:

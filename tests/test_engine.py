@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
-import jax_kvcached.engine as engine_module
 from jax_kvcached.attention import dense_causal_attention
 from jax_kvcached.engine import Engine
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.runner import StepInput
-from jax_kvcached.sampling import SamplingParams, sample
+from jax_kvcached.sampling import SamplingParams
 
 PROMPTS = [
     [256, 72, 101, 108, 108, 111],
@@ -111,22 +110,13 @@ def test_steady_state_decode_never_recompiles():
         return run(batch)
 
     eng.runner.run_padded = recording_run
-    sampled = []
-
-    def recording_sample(logits, *rest):
-        sampled.append(logits.shape[0])
-        return sample(logits, *rest)
-
-    engine_module.sample = recording_sample
-    try:
-        eng.generate(PROMPTS[:3], SamplingParams(max_tokens=60, ignore_eos=True))
-    finally:
-        engine_module.sample = sample
-    # Every compile is a new bucket: no step ever recompiled a shape seen before.
+    eng.generate(PROMPTS[:3], SamplingParams(max_tokens=60, ignore_eos=True))
+    # Every compile is a new bucket: no step ever recompiled a shape seen before, and
+    # every shape is one of the runner's bounded set.
     assert eng.runner.num_compiled == len(set(shapes))
-    # Sampling is padded to the step's batch bucket (3 sequences sample 4 rows), so it
-    # compiles once per bucket, not once per number of sampled rows.
-    assert sampled and set(sampled) <= {sh[0] for sh in shapes} and 3 not in sampled
+    assert set(shapes) <= set(eng.runner.step_shapes())
+    # Sampling compiles once per batch bucket, not once per number of sampled rows.
+    assert set(eng.runner._samplers) == {sh[0] for sh in shapes}
     decode = [sh for sh in shapes if sh[1] == 1]
     assert len(decode) >= 59 and len(set(decode)) <= 3  # 60 decode steps, <= 3 buckets
     pool.close()

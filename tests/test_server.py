@@ -135,6 +135,22 @@ def test_concurrent_clients_streaming_and_not_match_each_engine_alone(server):
         assert e.cache.num_used_blocks == e.prefix_cache.num_cached_blocks
 
 
+def test_an_unseeded_sampled_request_reports_a_seed_that_replays_it(server):
+    first = complete(server.url, "llama", "seed me", 16, temperature=1.0, seed=None)
+    again = complete(server.url, "llama", "seed me", 16, temperature=1.0)
+    assert isinstance(first["seed"], int) and first["seed"] != again["seed"]
+    replay = complete(server.url, "llama", "seed me", 16, temperature=1.0, seed=first["seed"])
+    assert replay["seed"] == first["seed"]
+    assert replay["choices"][0]["text"] == first["choices"][0]["text"]
+    events = sse_events(
+        server.url, "/v1/completions",
+        {"model": "llama", "prompt": "seed me", "max_tokens": 16, "temperature": 1.0,
+         "ignore_eos": True, "stream": True, "seed": first["seed"]},
+    )  # fmt: skip
+    assert {e["seed"] for e in events} == {first["seed"]}
+    assert "".join(e["choices"][0]["text"] for e in events) == first["choices"][0]["text"]
+
+
 def test_chat_completion_streaming_and_not(server):
     body = {"model": "qwen", "messages": [{"role": "user", "content": "hi"}],
             "max_tokens": 6, "temperature": 0, "ignore_eos": True}  # fmt: skip

@@ -174,6 +174,14 @@ def test_idle_tenants_cached_prefix_is_reclaimed_before_preemption():
     pool.close()
 
 
+def prefill(eng, n):
+    """Steps until n sequences run with their prompts computed (a prefill step takes at
+    most ``prefill_chunk`` tokens in all)."""
+    sched = eng.scheduler
+    while len(sched.running) < n or any(s.num_computed < s.num_prompt for s in sched.running):
+        eng.step()
+
+
 def test_waiting_tenant_runs_when_the_other_frees_and_run_does_not_hang():
     pool = small_pool(48)
     a = Engine(
@@ -188,7 +196,7 @@ def test_waiting_tenant_runs_when_the_other_frees_and_run_does_not_hang():
     pa, pb = prompts(2, 4, 180), prompts(3, 2, 60)
     for p in pa:
         a.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True))
-    a.complete(a.dispatch())  # a's prompts take 4 x 12 blocks: 6 of the 8 KV pages
+    prefill(a, 4)  # a's prompts take 4 x 12 blocks: 6 of the 8 KV pages
     rids = [b.add_request(p, GREEDY) for p in pb]
     assert b.dispatch() is None  # not enough memory now, but it would fit: it waits
     assert b.scheduler.waiting and not b.scheduler.running
@@ -207,11 +215,11 @@ def test_engine_gives_back_memory_above_a_lowered_limit_and_outputs_stay():
     ps = prompts(4, 4, 70)
     for p in ps:
         eng.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True))
-    eng.complete(eng.dispatch())
+    prefill(eng, 4)
     before = mapped(eng.cache)
     r = pool.set_memory_limit("a", 12 * PAGE)  # 2 KV pages: room for 2 sequences
     assert r.over_limit_bytes == (before - 12) * PAGE > 0
-    eng.complete(eng.dispatch())
+    eng.step()
     assert mapped(eng.cache) <= 12
     assert eng.scheduler.num_preemptions > 0
     eng.run()
