@@ -51,6 +51,13 @@ class PhysicalBackend {
   virtual void map(uintptr_t addr, const PageHandle* pages, size_t n) = 0;
   // Unmaps n pages starting at addr; the range reads as zeros again.
   virtual void unmap(uintptr_t addr, size_t n) = 0;
+
+  // Small state the device's kernels read and write (a KV buffer's page map and error
+  // record): zeroed memory, freed with free_state, and synchronous host copies.
+  virtual uintptr_t alloc_state(size_t bytes) = 0;
+  virtual void free_state(uintptr_t p) = 0;
+  virtual void write_state(uintptr_t dst, const void* src, size_t bytes) = 0;
+  virtual void read_state(void* dst, uintptr_t src, size_t bytes) = 0;
 };
 
 // page_size == 0 selects the default (2 MiB).

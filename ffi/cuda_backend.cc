@@ -49,6 +49,10 @@ CudaDriver load_driver() {
   load(lib, d.cuMemUnmap, "cuMemUnmap");
   load(lib, d.cuMemSetAccess, "cuMemSetAccess");
   load(lib, d.cuMemsetD8, "cuMemsetD8_v2");
+  load(lib, d.cuMemAlloc, "cuMemAlloc_v2");
+  load(lib, d.cuMemFree, "cuMemFree_v2");
+  load(lib, d.cuMemcpyHtoD, "cuMemcpyHtoD_v2");
+  load(lib, d.cuMemcpyDtoH, "cuMemcpyDtoH_v2");
   const CUresult r = d.cuInit(0);
   if (r != CUDA_SUCCESS) {
     const char* msg = nullptr;
@@ -184,6 +188,34 @@ class CudaBackend final : public PhysicalBackend {
     cuda_check(d.cuCtxSynchronize(), "cuCtxSynchronize");
     cuda_check(d.cuMemUnmap(addr, n * page_size_), "cuMemUnmap");
     map_zero(addr, n);
+  }
+
+  uintptr_t alloc_state(size_t bytes) override {
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(ctx_);
+    CUdeviceptr p;
+    const CUresult r = d.cuMemAlloc(&p, bytes == 0 ? 1 : bytes);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) throw PoolExhausted("CUDA device memory exhausted (state)");
+    cuda_check(r, "cuMemAlloc");
+    cuda_check(d.cuMemsetD8(p, 0, bytes == 0 ? 1 : bytes), "cuMemsetD8");
+    return static_cast<uintptr_t>(p);
+  }
+
+  void free_state(uintptr_t p) override {
+    ScopedContext scope(ctx_);
+    cuda_driver().cuMemFree(static_cast<CUdeviceptr>(p));
+  }
+
+  // Synchronous copies (the legacy stream): a kernel enqueued after write_state returns
+  // sees the new bytes.
+  void write_state(uintptr_t dst, const void* src, size_t bytes) override {
+    ScopedContext scope(ctx_);
+    cuda_check(cuda_driver().cuMemcpyHtoD(static_cast<CUdeviceptr>(dst), src, bytes), "cuMemcpyHtoD");
+  }
+
+  void read_state(void* dst, uintptr_t src, size_t bytes) override {
+    ScopedContext scope(ctx_);
+    cuda_check(cuda_driver().cuMemcpyDtoH(dst, static_cast<CUdeviceptr>(src), bytes), "cuMemcpyDtoH");
   }
 
  private:

@@ -58,12 +58,22 @@ inline std::string dims_text(ffi::AnyBuffer::Dimensions d) {
 // key and value must both be (n, num_kv_heads, head_dim) -- one layer -- or
 // (m, n, num_kv_heads, head_dim) -- m consecutive layers -- of the cache dtype; slots (n,);
 // layer an int32 scalar (the first layer). Sets *num_layers to m.
+inline ffi::Error check_kv_shapes(const KVBuffer& buf, ffi::AnyBuffer key, ffi::AnyBuffer value,
+                                  ffi::AnyBuffer slots, int64_t* num_layers);
+
 inline ffi::Error check_write_shapes(const KVBuffer& buf, ffi::AnyBuffer layer, ffi::AnyBuffer key,
                                      ffi::AnyBuffer value, ffi::AnyBuffer slots, int64_t* num_layers) {
-  const KVLayout& l = buf.layout();
   if (layer.element_type() != ffi::DataType::S32 || layer.element_count() != 1) {
     return invalid("write_kv", "layer must be an int32 scalar");
   }
+  return check_kv_shapes(buf, key, value, slots, num_layers);
+}
+
+// The shapes of write_kv without its layer operand (write_kv_async takes the layer as an
+// attribute).
+inline ffi::Error check_kv_shapes(const KVBuffer& buf, ffi::AnyBuffer key, ffi::AnyBuffer value,
+                                  ffi::AnyBuffer slots, int64_t* num_layers) {
+  const KVLayout& l = buf.layout();
   if (slots.element_type() != ffi::DataType::S32 || slots.dimensions().size() != 1) {
     return invalid("write_kv", "slots must be a 1-D int32 array");
   }

@@ -37,6 +37,26 @@ ffi::Error WriteKvCpu(uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
   return finish(token_out);
 }
 
+// write_kv with the layer as an attribute (the CUDA version validates slots on the
+// device; here the host validates them, as in write_kv).
+ffi::Error WriteKvAsyncCpu(uint64_t handle, int64_t layer, ffi::AnyBuffer key, ffi::AnyBuffer value,
+                           ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*after*/,
+                           ffi::Result<ffi::AnyBuffer> token_out) {
+  std::shared_ptr<KVBuffer> buf;
+  if (auto e = find_buffer("write_kv", handle, DeviceKind::kHost, &buf); e.failure()) return e;
+  int64_t num_layers = 0;
+  if (auto e = check_kv_shapes(*buf, key, value, slots, &num_layers); e.failure()) return e;
+  if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
+  try {
+    buf->write_kv_host(layer, num_layers, key.untyped_data(), value.untyped_data(),
+                       static_cast<const int32_t*>(slots.untyped_data()),
+                       static_cast<size_t>(slots.dimensions()[0]));
+  } catch (const std::exception& e) {
+    return to_ffi_error("write_kv", e);
+  }
+  return finish(token_out);
+}
+
 ffi::Error CopyBlocksCpu(uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst, ffi::AnyBuffer /*token*/,
                          ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
@@ -169,6 +189,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cpu, WriteKvCpu,
                               ffi::Ffi::Bind()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()  // layer
+                                  .Arg<ffi::AnyBuffer>()  // key
+                                  .Arg<ffi::AnyBuffer>()  // value
+                                  .Arg<ffi::AnyBuffer>()  // slots
+                                  .Arg<ffi::AnyBuffer>()  // token
+                                  .RemainingArgs()        // after
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cpu, WriteKvAsyncCpu,
+                              ffi::Ffi::Bind()
+                                  .Attr<uint64_t>("handle")
+                                  .Attr<int64_t>("layer")
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Arg<ffi::AnyBuffer>()  // value
                                   .Arg<ffi::AnyBuffer>()  // slots

@@ -1,7 +1,9 @@
 // XLA FFI handlers for the CUDA platform. Same operands and validation as the Host
 // handlers. Index operands live on the device, so each handler copies them to the host
 // and validates them before launching anything: a bad slot is an FFI error, never a
-// stray device write. Map and unmap are host calls; the backend's unmap waits for the
+// stray device write. write_kv_async (the engine's step) instead checks each slot in the
+// kernel against the buffer's device page map, skips and records bad ones, and never
+// waits for the device. Map and unmap are host calls; the backend's unmap waits for the
 // device first, so no kernel enqueued earlier can read a page after it is unmapped.
 // None of these handlers is command-buffer (CUDA graph) compatible: a replay would skip
 // their host work.
@@ -58,6 +60,51 @@ __global__ void write_rows(const Word* key, const Word* value, const int32_t* sl
   }
 }
 
+// write_rows with every slot checked on the device against the buffer's page map (see
+// KVBuffer::device_state): a bad slot's row is skipped and the first one is recorded in
+// error[0] (code) and error[1] (slot), raised by the host at its next sync.
+struct SlotCheck {
+  int64_t num_slots, block_size, block_bytes, page_size;
+  const uint8_t* page_map;
+  int32_t* error;
+};
+
+__device__ int slot_error(int64_t s, const SlotCheck& c) {
+  if (s < 0 || s >= c.num_slots) return 1;
+  const int64_t b = s / c.block_size;
+  if (b == 0) return 2;
+  const int64_t start = b * c.block_bytes;
+  const int64_t page = start / c.page_size;
+  if (page != (start + c.block_bytes - 1) / c.page_size) return 3;
+  return c.page_map[page] ? 0 : 4;
+}
+
+template <typename Word>
+__global__ void write_rows_checked(const Word* key, const Word* value, const int32_t* slots, int64_t n,
+                                   int64_t words_per_row, int64_t words_per_plane, Word* k_plane0,
+                                   SlotCheck check) {
+  const int64_t total = n * words_per_row;
+  const int64_t j = blockIdx.y;
+  key += j * total;
+  value += j * total;
+  Word* k_plane = k_plane0 + 2 * j * words_per_plane;
+  Word* v_plane = k_plane + words_per_plane;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = i / words_per_row;
+    const int64_t w = i - t * words_per_row;
+    const int32_t s = slots[t];
+    if (s == -1) continue;
+    const int code = slot_error(s, check);
+    if (code != 0) {
+      if (w == 0 && j == 0 && atomicCAS(check.error, 0, code) == 0) check.error[1] = s;
+      continue;
+    }
+    k_plane[s * words_per_row + w] = key[i];
+    v_plane[s * words_per_row + w] = value[i];
+  }
+}
+
 template <typename Word>
 __global__ void copy_block_kernel(const int32_t* src, const int32_t* dst, int64_t n,
                                   int64_t words_per_block, int64_t words_per_plane, Word* base) {
@@ -108,6 +155,47 @@ ffi::Error WriteKvCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer laye
       write_rows<uint16_t><<<grid, 256, 0, stream>>>(
           static_cast<const uint16_t*>(key.untyped_data()), static_cast<const uint16_t*>(value.untyped_data()),
           s, n, wpr, static_cast<int64_t>(buf->plane_bytes() / 2), reinterpret_cast<uint16_t*>(k_plane));
+    }
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error("write_kv", e);
+  }
+  return finish("write_kv", stream, token_out);
+}
+
+// write_kv without a host round trip: nothing is copied to the host and the stream is
+// never synchronized; the layer is an attribute and every slot is checked by the kernel.
+ffi::Error WriteKvAsyncCuda(cudaStream_t stream, uint64_t handle, int64_t layer, ffi::AnyBuffer key,
+                            ffi::AnyBuffer value, ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/,
+                            ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
+  std::shared_ptr<KVBuffer> buf;
+  if (auto e = find_buffer("write_kv", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  int64_t num_layers = 0;
+  if (auto e = check_kv_shapes(*buf, key, value, slots, &num_layers); e.failure()) return e;
+  if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
+  std::shared_lock<std::shared_mutex> lock(buf->mutex());
+  const std::string err = buf->check_write(layer, num_layers, nullptr, 0);  // layer, open
+  if (!err.empty()) return invalid("write_kv", err);
+  const int64_t n = slots.dimensions()[0];
+  if (n > 0) {
+    const size_t row = buf->layout().row_bytes();
+    char* k_plane = reinterpret_cast<char*>(buf->base() + static_cast<size_t>(2 * layer) * buf->plane_bytes());
+    const auto* s = static_cast<const int32_t*>(slots.untyped_data());
+    const uintptr_t state = buf->device_state();
+    const SlotCheck check{buf->num_slots(), buf->layout().block_size, static_cast<int64_t>(buf->block_bytes()),
+                          static_cast<int64_t>(buf->page_size()),
+                          reinterpret_cast<const uint8_t*>(state + KVBuffer::kStateHeader),
+                          reinterpret_cast<int32_t*>(state)};
+    if (row % 4 == 0) {
+      const int64_t wpr = static_cast<int64_t>(row / 4);
+      const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
+      write_rows_checked<uint32_t><<<grid, 256, 0, stream>>>(
+          static_cast<const uint32_t*>(key.untyped_data()), static_cast<const uint32_t*>(value.untyped_data()),
+          s, n, wpr, static_cast<int64_t>(buf->plane_bytes() / 4), reinterpret_cast<uint32_t*>(k_plane), check);
+    } else {
+      const int64_t wpr = static_cast<int64_t>(row / 2);
+      const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
+      write_rows_checked<uint16_t><<<grid, 256, 0, stream>>>(
+          static_cast<const uint16_t*>(key.untyped_data()), static_cast<const uint16_t*>(value.untyped_data()),
+          s, n, wpr, static_cast<int64_t>(buf->plane_bytes() / 2), reinterpret_cast<uint16_t*>(k_plane), check);
     }
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error("write_kv", e);
   }
@@ -178,6 +266,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cuda, WriteKvCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cuda, WriteKvAsyncCuda,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Attr<uint64_t>("handle")
+                                  .Attr<int64_t>("layer")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -135,6 +136,19 @@ class HostBackend final : public PhysicalBackend {
     void* p = mmap(reinterpret_cast<void*>(addr), n * page_size_, PROT_READ,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
     if (p == MAP_FAILED) throw BackendError(errno_text("mmap(unmap)"));
+  }
+
+  uintptr_t alloc_state(size_t bytes) override {
+    void* p = std::calloc(bytes == 0 ? 1 : bytes, 1);
+    if (p == nullptr) throw PoolExhausted("host memory exhausted (state)");
+    return reinterpret_cast<uintptr_t>(p);
+  }
+  void free_state(uintptr_t p) override { std::free(reinterpret_cast<void*>(p)); }
+  void write_state(uintptr_t dst, const void* src, size_t bytes) override {
+    std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
+  }
+  void read_state(void* dst, uintptr_t src, size_t bytes) override {
+    std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
   }
 
  private:

@@ -32,6 +32,10 @@ std::string dtype_name(DType t) {
   return "unknown";
 }
 
+// Calls fn(first_page, count) for each run of consecutive ids in a sorted list.
+template <typename F>
+static void for_each_run(const std::vector<int32_t>& sorted, F fn);
+
 KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout)
     : pool_(std::move(pool)), layout_(layout), page_size_(pool_->page_size()) {
   if (layout.num_layers <= 0 || layout.num_kv_heads <= 0 || layout.head_dim <= 0 ||
@@ -51,6 +55,12 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout)
   plane_bytes_ = static_cast<size_t>(layout_.num_pages) * page_size_;
   num_blocks_ = static_cast<int64_t>(plane_bytes_ / bb);
   base_ = pool_->backend().reserve(total_bytes());
+  try {
+    state_ = pool_->backend().alloc_state(kStateHeader + static_cast<size_t>(layout_.num_pages));
+  } catch (...) {
+    pool_->backend().free_range(base_, total_bytes());
+    throw;
+  }
   phys_.resize(static_cast<size_t>(layout_.num_pages));
   owner_.assign(static_cast<size_t>(layout_.num_pages), PageOwner::kNone);
 }
@@ -58,9 +68,37 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout)
 KVBuffer::~KVBuffer() {
   try {
     close();
+    pool_->backend().free_state(state_);
     pool_->backend().free_range(base_, total_bytes());
   } catch (...) {
   }
+}
+
+void KVBuffer::set_page_map(const std::vector<int32_t>& sorted, uint8_t value) {
+  PhysicalBackend& be = pool_->backend();
+  std::vector<uint8_t> bytes;
+  for_each_run(sorted, [&](size_t first, size_t count) {
+    bytes.assign(count, value);
+    be.write_state(state_ + kStateHeader + static_cast<size_t>(sorted[first]), bytes.data(), count);
+  });
+}
+
+std::pair<int32_t, int32_t> KVBuffer::take_device_error() {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  int32_t rec[2] = {0, 0};
+  pool_->backend().read_state(rec, state_, sizeof(rec));
+  if (rec[0] != 0) {
+    const int32_t zero[2] = {0, 0};
+    pool_->backend().write_state(state_, zero, sizeof(zero));
+  }
+  return {rec[0], rec[1]};
+}
+
+std::vector<uint8_t> KVBuffer::device_page_map() const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  std::vector<uint8_t> out(static_cast<size_t>(layout_.num_pages));
+  pool_->backend().read_state(out.data(), state_ + kStateHeader, out.size());
+  return out;
 }
 
 void KVBuffer::check_open() const {
@@ -153,11 +191,15 @@ void KVBuffer::map_pages(const int32_t* ids, size_t n, PageOwner owner) {
     owner_[static_cast<size_t>(sorted[k])] = owner;
   }
   mapped_ += n;
+  // Last (a failure leaves the device map saying unmapped: the safe side): kernels
+  // enqueued from now on may write these pages.
+  set_page_map(sorted, 1);
 }
 
 void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted) {
   const size_t planes = pages_per_kv_page();
   PhysicalBackend& be = pool_->backend();
+  set_page_map(sorted, 0);  // before the unmap: a later kernel skips and reports them
   for (size_t plane = 0; plane < planes; ++plane) {
     for_each_run(sorted, [&](size_t first, size_t count) {
       be.unmap(base_ + plane * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_, count);

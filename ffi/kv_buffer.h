@@ -19,6 +19,7 @@
 #include <memory>
 #include <shared_mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -110,6 +111,18 @@ class KVBuffer {
   // destination repeated or also used as a source (so copy order never matters).
   std::string check_copy(const int32_t* src, const int32_t* dst, size_t n) const;
 
+  // State for kernels that validate on the device (write_kv_async): an error record
+  // (int32 code, int32 slot; code 0 = none) followed by one byte per KV page, 1 while
+  // mapped; set after a map and cleared before an unmap, so a kernel enqueued later sees
+  // the host's view. Error codes: 1 out of range, 2 null block, 3 straddling block,
+  // 4 unmapped page.
+  static constexpr size_t kStateHeader = 8;
+  uintptr_t device_state() const { return state_; }
+  // Reads the device error record and clears it (synchronous; call at a host sync point).
+  std::pair<int32_t, int32_t> take_device_error();
+  // The device page map as the device sees it (tests).
+  std::vector<uint8_t> device_page_map() const;
+
   // Host-memory implementations (the CUDA handlers launch kernels instead). They take
   // the shared lock and validate first; they throw Error on bad input.
   // key / value hold num_layers consecutive (n, heads, head_dim) arrays.
@@ -123,6 +136,7 @@ class KVBuffer {
   // Maps (or unmaps) page runs plane by plane.
   void map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys);
   void unmap_locked(const std::vector<int32_t>& sorted);
+  void set_page_map(const std::vector<int32_t>& sorted, uint8_t value);
 
   std::shared_ptr<PagePool> pool_;
   KVLayout layout_;
@@ -131,6 +145,7 @@ class KVBuffer {
   int64_t blocks_per_page_;
   int64_t num_blocks_;
   uintptr_t base_ = 0;
+  uintptr_t state_ = 0;  // see device_state()
   mutable std::shared_mutex mu_;
   bool closed_ = false;
   // phys_[p] holds the 2L physical pages of KV page p (plane order), empty if unmapped.

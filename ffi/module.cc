@@ -122,6 +122,10 @@ NB_MODULE(_C, m) {
       .def("is_mapped", &KVBuffer::is_mapped, nb::arg("page"))
       .def_prop_ro("num_mapped_pages", &KVBuffer::num_mapped_pages)
       .def("mapped_pages", &KVBuffer::mapped_pages)
+      .def("take_device_error", &KVBuffer::take_device_error,
+           "Reads and clears the device error record of write_kv_async: (code, slot).")
+      .def("device_page_map", &KVBuffer::device_page_map,
+           "One byte per KV page as kernels see it (1: mapped).")
       .def("close", &KVBuffer::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &KVBuffer::closed)
       .def_prop_ro("dlpack_device",
@@ -149,8 +153,9 @@ NB_MODULE(_C, m) {
           },
           "A DLPack capsule over the whole virtual buffer (zero-copy).");
 
-  m.def("register_buffer", &register_buffer, nb::arg("buffer"),
-        "Registers a buffer for the FFI handlers and returns its handle.");
+  m.def("register_buffer", &register_buffer, nb::arg("buffer"), nb::arg("key") = "",
+        "Registers a buffer for the FFI handlers and returns its handle (random, or stable "
+        "across processes for a key).");
   m.def("unregister_buffer", &unregister_buffer, nb::arg("handle"));
   m.def("lookup_ok", [](uint64_t h) { return static_cast<bool>(lookup_buffer(h)); }, nb::arg("handle"));
 
@@ -167,6 +172,7 @@ NB_MODULE(_C, m) {
   handlers["cpu"] = nb::dict();
   nb::dict cpu = handlers["cpu"];
   cpu["write_kv"] = handler(kvcached_write_kv_cpu);
+  cpu["write_kv_async"] = handler(kvcached_write_kv_async_cpu);
   cpu["copy_blocks"] = handler(kvcached_copy_blocks_cpu);
   cpu["map_pages"] = handler(kvcached_map_pages_cpu);
   cpu["unmap_pages"] = handler(kvcached_unmap_pages_cpu);
@@ -174,6 +180,7 @@ NB_MODULE(_C, m) {
 #ifdef KVCACHED_WITH_CUDA
   nb::dict cuda;
   cuda["write_kv"] = handler(kvcached_write_kv_cuda);
+  cuda["write_kv_async"] = handler(kvcached_write_kv_async_cuda);
   cuda["copy_blocks"] = handler(kvcached_copy_blocks_cuda);
   cuda["map_pages"] = handler(kvcached_map_pages_cuda);
   cuda["unmap_pages"] = handler(kvcached_unmap_pages_cuda);

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_kvcached import ops
 from jax_kvcached.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.kv_cache import KVCache
 from jax_kvcached.pool import Pool
@@ -265,6 +266,7 @@ class Engine:
             if step.tokens is None:
                 return []
             host = np.asarray(step.tokens)
+            ops.raise_device_errors(self.cache)  # (a host sync point: cheap here)
             now = time.perf_counter()
             done = []
             eos = self.config.eos_ids

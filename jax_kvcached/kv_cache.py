@@ -67,7 +67,9 @@ class KVCache:
         self.pool = pool
         self.name = name
         self._buffer = buffer
-        self.handle: int = _C.register_buffer(buffer)
+        # A handle stable across processes (per name and creation order): compiled steps
+        # carry it as an attribute, so a restart hits the persistent compilation cache.
+        self.handle: int = _C.register_buffer(buffer, f"kv_cache:{name}")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -196,6 +198,17 @@ class KVCache:
                     jax.block_until_ready(after)
                 self._buffer.unmap_pages(np.asarray(empty, dtype=np.int32))
                 self._allocator.pages_unmapped(empty)
+
+    def check_writable(self, block_ids: Iterable[int]) -> None:
+        """Raises ValueError unless every block is allocated (so its page is mapped):
+        the host-side check of a step's written blocks (see ``ops.write_kv_async``)."""
+        for b in block_ids:
+            if not self._allocator.is_used(int(b)):
+                raise ValueError(f"block {int(b)} of {self.name!r} is not allocated")
+
+    def take_device_error(self) -> tuple[int, int]:
+        """The device error record of ``ops.write_kv_async`` (code, slot), cleared."""
+        return self._buffer.take_device_error()
 
     def is_allocated(self, block_id: int) -> bool:
         return self._allocator.is_used(int(block_id))

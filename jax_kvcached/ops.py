@@ -22,6 +22,7 @@ token is used. ``map_pages`` and ``unmap_pages`` are always side-effecting calls
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -87,6 +88,21 @@ def _ids(x: Any, name: str) -> jax.Array:
     return x.astype(jnp.int32)
 
 
+def _check_kv(cache: KVCache, key: jax.Array, value: jax.Array, slots: Any) -> jax.Array:
+    slots = _ids(slots, "slots")
+    want = (slots.shape[0], cache.num_kv_heads, cache.head_dim)
+    for name, x in (("key", key), ("value", value)):
+        if tuple(x.shape[-3:]) != want or x.ndim not in (3, 4):
+            raise ValueError(
+                f"write_kv: {name} has shape {tuple(x.shape)}, expected {want} or (layers, *{want})"
+            )
+        if x.dtype != cache.dtype:
+            raise TypeError(f"write_kv: {name} dtype {x.dtype} != cache dtype {cache.dtype}")
+    if key.shape != value.shape:
+        raise ValueError(f"write_kv: key {key.shape} and value {value.shape} differ")
+    return slots
+
+
 def write_kv(
     cache: KVCache,
     layer: Any,
@@ -109,23 +125,62 @@ def write_kv(
     ``side_effect=True`` to keep the call regardless; on XLA CPU that costs about 170 us
     per execution (benchmarks/bench_vmm.py measures it).
     """
-    slots = _ids(slots, "slots")
-    want = (slots.shape[0], cache.num_kv_heads, cache.head_dim)
-    for name, x in (("key", key), ("value", value)):
-        if tuple(x.shape[-3:]) != want or x.ndim not in (3, 4):
-            raise ValueError(
-                f"write_kv: {name} has shape {tuple(x.shape)}, expected {want} or (layers, *{want})"
-            )
-        if x.dtype != cache.dtype:
-            raise TypeError(f"write_kv: {name} dtype {x.dtype} != cache dtype {cache.dtype}")
-    if key.shape != value.shape:
-        raise ValueError(f"write_kv: key {key.shape} and value {value.shape} differ")
+    slots = _check_kv(cache, key, value, slots)
     layer = jnp.asarray(layer, dtype=jnp.int32)
     if layer.ndim != 0:
         raise ValueError("write_kv: layer must be a scalar")
     return _call(
         "write_kv", cache, layer, key, value, slots, token, *after, side_effect=side_effect
     )
+
+
+def write_kv_async(
+    cache: KVCache,
+    layer: int,
+    key: jax.Array,
+    value: jax.Array,
+    slots: Any,
+    token: jax.Array,
+    *after: jax.Array,
+) -> jax.Array:
+    """:func:`write_kv` for a step loop that never waits for the device: ``layer`` is a
+    Python int (an attribute, not an operand), and on CUDA the slots are checked by the
+    kernel against the cache's device page map instead of being copied to the host. A
+    bad slot's row is skipped and recorded; :func:`raise_device_errors` raises it at the
+    caller's next host sync. Callers validate slots on the host first (the runner does).
+    On the host backend the handler validates at once, as :func:`write_kv`."""
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+        raise TypeError(f"write_kv_async: layer must be an int, got {type(layer).__name__}")
+    num_layers = key.shape[0] if key.ndim == 4 else 1
+    if not 0 <= layer <= cache.num_layers - num_layers:
+        raise ValueError(
+            f"write_kv_async: layer {layer} (+{num_layers} layers) out of range "
+            f"[0, {cache.num_layers})"
+        )
+    slots = _check_kv(cache, key, value, slots)
+    return jax.ffi.ffi_call("kvcached_write_kv_async", _TOKEN, has_side_effect=False)(
+        key, value, slots, token, *after, handle=np.uint64(cache.handle), layer=np.int64(layer)
+    )
+
+
+_DEVICE_ERRORS = {
+    1: "is out of range",
+    2: "is in the null block 0, which is never written",
+    3: "is in a block that straddles two pages",
+    4: "is in an unmapped page",
+}
+
+
+def raise_device_errors(cache: KVCache) -> None:
+    """Raises (once) what :func:`write_kv_async` kernels recorded: the first bad slot
+    and why; its row was not written. Synchronous: call at a host sync point."""
+    code, slot = cache.take_device_error()
+    if code:
+        why = _DEVICE_ERRORS.get(code, f"failed (code {code})")
+        raise RuntimeError(
+            f"write_kv_async on {cache.name!r}: slot {slot} {why}; the row was skipped "
+            "(checked on the device)"
+        )
 
 
 def copy_blocks(

@@ -10,7 +10,7 @@ device output (``StepInput.src``), so the host never waits for a step before pre
 the next one.
 
 Shapes come from a fixed, bounded set (:meth:`ModelRunner.step_shapes`): batch sizes
-step by at most 1.25x, prefill chunks by one block (16 tokens) within a token budget,
+step by at most 1.25x, prefill chunks by two blocks (32 tokens) within a token budget,
 block-table widths by 8 blocks then 1.25x (decode with attention that walks only the
 context, the host custom call and the Pallas kernel, uses one width). Each shape is
 compiled once, ahead of time (:meth:`ModelRunner.compile`), and counted.
@@ -147,17 +147,20 @@ class ModelRunner:
         self.prefill_batch_sizes = tuple(b for b in self.batch_sizes if b & (b - 1) == 0)
         chunk = -(-prefill_tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
         self.prefill_tokens = chunk
-        self.chunk_sizes = ladder(TOKEN_MULTIPLE, chunk, TOKEN_MULTIPLE, ratio=1.0)
+        # 16 tokens, then steps of two blocks (32 tokens): few shapes, little padding.
+        self.chunk_sizes = tuple(sorted({TOKEN_MULTIPLE, chunk, *range(32, chunk + 1, 32)}))
         top = -(-self.max_blocks // 8) * 8
         self.widths = ladder(8, top, 8)
         self.decode_widths = (top,) if self.attention in _WALKS_CONTEXT else self.widths
         self.prefill_widths = ladder(8, top, 8, ratio=4.0)
-        self.max_rows = self.batch_sizes[-1]
+        # Samplers come in powers of two (the step pads its logits to one): fewer compiles.
+        self.sampler_sizes = tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
+        self.max_rows = self.sampler_sizes[-1]
         step, sample_rows = self._make_step()
         self._jitted = jax.jit(step, static_argnums=(4, 5, 6))
         self._jitted_sample = jax.jit(sample_rows)
         self._compiled: dict[tuple[int, int, int], Callable] = {}
-        self._samplers: dict[int, Callable] = {}  # by batch size
+        self._samplers: dict[int, Callable] = {}  # by rows (a power of two)
         self.warm = False  # set by compile(): a shape compiled later is counted and logged
         self.compiles_after_warmup = 0
         self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32)
@@ -196,8 +199,11 @@ class ModelRunner:
             k_all = jnp.stack(new_k).reshape(layers, -1, kvh, d).astype(cache.dtype)
             v_all = jnp.stack(new_v).reshape(layers, -1, kvh, d).astype(cache.dtype)
             # After every read of this step (`last` depends on all of them).
-            token = ops.write_kv(cache, 0, k_all, v_all, slots, token, last)
-            return last, token
+            # No host round trip on CUDA: slots were checked here on the host, the kernel
+            # checks them again against the page map.
+            token = ops.write_kv_async(cache, 0, k_all, v_all, slots, token, last)
+            rows = bucket(b, self.sampler_sizes)
+            return jnp.pad(last, ((0, rows - b), (0, 0))), token
 
         def sample_rows(logits, params):
             """Next tokens of every row, padded to ``(max_rows,)``; ``params`` ``(5, b)``:
@@ -216,7 +222,7 @@ class ModelRunner:
         shapes = [(b, 1, nb) for b in self.batch_sizes for nb in self.decode_widths]
         for b in self.prefill_batch_sizes:
             for t in self.chunk_sizes:
-                if b == 1 or b * t <= self.prefill_tokens:
+                if b == 1 or b * t <= self.prefill_tokens:  # (as prefill_fits)
                     shapes += [(b, t, nb) for nb in self.prefill_widths]
         return shapes
 
@@ -227,7 +233,9 @@ class ModelRunner:
             return tokens <= self.prefill_tokens
         if rows > self.prefill_batch_sizes[-1]:
             return False
-        t = -(-tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
+        if tokens > self.chunk_sizes[-1]:
+            return False
+        t = bucket(tokens, self.chunk_sizes)
         return bucket(rows, self.prefill_batch_sizes) * t <= self.prefill_tokens
 
     def shapes_for(self, batch: list[StepInput]) -> tuple[int, int, int]:
@@ -246,11 +254,11 @@ class ModelRunner:
 
     @property
     def num_compiled(self) -> int:
-        """Distinct step shapes compiled so far (plus one sampler per batch size)."""
+        """Distinct step shapes compiled so far (samplers not counted)."""
         return len(self._compiled)
 
     def _lower(self, key: tuple[int, int, int] | int):
-        if isinstance(key, int):  # the sampler of a batch size
+        if isinstance(key, int):  # the sampler of that many rows
             logits = jax.ShapeDtypeStruct((key, self.config.vocab_size), jnp.float32)
             params = jax.ShapeDtypeStruct((5, key), jnp.int32)
             return self._jitted_sample.lower(logits, params)
@@ -281,7 +289,8 @@ class ModelRunner:
         compile (:attr:`compiles_after_warmup`)."""
         t0 = time.perf_counter()
         shapes = shapes or self.step_shapes()
-        todo: list = [b for b in sorted({s[0] for s in shapes}) if b not in self._samplers]
+        rows = {bucket(s[0], self.sampler_sizes) for s in shapes}
+        todo: list = [r for r in sorted(rows) if r not in self._samplers]
         todo += [s for s in shapes if s not in self._compiled]
         threads = threads or min(8, os.cpu_count() or 1)
         done = 0
@@ -302,13 +311,14 @@ class ModelRunner:
         return self.run_padded(batch)[0][: len(batch)]
 
     def run_padded(self, batch: list[StepInput]) -> tuple[jax.Array, jax.Array]:
-        """Runs one step; returns the logits of the whole bucketed batch ``(b, vocab)``
-        and the sampled next tokens ``(max_rows,)`` (rows past ``len(batch)`` and rows
-        without ``params`` are padding), both on the device."""
+        """Runs one step; returns the logits of the bucketed batch padded to its sampler
+        ``(rows, vocab)`` and the sampled next tokens ``(max_rows,)`` (rows past
+        ``len(batch)`` and rows without ``params`` are padding), both on the device."""
         if not batch:
             raise ValueError("empty batch")
         bsz = self.cache.block_size
         b, t, nb = shape = self.shapes_for(batch)
+        rows = bucket(b, self.sampler_sizes)
         tokens = np.zeros((b, t), np.int32)
         positions = np.zeros((b, t), np.int32)
         tables = np.zeros((b, nb), np.int32)
@@ -316,11 +326,12 @@ class ModelRunner:
         new = np.zeros(b, np.int32)
         slots = np.full((b, t), -1, np.int32)
         src = np.full(b, -1, np.int32)
-        temperature = np.zeros(b, np.float32)
-        top_k = np.zeros(b, np.int32)
-        top_p = np.ones(b, np.float32)
-        seeds = np.zeros(b, np.uint32)
-        steps = np.zeros(b, np.int32)
+        temperature = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        seeds = np.zeros(rows, np.uint32)
+        steps = np.zeros(rows, np.int32)
+        written: set[int] = set()
         for i, x in enumerate(batch):
             n = len(x.tokens)
             if n == 0 or len(x.blocks) * bsz < x.start + n:
@@ -335,16 +346,18 @@ class ModelRunner:
             ctx[i], new[i], src[i] = x.start, n, x.src
             blk = np.asarray(x.blocks, np.int64)[pos // bsz]
             slots[i, :n] = blk * bsz + pos % bsz
+            written.update(x.blocks[pos[0] // bsz : pos[-1] // bsz + 1])
             p = x.params or _GREEDY
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             seeds[i], steps[i] = p.seed or 0, x.sample_step
+        self.cache.check_writable(written)
         packed = np.concatenate(
             [tokens.ravel(), positions.ravel(), tables.ravel(), ctx, new, slots.ravel(), src]
         )
         params = np.stack(
             [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]
         )
-        step, sampler = self._executable(shape), self._executable(b)
+        step, sampler = self._executable(shape), self._executable(rows)
         logits, self.token = step(
             self.state, self.cache.view, jnp.asarray(packed), self.last_tokens, self.token
         )

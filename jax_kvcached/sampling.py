@@ -1,8 +1,8 @@
 """Sampling: greedy, or seeded temperature / top-k / top-p, per row, inside the jitted step.
 
 Semantics (exact, documented in the README). Temperature 0 is greedy (argmax, lowest id on
-ties). Otherwise a row's tokens are ordered by ``logit / temperature`` descending, ties by
-ascending token id; top-k keeps the first ``top_k`` of that order (0 or >= vocabulary: all);
+ties). Otherwise a row's tokens are ordered by logit descending, ties by ascending token
+id; top-k keeps the first ``top_k`` of that order (0 or >= vocabulary: all);
 top-p keeps the shortest prefix of the kept tokens whose probability (softmax over the
 kept tokens) reaches ``top_p``, i.e. every token whose strictly-earlier mass is below
 ``top_p``. The draw is the Gumbel-max trick with counter-based noise: the kept token with
@@ -11,11 +11,12 @@ hash of its arguments, ``step`` the number of tokens the request generated so fa
 draw depends only on its own row: outputs do not change with batching, scheduling or
 preemption.
 
-No full-vocabulary sort on the common path: the ``num_candidates`` largest logits come
-from ``lax.top_k``; a row is served from them when its kept set provably lies inside them
-(``top_k <= num_candidates``, or the candidates' mass reaches ``top_p``). Rows with no
-filter (``top_k`` off, ``top_p == 1``) draw over the whole vocabulary without sorting;
-only a row whose top-p set reaches past the candidates sorts its vocabulary.
+No full-vocabulary sort anywhere: the ``num_candidates`` largest logits come from a
+two-stage top-k (:func:`top_candidates`); a row is served from them when its kept set
+provably lies inside them (``top_k <= num_candidates``, or the candidates' mass reaches
+``top_p``). Rows with no filter (``top_k`` off, ``top_p == 1``) draw over the whole
+vocabulary; only a row whose kept set reaches past the candidates finds its top-k and
+top-p boundaries over the whole vocabulary, by bisection.
 """
 
 from __future__ import annotations
@@ -117,17 +118,17 @@ def sample(logits, temperature, top_k, top_p, seeds, steps, num_candidates=NUM_C
 def _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates):
     b, v = logits.shape
     k = min(num_candidates, v)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    inv_t = (1.0 / jnp.where(temperature > 0, temperature, 1.0))[:, None]
     k_eff = jnp.where((top_k > 0) & (top_k < v), top_k, v)
     no_filter = (k_eff == v) & (top_p >= 1.0)
 
-    # Candidates: the k largest, descending, ties by lower id (lax.top_k is stable). The
-    # barrier keeps XLA from folding the gathers below into the top-k's sort, which
-    # would stop the CPU backend from using its partial-sort kernel.
-    cand, ids = lax.optimization_barrier(lax.top_k(scaled, k))
+    # The order is the logits' (a positive temperature keeps it): one pass over the
+    # input for the candidates and one for the normaliser, nothing materialised.
+    raw, ids = top_candidates(logits, k)
+    cand = raw * inv_t
     in_k = jnp.arange(k)[None] < k_eff[:, None]
     top = cand[:, :1]
-    lse_all = top[:, 0] + jnp.log(jnp.sum(jnp.exp(scaled - top), axis=-1))
+    lse_all = top[:, 0] + jnp.log(jnp.sum(jnp.exp((logits - raw[:, :1]) * inv_t), axis=-1))
     lse_cand = top[:, 0] + jnp.log(jnp.sum(jnp.where(in_k, jnp.exp(cand - top), 0.0), axis=-1))
     probs = jnp.exp(cand - jnp.where(k_eff <= k, lse_cand, lse_all)[:, None])
     probs = jnp.where(in_k, probs, 0.0)
@@ -140,11 +141,14 @@ def _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates):
     fast = jnp.take_along_axis(ids, jnp.argmax(score, -1)[:, None], -1)[:, 0]
 
     def whole_vocabulary(_):
+        # Recomputed from the logits (an input buffer): capturing `scaled` would make XLA
+        # materialise it for the branch on every step, taken or not.
+        scaled = logits * inv_t
         all_ids = jnp.broadcast_to(jnp.arange(v, dtype=jnp.int32)[None], (b, v))
         filtered = ~covered & ~no_filter
         keep = lax.cond(
             jnp.any(filtered),
-            lambda _: _exact_keep(scaled, k_eff, top_p) | ~filtered[:, None],
+            lambda _: _exact_keep(logits, scaled, k_eff, top_p) | ~filtered[:, None],
             lambda _: jnp.ones((b, v), bool),
             None,
         )
@@ -154,6 +158,28 @@ def _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates):
     slow = lax.cond(jnp.all(covered), lambda _: fast, whole_vocabulary, None)
     # Greedy rows of a mixed batch: the first candidate is the argmax (lowest id on ties).
     return jnp.where(temperature > 0, jnp.where(covered, fast, slow), ids[:, 0])
+
+
+CHUNK = 128  # top_candidates: vocabulary chunk of the first stage
+
+
+def top_candidates(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The ``k`` largest of each row of ``x`` ``(B, V)`` and their ids, descending, ties by
+    lower id (exactly ``lax.top_k``). For a large vocabulary in two stages: the k chunks
+    of 128 with the largest maxima (every top-k entry lies in one of them; ties by lower
+    chunk), then the top k of those chunks, gathered in id order."""
+    b, v = x.shape
+    if v < 32 * CHUNK or v % CHUNK:
+        # The barrier keeps XLA from folding later gathers into the top-k's sort, which
+        # would stop the CPU backend from using its partial-sort kernel.
+        return lax.optimization_barrier(lax.top_k(x, k))
+    chunks = x.reshape(b, v // CHUNK, CHUNK)
+    _, best = lax.optimization_barrier(lax.top_k(jnp.max(chunks, axis=-1), k))
+    best = jnp.sort(best, axis=-1)  # id order, so the stable top-k keeps lower ids first
+    picked = jnp.take_along_axis(chunks, best[:, :, None], axis=1).reshape(b, k * CHUNK)
+    vals, pos = lax.optimization_barrier(lax.top_k(picked, k))
+    ids = jnp.take_along_axis(best, pos // CHUNK, axis=-1) * CHUNK + pos % CHUNK
+    return vals, ids.astype(jnp.int32)
 
 
 def _ordered_key(x: jax.Array) -> jax.Array:
@@ -184,11 +210,11 @@ def _ties_first(mask: jax.Array, weight: jax.Array, room: jax.Array) -> jax.Arra
     return mask & (jnp.cumsum(w, axis=-1) - w < room[:, None])
 
 
-def _exact_keep(scaled, k_eff, top_p):
+def _exact_keep(logits, scaled, k_eff, top_p):
     """The kept set over the whole vocabulary, without sorting: the top-k and top-p
-    boundaries are found by bisection over the order-preserving integer keys."""
+    boundaries are found by bisection over the logits' order-preserving integer keys."""
     b, v = scaled.shape
-    key = _ordered_key(scaled)
+    key = _ordered_key(logits)
 
     def count_above(t):
         return jnp.sum(key > t[:, None], axis=-1)

@@ -242,3 +242,32 @@ def test_write_kv_many_layers_in_one_call(pool):
         _run(lambda: ops.write_kv(c, 2, k, v, slots, ops.new_token()))  # layers 2..4 > 3
     with pytest.raises(ValueError, match="differ"):
         ops.write_kv(c, 0, k, v[:2], slots, ops.new_token())
+
+
+def test_write_kv_async_writes_like_write_kv_and_validates(pool):
+    """The step loop's write (layer as an attribute). On the host backend the handler
+    validates at once, as write_kv; the device page map follows every map and unmap."""
+    a, b = make_cache(pool, layers=3), make_cache(pool, name="b", layers=3)
+    ids_a, ids_b = a.alloc(2), b.alloc(2)
+    slots = a.slot_mapping(ids_a, np.arange(20))
+    k = _rand((2, 20, 2, 64), "float32", 3)
+    ops.write_kv(a, 1, k, -k, jnp.asarray(slots), ops.new_token()).block_until_ready()
+    ops.write_kv_async(b, 1, k, -k, jnp.asarray(slots), ops.new_token()).block_until_ready()
+    np.testing.assert_array_equal(np.asarray(a.view), np.asarray(b.view))
+    with pytest.raises(TypeError, match="layer must be an int"):
+        ops.write_kv_async(b, jnp.int32(0), k[0], k[0], jnp.asarray(slots), ops.new_token())
+    with pytest.raises(ValueError, match="layer 2 \\(\\+2 layers\\) out of range"):
+        ops.write_kv_async(b, 2, k, k, jnp.asarray(slots), ops.new_token())
+    page = next(p for p in range(1, 99) if p not in b._buffer.mapped_pages())
+    bad = jnp.asarray([b.page_blocks(page)[0] * 16], jnp.int32)
+    with pytest.raises(FFI_ERRORS, match="unmapped page"):
+        _run(lambda: ops.write_kv_async(b, 0, k[0, :1], k[0, :1], bad, ops.new_token()))
+    assert b.take_device_error() == (0, 0)
+    ops.raise_device_errors(b)  # nothing recorded: no error
+    page_map = b._buffer.device_page_map()
+    assert [p for p, m in enumerate(page_map) if m] == list(b._buffer.mapped_pages())
+    b.free(ids_b)
+    assert not any(b._buffer.device_page_map())
+    with pytest.raises(ValueError, match="block 1 of 'b' is not allocated"):
+        b.check_writable([1])
+    a.free(ids_a)

@@ -16,7 +16,7 @@ import jax_kvcached.scheduler as scheduler_module
 from jax_kvcached.engine import Engine
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.runner import ladder
-from jax_kvcached.sampling import SamplingParams, gumbel_noise, sample
+from jax_kvcached.sampling import CHUNK, SamplingParams, gumbel_noise, sample, top_candidates
 from jax_kvcached.serving import ServingLoop
 
 
@@ -31,7 +31,7 @@ def reference_sample(logits, temperature, top_k, top_p, seed, step):
     if temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float32) / np.float32(temperature)
-    order = np.lexsort((np.arange(v), -scaled.astype(np.float64)))  # desc, ties by id
+    order = np.lexsort((np.arange(v), -logits.astype(np.float64)))  # desc, ties by id
     k = top_k if 0 < top_k < v else v
     vals = scaled[order].astype(np.float64)
     e = np.exp(vals[:k] - vals[0])
@@ -69,6 +69,18 @@ def test_sampling_matches_the_documented_semantics(candidates, ties):
     got = np.asarray(jax.jit(sample, static_argnums=6)(*map(jnp.asarray, args), candidates))
     want = [reference_sample(*(a[i] for a in args)) for i in range(48)]
     assert got.tolist() == want
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_two_stage_candidates_equal_lax_top_k(ties):
+    """The chunked top-k of a large vocabulary: same values, same ids, same tie order."""
+    rng = np.random.default_rng(ties)
+    shape = (6, 32 * CHUNK * 2)
+    x = rng.integers(-3, 3, shape) if ties else rng.normal(0, 3, shape)
+    x = jnp.asarray(x.astype(np.float32))
+    got = jax.jit(lambda x: top_candidates(x, 64))(x)
+    want = jax.lax.top_k(x, 64)
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
 
 
 def test_a_row_draws_the_same_in_any_batch():

@@ -173,3 +173,22 @@ def test_free_after_waits_for_in_flight_kernels(gpool):
     out = slow_read(c.view, ids_j, x)
     c.free(ids, after=out)
     assert float(out) == 128 * 8 * 128, time.perf_counter() - t0
+
+
+def test_write_kv_async_checks_slots_on_the_device(gpool):
+    """No host round trip: good rows land, a bad slot's row is skipped and recorded,
+    raised once at the next host sync; the shared zero page stays zero."""
+    c = gpool.create_kv_cache("a", 2, 8, 128, "bfloat16")
+    ids = c.alloc(2)
+    good = np.asarray(c.slot_mapping(ids, np.arange(3)))
+    unmapped = c.blocks_per_page * 16 * 7  # page 7 is not mapped: the zero page
+    slots = _on_gpu(jnp.asarray(np.r_[good, unmapped, -1], jnp.int32))
+    k = _on_gpu(jnp.ones((5, 8, 128), jnp.bfloat16))
+    ops.write_kv_async(c, 1, k, 2 * k, slots, _on_gpu(ops.new_token())).block_until_ready()
+    blocks, offs = good // 16, good % 16
+    assert float(c.view[1, 0, blocks, offs].astype(jnp.float32).sum()) == 3 * 8 * 128
+    with pytest.raises(RuntimeError, match=f"slot {unmapped} is in an unmapped page"):
+        ops.raise_device_errors(c)
+    ops.raise_device_errors(c)  # cleared: raised once
+    assert float(jnp.abs(c.view[:, :, 7 * c.blocks_per_page].astype(jnp.float32)).sum()) == 0.0
+    c.free(ids)
