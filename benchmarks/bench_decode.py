@@ -1,4 +1,5 @@
-"""Decode and prefill throughput: the paged engine step vs a dense, donated KV cache.
+"""Decode and prefill throughput: the paged engine step vs a dense, donated KV cache; the
+step loop's host share, bucket sweep, sampling cost and server start.
 
 Both run the same Flax model and the same attention math; they differ only in where K/V
 live: the paged step gathers blocks from the virtual KV buffer through block tables and
@@ -6,6 +7,11 @@ writes new K/V with one FFI call, the dense step keeps an XLA-owned contiguous
 ``(layers, 2, batch, max_len, kv_heads, head_dim)`` cache, donated every step (the
 Flax / MaxText approach). Step times are medians of interleaved rounds, so machine noise
 hits both alike. Prints a table and writes JSON (benchmarks/results/bench_decode.json).
+
+``--parts loop``: the engine's decode step (overlapped and synchronous) vs the compiled
+step alone (step + sampler dispatched back to back: no host work); step time across
+adjacent buckets; on-device sampling vs argmax; ``jax-kvcached serve`` cold and warm
+start (persistent compilation cache) to the first answer.
 """
 
 from __future__ import annotations
@@ -13,6 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +33,10 @@ from flax import nnx
 
 import jax_kvcached as kv
 from jax_kvcached.attention import gqa_attention
+from jax_kvcached.engine import Engine
+from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.runner import ModelRunner, StepInput
+from jax_kvcached.sampling import SamplingParams, sample
 
 
 def make_dense_step(model, max_len: int):
@@ -65,7 +79,7 @@ def bench_decode(model, batch: int, ctx: int, iters: int, rounds: int) -> dict:
     cache = pool.create_kv_cache(
         "bench", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32", block_size=bs
     )
-    runner = ModelRunner(model, cache)
+    runner = ModelRunner(model, cache, max_batch=batch, max_model_len=ctx + 2 * bs)
     tables = [cache.alloc(-(-(ctx + 1) // bs)).tolist() for _ in range(batch)]
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, batch).tolist()
@@ -113,7 +127,7 @@ def bench_prefill(model, chunk: int, iters: int) -> dict:
     cache = pool.create_kv_cache(
         "prefill", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32"
     )
-    runner = ModelRunner(model, cache)
+    runner = ModelRunner(model, cache, prefill_tokens=chunk, max_model_len=chunk + 16)
     blocks = cache.alloc(-(-chunk // 16)).tolist()
     toks = np.random.default_rng(1).integers(0, cfg.vocab_size, chunk).tolist()
     x = [StepInput(toks, 0, blocks)]
@@ -131,6 +145,265 @@ def memcpy_gbps(mib: int = 256) -> float:
     return a.nbytes / t / 1e9
 
 
+def _host_pool(size: str = "512MiB") -> kv.Pool:
+    return kv.Pool(size, backend="host", min_reserved_pages=0, max_reserved_pages=0)
+
+
+def _time_steps(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def bench_host_share(batch: int, rounds: int, prompt_len: int = 64, steps: int = 32) -> dict:
+    """Decode step of the engine (overlapped, synchronous) vs the compiled step alone, on
+    the built-in tiny Llama (the issue's profile: prompt 64, 96 new tokens)."""
+    model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
+    pool = _host_pool()
+    eng = Engine(model, pool, max_batch=batch, prefill_chunk=64, prefix_caching=False)
+    rng = np.random.default_rng(batch)
+    params = SamplingParams(max_tokens=prompt_len + 3 * steps, ignore_eos=True, seed=1)
+
+    def engine_step_s(overlap: bool) -> float:
+        eng.overlap = overlap
+        for _ in range(batch):
+            eng.add_request(rng.integers(1, 300, prompt_len).tolist(), params)
+        while any(s.num_output == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        for _ in range(3):
+            eng.step()
+        t = _time_steps(eng.step, steps)
+        for s in list(eng.scheduler.running):
+            eng.abort(s.request_id)
+        eng.drain()
+        return t
+
+    runner = eng.runner
+    tables = [eng.cache.alloc(-(-(prompt_len + 40) // 16)).tolist() for _ in range(batch)]
+    inputs = [
+        StepInput([5], prompt_len + 8, tables[i], params=params, sample_step=8)
+        for i in range(batch)
+    ]
+
+    def jitted_step_s() -> float:
+        jax.block_until_ready(runner.run_padded(inputs))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = runner.run_padded(inputs)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / steps
+
+    engine_step_s(True), engine_step_s(False), jitted_step_s()  # compile, warm up
+    over, sync, alone = [], [], []
+    for _ in range(rounds):
+        over.append(engine_step_s(True))
+        sync.append(engine_step_s(False))
+        alone.append(jitted_step_s())
+    o, s_, j = (float(np.median(x)) for x in (over, sync, alone))
+    eng.cache.free([b for t in tables for b in t], after=runner.token)
+    pool.close()
+    return {
+        "batch": batch, "engine_step_ms": o * 1e3, "sync_engine_step_ms": s_ * 1e3,
+        "jitted_step_ms": j * 1e3, "engine_over_jitted": o / j, "sync_over_jitted": s_ / j,
+    }  # fmt: skip
+
+
+def bench_buckets(model, rounds: int, steps: int = 20) -> list[dict]:
+    """Decode step time at contexts and batch sizes either side of a bucket edge."""
+    pool = _host_pool("1GiB")
+    cfg = model.config
+    cache = pool.create_kv_cache("b", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32")
+    runner = ModelRunner(model, cache, max_batch=32, max_model_len=4096)
+    points = [(8, c) for c in (1008, 1024, 1040, 1100)] + [(b, 1024) for b in (15, 16, 17, 20)]
+    tables = [cache.alloc(-(-1200 // 16)).tolist() for _ in range(20)]
+    p = SamplingParams(seed=0)
+    cases = {(b, c): [StepInput([3], c, tables[i], params=p) for i in range(b)] for b, c in points}
+
+    def run(x):
+        jax.block_until_ready(runner.run_padded(x))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = runner.run_padded(x)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / steps
+
+    times = {k: [] for k in cases}
+    for x in cases.values():
+        run(x)
+    for _ in range(rounds):
+        for k, x in cases.items():
+            times[k].append(run(x))
+    rows = []
+    for b, c in points:
+        rows.append({
+            "batch": b, "ctx": c, "shape": list(runner.shapes_for(cases[b, c])),
+            "step_ms": float(np.median(times[b, c])) * 1e3,
+        })  # fmt: skip
+    for prev, r in zip(rows, rows[1:], strict=False):
+        same_axis = prev["batch"] == r["batch"] or prev["ctx"] == r["ctx"]
+        r["over_previous"] = r["step_ms"] / prev["step_ms"] if same_axis else None
+    rows[0]["over_previous"] = rows[4]["over_previous"] = None
+    pool.close()
+    return rows
+
+
+def _samplers(b: int) -> dict:
+    """The sampling cases of 32 rows, each a function of the logits."""
+    fn = jax.jit(sample)
+    argmax = jax.jit(lambda x: jnp.argmax(x, axis=-1))
+    zero, one = jnp.zeros(b), jnp.ones(b)
+    k0 = steps = jnp.zeros(b, jnp.int32)
+    seeds = jnp.arange(b, dtype=jnp.uint32)
+    return {
+        "argmax": argmax,
+        "greedy": lambda x: fn(x, zero, k0, one, seeds, steps),
+        "top_k=50": lambda x: fn(x, one, k0 + 50, one, seeds, steps),
+        "top_p=0.9": lambda x: fn(x, one, k0, one * 0.9, seeds, steps),
+        "temperature only": lambda x: fn(x, one, k0, one, seeds, steps),
+    }
+
+
+def bench_sampling(rounds: int, iters: int = 20) -> list[dict]:
+    """On-device sampling of 32 rows vs a bare argmax. ``peaked``: N(0, 12^2) logits, the
+    64 candidates hold the top-p mass (the usual case for a trained model); ``flat``:
+    N(0, 1) logits, top-p reaches past them (the exact whole-vocabulary path)."""
+    rows = []
+    cases = _samplers(32)
+    for v in (32000, 49152):
+        base = jax.random.normal(jax.random.PRNGKey(v), (32, v))
+        for kind, scale in (("peaked", 12.0), ("flat", 1.0)):
+            x = base * scale
+            t: dict[str, list[float]] = {k: [] for k in cases}
+            for f in cases.values():
+                jax.block_until_ready(f(x))
+            for _ in range(rounds):
+                for k, f in cases.items():
+                    t[k].append(median_time(lambda f=f, x=x: jax.block_until_ready(f(x)), iters))
+            ref = float(np.median(t["argmax"]))
+            for k in cases:
+                m = float(np.median(t[k]))
+                rows.append({
+                    "vocab": v, "logits": kind, "sampler": k, "ms": m * 1e3,
+                    "over_argmax": m / ref,
+                })  # fmt: skip
+    return rows
+
+
+def bench_start(models: list[str], cache_dir: str) -> dict:
+    """Seconds from launching ``jax-kvcached serve`` to every model's first answer."""
+    with socket_port() as port:
+        pass  # a free port, released for the server
+    cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", "--backend", "host",
+           "--port", str(port), "--compile-cache", cache_dir, "--memory", "512MiB"]  # fmt: skip
+    for m in models:
+        cmd += ["--model", m]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(  # run outside the checkout: the installed package
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        cwd=tempfile.gettempdir(),
+    )  # fmt: skip
+    try:
+        for spec in models:
+            name = spec.split("=")[0]
+            body = json.dumps({"model": name, "prompt": "hello", "max_tokens": 4}).encode()
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"serve exited: {proc.stderr.read()[-2000:]}")
+                try:
+                    req = urllib.request.Request(
+                        f"http://127.0.0.1:{port}/v1/completions", body,
+                        {"Content-Type": "application/json"},
+                    )  # fmt: skip
+                    urllib.request.urlopen(req, timeout=120).read()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        return {"models": models, "first_answer_s": time.perf_counter() - t0}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+class socket_port:
+    """A free loopback port (closed again on exit)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self.s = socket.socket()
+        self.s.bind(("127.0.0.1", 0))
+        return self.s.getsockname()[1]
+
+    def __exit__(self, *exc: object) -> None:
+        self.s.close()
+
+
+def bench_write(backend: str, rounds: int, steps: int = 50) -> list[dict]:
+    """The step's K/V write (30 layers, 32 rows) run back to back: ``write_kv`` (on CUDA it
+    copies layer and slots to the host and synchronizes the stream) vs ``write_kv_async``
+    (no host round trip). On the host backend both validate on the host."""
+    pool = kv.Pool("1GiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
+    c = pool.create_kv_cache("w", 30, 3, 64, "float32")
+    ids = c.alloc(8)
+    slots = jax.device_put(jnp.asarray(c.slot_mapping(ids, np.arange(32))), pool.device)
+    k = jax.device_put(jnp.ones((30, 32, 3, 64), jnp.float32), pool.device)
+    fns = {
+        "write_kv": jax.jit(lambda k, s, t: kv.ops.write_kv(c, 0, k, k, s, t)),
+        "write_kv_async": jax.jit(lambda k, s, t: kv.ops.write_kv_async(c, 0, k, k, s, t)),
+    }
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    token = jax.device_put(kv.ops.new_token(), pool.device)
+    for _ in range(rounds + 1):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                token = fn(k, slots, token)
+            jax.block_until_ready(token)
+            times[name].append((time.perf_counter() - t0) / steps)
+    c.free(ids)
+    pool.close()
+    rows = [{"backend": backend, "op": n, "us": float(np.median(t[1:])) * 1e6}
+            for n, t in times.items()]  # fmt: skip
+    for r in rows:
+        print(f"  {backend} {r['op']:<15} {r['us']:9.1f} us per step")
+    return rows
+
+
+def bench_loop(model, rounds: int, start_models: list[str]) -> dict:
+    out: dict = {"host_share": [bench_host_share(b, rounds) for b in (1, 8, 32)]}
+    print("\nEngine decode step vs the compiled step alone (tiny-llama, prompt 64)")
+    print(f"{'batch':>5} {'engine ms':>10} {'sync ms':>8} {'jitted ms':>10} {'engine/jit':>11} "
+          f"{'sync/jit':>9}")  # fmt: skip
+    for r in out["host_share"]:
+        print(
+            f"{r['batch']:>5} {r['engine_step_ms']:>10.2f} {r['sync_engine_step_ms']:>8.2f} "
+            f"{r['jitted_step_ms']:>10.2f} {r['engine_over_jitted']:>11.2f} "
+            f"{r['sync_over_jitted']:>9.2f}"
+        )
+    out["buckets"] = bench_buckets(model, rounds)
+    print("\nBucket sweep (decode step, compiled step alone)")
+    for r in out["buckets"]:
+        ratio = "" if r["over_previous"] is None else f"{r['over_previous']:.2f}x"
+        print(f"  B={r['batch']:>2} ctx={r['ctx']:>4} shape={tuple(r['shape'])}: "
+              f"{r['step_ms']:.2f} ms {ratio}")  # fmt: skip
+    out["sampling"] = bench_sampling(rounds)
+    print("\nSampling 32 rows on the device")
+    for r in out["sampling"]:
+        print(f"  V={r['vocab']:>5} {r['logits']:<6} {r['sampler']:<17} {r['ms']:7.2f} ms "
+              f"{r['over_argmax']:5.2f}x argmax")  # fmt: skip
+    cache_dir = tempfile.mkdtemp(prefix="kvcached-xla-")
+    cold = bench_start(start_models, cache_dir)
+    warm = bench_start(start_models, cache_dir)
+    out["start"] = {"cold_s": cold["first_answer_s"], "warm_s": warm["first_answer_s"],
+                    "models": start_models}  # fmt: skip
+    print(
+        f"\nserve {' '.join(start_models)}: cold start to first answers "
+        f"{cold['first_answer_s']:.1f} s, warm (compile cache) {warm['first_answer_s']:.1f} s"
+    )
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,32")
@@ -138,6 +411,12 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="bench", help="bench (random, small) or smollm2-135m")
+    p.add_argument("--parts", default="decode,loop", help="decode (+prefill), loop, write (a list)")
+    p.add_argument("--backend", default="host", help="for --parts write: host or cuda")
+    p.add_argument(
+        "--start-models", default="a=tiny-llama,b=tiny-qwen2",
+        help="the models of the serve cold/warm start measurement",
+    )  # fmt: skip
     here = os.path.dirname(__file__)
     p.add_argument("--out", default=None, help="default results/bench_decode[_MODEL].json")
     args = p.parse_args()
@@ -145,6 +424,16 @@ def main() -> None:
     args.out = args.out or os.path.join(here, "results", f"bench_decode{suffix}.json")
 
     model = load_model(args.model)
+    parts = set(args.parts.split(","))
+    result: dict = {"model": args.model, "jax": jax.__version__}
+    if "write" in parts:
+        print(f"\nK/V write of a step, {args.backend} backend")
+        result["write"] = bench_write(args.backend, args.rounds)
+    if "loop" in parts:
+        result["loop"] = bench_loop(model, args.rounds, args.start_models.split(","))
+    if "decode" not in parts:
+        _write(args.out, result)
+        return
     rows = [
         bench_decode(model, b, c, args.iters, args.rounds)
         for c in map(int, args.ctx.split(","))
@@ -173,15 +462,15 @@ def main() -> None:
     print("\nPrefill (one sequence, one chunk, paged)")
     for r in prefill:
         print(f"  {r['chunk']:>4} tokens: {r['step_ms']:.1f} ms, {r['tokens_per_s']:.0f} tokens/s")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(
-            {"model": args.model, "decode": rows, "prefill": prefill, "memcpy_gbps": copy,
-             "jax": jax.__version__},  # fmt: skip
-            f,
-            indent=2,
-        )
-    print(f"\nwrote {args.out}")
+    result.update({"decode": rows, "prefill": prefill, "memcpy_gbps": copy})
+    _write(args.out, result)
+
+
+def _write(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"\nwrote {path}")
 
 
 if __name__ == "__main__":

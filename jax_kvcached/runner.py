@@ -139,7 +139,11 @@ class ModelRunner:
         self.attention = resolve_attention(attention, cache)
         self.num_candidates = num_candidates
         self.graphdef, self.state = nnx.split(model)
-        self.token = ops.new_token(cache.pool.device)
+        # The weights travel as a flat list: flattening an nnx.State on every call costs
+        # more host time than the rest of a small step's dispatch.
+        self._weights, self._weights_def = jax.tree.flatten(self.state)
+        self._device = cache.pool.device
+        self.token = ops.new_token(self._device)
         max_len = max_model_len or cfg.max_position_embeddings
         bs = cache.block_size
         self.max_blocks = -(-max_len // bs)
@@ -159,11 +163,13 @@ class ModelRunner:
         step, sample_rows = self._make_step()
         self._jitted = jax.jit(step, static_argnums=(4, 5, 6))
         self._jitted_sample = jax.jit(sample_rows)
-        self._compiled: dict[tuple[int, int, int], Callable] = {}
-        self._samplers: dict[int, Callable] = {}  # by rows (a power of two)
+        self._compiled: set[tuple[int, int, int]] = set()  # step shapes compiled
+        self._samplers: set[int] = set()  # sampler row counts compiled (powers of two)
         self.warm = False  # set by compile(): a shape compiled later is counted and logged
         self.compiles_after_warmup = 0
-        self.last_tokens = jnp.zeros((self.max_rows,), jnp.int32)
+        # Committed to the cache's device, like every later step's output: the jit cache
+        # keys on placement, so warm-up and serving must pass alike-placed arguments.
+        self.last_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._device)
 
     def _make_step(self):
         graphdef, cache = self.graphdef, self.cache
@@ -171,7 +177,10 @@ class ModelRunner:
         num_candidates = self.num_candidates
         max_rows = self.max_rows
 
-        def step(state, view, packed, prev, b, t, nb, token):
+        weights_def = self._weights_def
+
+        def step(weights, view, packed, prev, b, t, nb, token):
+            state = jax.tree.unflatten(weights_def, weights)
             sizes = (b * t, b * t, b * nb, b, b, b * t, b)
             parts, at = [], 0
             for n in sizes:
@@ -241,6 +250,16 @@ class ModelRunner:
     def shapes_for(self, batch: list[StepInput]) -> tuple[int, int, int]:
         t = max(len(x.tokens) for x in batch)
         width = max(-(-x.start // self.cache.block_size) for x in batch)
+        if len(batch) > self.batch_sizes[-1]:
+            raise ValueError(
+                f"a step of {len(batch)} sequences exceeds the runner's max_batch "
+                f"{self.batch_sizes[-1]}"
+            )
+        if width > self.max_blocks:
+            raise ValueError(
+                f"a context of {width} blocks exceeds the runner's max_model_len "
+                f"({self.max_blocks} blocks)"
+            )
         if t == 1:
             return bucket(len(batch), self.batch_sizes), 1, bucket(width, self.decode_widths)
         if not self.prefill_fits(len(batch), t):
@@ -257,25 +276,50 @@ class ModelRunner:
         """Distinct step shapes compiled so far (samplers not counted)."""
         return len(self._compiled)
 
+    @property
+    def jit_cache_sizes(self) -> tuple[int, int]:
+        """Executables in the step's and the sampler's jit caches: the ground truth for
+        "nothing compiled after warm-up" (a retrace for any reason shows here)."""
+        return self._jitted._cache_size(), self._jitted_sample._cache_size()
+
     def _lower(self, key: tuple[int, int, int] | int):
+        """The lowered step of a shape, or sampler of ``key`` rows (for inspection)."""
         if isinstance(key, int):  # the sampler of that many rows
             logits = jax.ShapeDtypeStruct((key, self.config.vocab_size), jnp.float32)
             params = jax.ShapeDtypeStruct((5, key), jnp.int32)
             return self._jitted_sample.lower(logits, params)
         b, t, nb = key
         packed = jax.ShapeDtypeStruct((3 * b * t + b * nb + 3 * b,), jnp.int32)
-        args = (self.state, self.cache.view, packed, self.last_tokens, b, t, nb, self.token)
+        args = (self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token)
         return self._jitted.lower(*args)
 
-    def _executable(self, key: tuple[int, int, int] | int) -> Callable:
+    def _seen(self, key: tuple[int, int, int] | int) -> None:
+        """Records a shape about to run; one first seen after warm-up is counted."""
         table = self._samplers if isinstance(key, int) else self._compiled
-        exe = table.get(key)
-        if exe is None:
+        if key not in table:
+            table.add(key)
             if self.warm:
                 self.compiles_after_warmup += 1
                 log.warning("compiling %s after warm-up", key)
-            exe = table[key] = self._lower(key).compile()
-        return exe
+
+    def _compile_by_running(self, key: tuple[int, int, int] | int) -> None:
+        """Compiles a shape into the jitted functions' own cache (their C++ dispatch is
+        far cheaper per call than an AOT executable's) by running it on inputs that
+        read and write nothing: no context, every slot -1."""
+        if isinstance(key, int):
+            logits = jnp.zeros((key, self.config.vocab_size), jnp.float32)
+            logits = jax.device_put(logits, self._device)  # placed like a step's output
+            jax.block_until_ready(self._jitted_sample(logits, np.zeros((5, key), np.int32)))
+            return
+        b, t, nb = key
+        packed = np.zeros(3 * b * t + b * nb + 3 * b, np.int32)
+        at = 2 * b * t + b * nb
+        packed[at + b : at + 2 * b] = 1  # one new token per row (its slot is -1)
+        packed[at + 2 * b :] = -1  # slots and src
+        out = self._jitted(
+            self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token
+        )
+        jax.block_until_ready(out)
 
     def compile(
         self,
@@ -283,10 +327,10 @@ class ModelRunner:
         progress: Callable[[int, int], None] | None = None,
         threads: int | None = None,
     ) -> float:
-        """Compiles ``shapes`` (default: every shape of :meth:`step_shapes`) ahead of
-        time, lowering here and compiling on ``threads`` threads; returns the seconds
-        taken. Afterwards the runner is warm: any other shape is a counted, logged
-        compile (:attr:`compiles_after_warmup`)."""
+        """Compiles ``shapes`` (default: every shape of :meth:`step_shapes`) and their
+        samplers on ``threads`` threads; returns the seconds taken. Afterwards the runner
+        is warm: any other shape is a counted, logged compile
+        (:attr:`compiles_after_warmup`)."""
         t0 = time.perf_counter()
         shapes = shapes or self.step_shapes()
         rows = {bucket(s[0], self.sampler_sizes) for s in shapes}
@@ -295,10 +339,11 @@ class ModelRunner:
         threads = threads or min(8, os.cpu_count() or 1)
         done = 0
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            futures = {pool.submit(self._lower(key).compile): key for key in todo}
+            futures = {pool.submit(self._compile_by_running, key): key for key in todo}
             for f in concurrent.futures.as_completed(futures):
+                f.result()
                 key = futures[f]
-                (self._samplers if isinstance(key, int) else self._compiled)[key] = f.result()
+                (self._samplers if isinstance(key, int) else self._compiled).add(key)
                 done += 1
                 if progress:
                     progress(done, len(todo))
@@ -357,10 +402,11 @@ class ModelRunner:
         params = np.stack(
             [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]
         )
-        step, sampler = self._executable(shape), self._executable(rows)
-        logits, self.token = step(
-            self.state, self.cache.view, jnp.asarray(packed), self.last_tokens, self.token
+        self._seen(shape)
+        self._seen(rows)
+        logits, self.token = self._jitted(
+            self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token
         )
         # Dispatched right behind the step: no host round trip in between.
-        self.last_tokens = sampler(logits, jnp.asarray(params))
+        self.last_tokens = self._jitted_sample(logits, params)  # (numpy in: one transfer)
         return logits, self.last_tokens

@@ -3,7 +3,8 @@
 # to finish in under 8 minutes: builds with the preinstalled toolchain, runs the GPU
 # tests (CUDA backend, engine on CUDA, the Pallas paged-attention kernel compiled for the
 # GPU), the attention benchmark (Pallas vs XLA vs jax's decode kernel vs dense) and the
-# VMM benchmark; copies logs and JSON to $OUT when it is set.
+# VMM benchmark and the step's K/V write with and without the host sync; copies logs and
+# JSON to $OUT when it is set.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 mkdir -p "$OUT"
@@ -18,3 +19,6 @@ timeout 150 python3 "$OLDPWD/benchmarks/bench_attention.py" --iters 5 --rounds 2
   --out "$OUT/bench_attention_gpu.json" 2>&1 | tee "$OUT/bench_attention_gpu.log"
 timeout 60 python3 "$OLDPWD/benchmarks/bench_vmm.py" --out "$OUT/bench_vmm_gpu.json" 2>&1 \
   | tee "$OUT/bench_vmm_gpu.log"
+# The step's K/V write with the old host round trip (write_kv) vs without (write_kv_async).
+timeout 60 python3 "$OLDPWD/benchmarks/bench_decode.py" --parts write --backend cuda \
+  --out "$OUT/bench_write_gpu.json" 2>&1 | tee "$OUT/bench_write_gpu.log"

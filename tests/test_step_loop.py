@@ -239,6 +239,7 @@ def test_a_served_run_compiles_nothing_after_warm_up():
     eng = Engine(model, pool, max_batch=4, prefill_chunk=32, max_model_len=256)
     eng.runner.compile()
     compiled = eng.runner.num_compiled
+    executables = eng.runner.jit_cache_sizes
     rng = np.random.default_rng(0)
     done = threading.Semaphore(0)
     n = 0
@@ -254,6 +255,7 @@ def test_a_served_run_compiles_nothing_after_warm_up():
             assert done.acquire(timeout=300)
     assert eng.runner.compiles_after_warmup == 0
     assert eng.runner.num_compiled == compiled
+    assert eng.runner.jit_cache_sizes == executables  # not even a retrace
     pool.close()
 
 
