@@ -156,6 +156,16 @@ def _time_steps(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def _compiled_step_s(runner: ModelRunner, inputs: list[StepInput], steps: int) -> float:
+    """Seconds per step of the compiled step (and sampler) alone, dispatched back to back."""
+    jax.block_until_ready(runner.run_padded(inputs))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = runner.run_padded(inputs)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / steps
+
+
 def bench_host_share(batch: int, rounds: int, prompt_len: int = 64, steps: int = 32) -> dict:
     """Decode step of the engine (overlapped, synchronous) vs the compiled step alone, on
     the built-in tiny Llama (the issue's profile: prompt 64, 96 new tokens)."""
@@ -187,12 +197,7 @@ def bench_host_share(batch: int, rounds: int, prompt_len: int = 64, steps: int =
     ]
 
     def jitted_step_s() -> float:
-        jax.block_until_ready(runner.run_padded(inputs))
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = runner.run_padded(inputs)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / steps
+        return _compiled_step_s(runner, inputs, steps)
 
     engine_step_s(True), engine_step_s(False), jitted_step_s()  # compile, warm up
     over, sync, alone = [], [], []
@@ -221,12 +226,7 @@ def bench_buckets(model, rounds: int, steps: int = 20) -> list[dict]:
     cases = {(b, c): [StepInput([3], c, tables[i], params=p) for i in range(b)] for b, c in points}
 
     def run(x):
-        jax.block_until_ready(runner.run_padded(x))
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            out = runner.run_padded(x)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / steps
+        return _compiled_step_s(runner, x, steps)
 
     times = {k: [] for k in cases}
     for x in cases.values():

@@ -38,31 +38,15 @@ ffi::Error finish(const std::string& op, cudaStream_t stream, ffi::Result<ffi::A
   return e == cudaSuccess ? ffi::Error::Success() : cuda_error(op, e);
 }
 
-// blockIdx.y: the layer (of the written range); planes of consecutive layers are
-// 2 * words_per_plane apart.
-template <typename Word>
-__global__ void write_rows(const Word* key, const Word* value, const int32_t* slots, int64_t n,
-                           int64_t words_per_row, int64_t words_per_plane, Word* k_plane0) {
-  const int64_t total = n * words_per_row;
-  const int64_t j = blockIdx.y;
-  key += j * total;
-  value += j * total;
-  Word* k_plane = k_plane0 + 2 * j * words_per_plane;
-  Word* v_plane = k_plane + words_per_plane;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t t = i / words_per_row;
-    const int64_t w = i - t * words_per_row;
-    const int32_t s = slots[t];
-    if (s < 0) continue;
-    k_plane[s * words_per_row + w] = key[i];
-    v_plane[s * words_per_row + w] = value[i];
-  }
+unsigned grid_for(int64_t work) {
+  const int64_t blocks = (work + 255) / 256;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
 }
 
-// write_rows with every slot checked on the device against the buffer's page map (see
-// KVBuffer::device_state): a bad slot's row is skipped and the first one is recorded in
-// error[0] (code) and error[1] (slot), raised by the host at its next sync.
+// Slot checks on the device (write_kv_async): every slot against the buffer's page map
+// (see KVBuffer::device_state); a bad slot's row is skipped and the first one recorded in
+// error[0] (code) and error[1] (slot), raised by the host at its next sync. page_map ==
+// nullptr: the host validated the slots already (write_kv).
 struct SlotCheck {
   int64_t num_slots, block_size, block_bytes, page_size;
   const uint8_t* page_map;
@@ -70,6 +54,7 @@ struct SlotCheck {
 };
 
 __device__ int slot_error(int64_t s, const SlotCheck& c) {
+  if (c.page_map == nullptr) return 0;
   if (s < 0 || s >= c.num_slots) return 1;
   const int64_t b = s / c.block_size;
   if (b == 0) return 2;
@@ -79,10 +64,11 @@ __device__ int slot_error(int64_t s, const SlotCheck& c) {
   return c.page_map[page] ? 0 : 4;
 }
 
+// blockIdx.y: the layer (of the written range); planes of consecutive layers are
+// 2 * words_per_plane apart. Slot -1 skips a padded token.
 template <typename Word>
-__global__ void write_rows_checked(const Word* key, const Word* value, const int32_t* slots, int64_t n,
-                                   int64_t words_per_row, int64_t words_per_plane, Word* k_plane0,
-                                   SlotCheck check) {
+__global__ void write_rows(const Word* key, const Word* value, const int32_t* slots, int64_t n,
+                           int64_t words_per_row, int64_t words_per_plane, Word* k_plane0, SlotCheck check) {
   const int64_t total = n * words_per_row;
   const int64_t j = blockIdx.y;
   key += j * total;
@@ -105,6 +91,28 @@ __global__ void write_rows_checked(const Word* key, const Word* value, const int
   }
 }
 
+// Launches write_rows for num_layers layers from `layer` (32-bit words when rows allow).
+cudaError_t launch_write(cudaStream_t stream, const KVBuffer& buf, int64_t layer, int64_t num_layers,
+                         const void* key, const void* value, const int32_t* slots, int64_t n,
+                         const SlotCheck& check) {
+  const size_t row = buf.layout().row_bytes();
+  char* k_plane = reinterpret_cast<char*>(buf.base() + static_cast<size_t>(2 * layer) * buf.plane_bytes());
+  if (row % 4 == 0) {
+    const int64_t wpr = static_cast<int64_t>(row / 4);
+    const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
+    write_rows<uint32_t><<<grid, 256, 0, stream>>>(
+        static_cast<const uint32_t*>(key), static_cast<const uint32_t*>(value), slots, n, wpr,
+        static_cast<int64_t>(buf.plane_bytes() / 4), reinterpret_cast<uint32_t*>(k_plane), check);
+  } else {
+    const int64_t wpr = static_cast<int64_t>(row / 2);
+    const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
+    write_rows<uint16_t><<<grid, 256, 0, stream>>>(
+        static_cast<const uint16_t*>(key), static_cast<const uint16_t*>(value), slots, n, wpr,
+        static_cast<int64_t>(buf.plane_bytes() / 2), reinterpret_cast<uint16_t*>(k_plane), check);
+  }
+  return cudaGetLastError();
+}
+
 template <typename Word>
 __global__ void copy_block_kernel(const int32_t* src, const int32_t* dst, int64_t n,
                                   int64_t words_per_block, int64_t words_per_plane, Word* base) {
@@ -117,11 +125,6 @@ __global__ void copy_block_kernel(const int32_t* src, const int32_t* dst, int64_
     const int64_t w = i - b * words_per_block;
     p[dst[b] * words_per_block + w] = p[src[b] * words_per_block + w];
   }
-}
-
-unsigned grid_for(int64_t work) {
-  const int64_t blocks = (work + 255) / 256;
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65535 ? 65535 : blocks));
 }
 
 ffi::Error WriteKvCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
@@ -140,23 +143,10 @@ ffi::Error WriteKvCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer laye
   if (!err.empty()) return invalid("write_kv", err);
   const int64_t n = static_cast<int64_t>(host_slots.size());
   if (n > 0) {
-    const size_t row = buf->layout().row_bytes();
-    char* k_plane = reinterpret_cast<char*>(buf->base() + static_cast<size_t>(2 * host_layer[0]) * buf->plane_bytes());
-    const auto* s = static_cast<const int32_t*>(slots.untyped_data());
-    if (row % 4 == 0) {
-      const int64_t wpr = static_cast<int64_t>(row / 4);
-      const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
-      write_rows<uint32_t><<<grid, 256, 0, stream>>>(
-          static_cast<const uint32_t*>(key.untyped_data()), static_cast<const uint32_t*>(value.untyped_data()),
-          s, n, wpr, static_cast<int64_t>(buf->plane_bytes() / 4), reinterpret_cast<uint32_t*>(k_plane));
-    } else {
-      const int64_t wpr = static_cast<int64_t>(row / 2);
-      const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
-      write_rows<uint16_t><<<grid, 256, 0, stream>>>(
-          static_cast<const uint16_t*>(key.untyped_data()), static_cast<const uint16_t*>(value.untyped_data()),
-          s, n, wpr, static_cast<int64_t>(buf->plane_bytes() / 2), reinterpret_cast<uint16_t*>(k_plane));
-    }
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error("write_kv", e);
+    const SlotCheck validated{0, 0, 0, 0, nullptr, nullptr};
+    const cudaError_t e = launch_write(stream, *buf, host_layer[0], num_layers, key.untyped_data(), value.untyped_data(),
+                                       static_cast<const int32_t*>(slots.untyped_data()), n, validated);
+    if (e != cudaSuccess) return cuda_error("write_kv", e);
   }
   return finish("write_kv", stream, token_out);
 }
@@ -176,28 +166,14 @@ ffi::Error WriteKvAsyncCuda(cudaStream_t stream, uint64_t handle, int64_t layer,
   if (!err.empty()) return invalid("write_kv", err);
   const int64_t n = slots.dimensions()[0];
   if (n > 0) {
-    const size_t row = buf->layout().row_bytes();
-    char* k_plane = reinterpret_cast<char*>(buf->base() + static_cast<size_t>(2 * layer) * buf->plane_bytes());
-    const auto* s = static_cast<const int32_t*>(slots.untyped_data());
     const uintptr_t state = buf->device_state();
     const SlotCheck check{buf->num_slots(), buf->layout().block_size, static_cast<int64_t>(buf->block_bytes()),
                           static_cast<int64_t>(buf->page_size()),
                           reinterpret_cast<const uint8_t*>(state + KVBuffer::kStateHeader),
                           reinterpret_cast<int32_t*>(state)};
-    if (row % 4 == 0) {
-      const int64_t wpr = static_cast<int64_t>(row / 4);
-      const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
-      write_rows_checked<uint32_t><<<grid, 256, 0, stream>>>(
-          static_cast<const uint32_t*>(key.untyped_data()), static_cast<const uint32_t*>(value.untyped_data()),
-          s, n, wpr, static_cast<int64_t>(buf->plane_bytes() / 4), reinterpret_cast<uint32_t*>(k_plane), check);
-    } else {
-      const int64_t wpr = static_cast<int64_t>(row / 2);
-      const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
-      write_rows_checked<uint16_t><<<grid, 256, 0, stream>>>(
-          static_cast<const uint16_t*>(key.untyped_data()), static_cast<const uint16_t*>(value.untyped_data()),
-          s, n, wpr, static_cast<int64_t>(buf->plane_bytes() / 2), reinterpret_cast<uint16_t*>(k_plane), check);
-    }
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error("write_kv", e);
+    const cudaError_t e = launch_write(stream, *buf, layer, num_layers, key.untyped_data(), value.untyped_data(),
+                                       static_cast<const int32_t*>(slots.untyped_data()), n, check);
+    if (e != cudaSuccess) return cuda_error("write_kv", e);
   }
   return finish("write_kv", stream, token_out);
 }

@@ -13,7 +13,13 @@ def test_cuda_part_is_compiled_when_a_toolkit_is_present():
         pytest.skip("no CUDA toolkit (nvcc) on this machine: the host-only build is expected")
     assert _C.cuda_compiled()
     assert set(_C.handlers) == {"cpu", "cuda"}
-    assert set(_C.handlers["cuda"]) == {"write_kv", "copy_blocks", "map_pages", "unmap_pages"}
+    assert set(_C.handlers["cuda"]) == {
+        "write_kv",
+        "write_kv_async",
+        "copy_blocks",
+        "map_pages",
+        "unmap_pages",
+    }
 
 
 def test_cuda_backend_stays_inert_without_a_driver():
