@@ -49,8 +49,10 @@ class PhysicalBackend {
 
   // Maps pages[i] at addr + i * page_size, read-write, for i < n.
   virtual void map(uintptr_t addr, const PageHandle* pages, size_t n) = 0;
-  // Unmaps n pages starting at addr; the range reads as zeros again.
-  virtual void unmap(uintptr_t addr, size_t n) = 0;
+  // Unmaps n pages starting at addr; the range reads as zeros again. With `synchronize`
+  // the backend first waits for all work on the device (CUDA: cuCtxSynchronize); callers
+  // that already waited for every read of the range (a fence) pass false.
+  virtual void unmap(uintptr_t addr, size_t n, bool synchronize = true) = 0;
 
   // Small state the device's kernels read and write (a KV buffer's page map and error
   // record): zeroed memory, freed with free_state, and synchronous host copies.

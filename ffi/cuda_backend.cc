@@ -181,11 +181,12 @@ class CudaBackend final : public PhysicalBackend {
     cuda_check(d.cuMemSetAccess(addr, bytes, &access_, 1), "cuMemSetAccess");
   }
 
-  void unmap(uintptr_t addr, size_t n) override {
+  void unmap(uintptr_t addr, size_t n, bool synchronize = true) override {
     const CudaDriver& d = cuda_driver();
     ScopedContext scope(ctx_);
-    // Work enqueued before this call may still read the range: let it finish first.
-    cuda_check(d.cuCtxSynchronize(), "cuCtxSynchronize");
+    // Work enqueued before this call may still read the range: let it finish first,
+    // unless the caller already waited for the reads (a fence on their stream).
+    if (synchronize) cuda_check(d.cuCtxSynchronize(), "cuCtxSynchronize");
     cuda_check(d.cuMemUnmap(addr, n * page_size_), "cuMemUnmap");
     map_zero(addr, n);
   }

@@ -132,7 +132,7 @@ class HostBackend final : public PhysicalBackend {
     }
   }
 
-  void unmap(uintptr_t addr, size_t n) override {
+  void unmap(uintptr_t addr, size_t n, bool /*synchronize: host reads are synchronous*/ = true) override {
     void* p = mmap(reinterpret_cast<void*>(addr), n * page_size_, PROT_READ,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
     if (p == MAP_FAILED) throw BackendError(errno_text("mmap(unmap)"));

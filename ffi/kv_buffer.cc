@@ -196,13 +196,15 @@ void KVBuffer::map_pages(const int32_t* ids, size_t n, PageOwner owner) {
   set_page_map(sorted, 1);
 }
 
-void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted) {
+void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted, bool synchronize) {
   const size_t planes = pages_per_kv_page();
   PhysicalBackend& be = pool_->backend();
   set_page_map(sorted, 0);  // before the unmap: a later kernel skips and reports them
   for (size_t plane = 0; plane < planes; ++plane) {
     for_each_run(sorted, [&](size_t first, size_t count) {
-      be.unmap(base_ + plane * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_, count);
+      be.unmap(base_ + plane * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_, count,
+               synchronize);
+      synchronize = false;  // once is enough
     });
   }
   std::vector<PageHandle> phys;
@@ -217,14 +219,14 @@ void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted) {
   pool_->release(phys);
 }
 
-void KVBuffer::unmap_pages(const int32_t* ids, size_t n, PageOwner owner) {
+void KVBuffer::unmap_pages(const int32_t* ids, size_t n, PageOwner owner, bool synchronize) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   check_open();
   check_ids(ids, n, /*want_mapped=*/true, owner);
   if (n == 0) return;
   std::vector<int32_t> sorted(ids, ids + n);
   std::sort(sorted.begin(), sorted.end());
-  unmap_locked(sorted);
+  unmap_locked(sorted, synchronize);
 }
 
 bool KVBuffer::is_mapped(int64_t page) const {

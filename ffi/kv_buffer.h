@@ -81,10 +81,14 @@ class KVBuffer {
   // in range, unique, and unmapped (map) or mapped by the same owner (unmap). Throws
   // Error / PoolExhausted.
   void map_pages(const int32_t* ids, size_t n, PageOwner owner = PageOwner::kAllocator);
-  void unmap_pages(const int32_t* ids, size_t n, PageOwner owner = PageOwner::kAllocator);
+  // synchronize=false: the caller waited for every read of the pages (a fence), so the
+  // backend need not wait for the whole device (see PhysicalBackend::unmap).
+  void unmap_pages(const int32_t* ids, size_t n, PageOwner owner = PageOwner::kAllocator,
+                   bool synchronize = true);
   // The FFI ops' entry points (owner kOp).
   void map_pages_op(const int32_t* ids, size_t n) { map_pages(ids, n, PageOwner::kOp); }
-  void unmap_pages_op(const int32_t* ids, size_t n) { unmap_pages(ids, n, PageOwner::kOp); }
+  // The op's handler has waited for its stream (the ids travel through the host).
+  void unmap_pages_op(const int32_t* ids, size_t n) { unmap_pages(ids, n, PageOwner::kOp, false); }
   bool is_mapped(int64_t page) const;
   size_t num_mapped_pages() const;
   std::vector<int32_t> mapped_pages() const;
@@ -135,7 +139,7 @@ class KVBuffer {
   void check_ids(const int32_t* ids, size_t n, bool want_mapped, PageOwner owner) const;
   // Maps (or unmaps) page runs plane by plane.
   void map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys);
-  void unmap_locked(const std::vector<int32_t>& sorted);
+  void unmap_locked(const std::vector<int32_t>& sorted, bool synchronize = true);
   void set_page_map(const std::vector<int32_t>& sorted, uint8_t value);
 
   std::shared_ptr<PagePool> pool_;

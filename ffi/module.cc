@@ -117,8 +117,12 @@ NB_MODULE(_C, m) {
           "map_pages", [](KVBuffer& b, IdArray ids) { b.map_pages(ids.data(), ids.shape(0)); },
           nb::arg("page_ids"), nb::call_guard<nb::gil_scoped_release>())
       .def(
-          "unmap_pages", [](KVBuffer& b, IdArray ids) { b.unmap_pages(ids.data(), ids.shape(0)); },
-          nb::arg("page_ids"), nb::call_guard<nb::gil_scoped_release>())
+          "unmap_pages",
+          [](KVBuffer& b, IdArray ids, bool synchronize) {
+            b.unmap_pages(ids.data(), ids.shape(0), PageOwner::kAllocator, synchronize);
+          },
+          nb::arg("page_ids"), nb::arg("synchronize") = true, nb::call_guard<nb::gil_scoped_release>(),
+          "Unmaps pages; synchronize=False when every read of them is known to be done (a fence).")
       .def("is_mapped", &KVBuffer::is_mapped, nb::arg("page"))
       .def_prop_ro("num_mapped_pages", &KVBuffer::num_mapped_pages)
       .def("mapped_pages", &KVBuffer::mapped_pages)

@@ -195,8 +195,11 @@ class KVCache:
             empty = self._allocator.free(ids)
             if empty:
                 if after is not None:
+                    # The fence: every read of these blocks is done, so the unmap need not
+                    # wait for the whole device (no cuCtxSynchronize on CUDA).
                     jax.block_until_ready(after)
-                self._buffer.unmap_pages(np.asarray(empty, dtype=np.int32))
+                pages = np.asarray(empty, dtype=np.int32)
+                self._buffer.unmap_pages(pages, synchronize=after is None)
                 self._allocator.pages_unmapped(empty)
 
     def check_writable(self, block_ids: Iterable[int]) -> None:
