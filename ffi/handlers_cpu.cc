@@ -19,6 +19,22 @@ ffi::Error finish(ffi::Result<ffi::AnyBuffer> token_out) {
   return ffi::Error::Success();
 }
 
+// Both write_kv flavours on the host, operands checked: the result token, then the write
+// (which validates the layer and every slot first).
+ffi::Error write_kv_on_host(const std::shared_ptr<KVBuffer>& buf, int64_t layer, int64_t num_layers,
+                            ffi::AnyBuffer key, ffi::AnyBuffer value, ffi::AnyBuffer slots,
+                            ffi::Result<ffi::AnyBuffer> token_out) {
+  if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
+  try {
+    buf->write_kv_host(layer, num_layers, key.untyped_data(), value.untyped_data(),
+                       static_cast<const int32_t*>(slots.untyped_data()),
+                       static_cast<size_t>(slots.dimensions()[0]));
+  } catch (const std::exception& e) {
+    return to_ffi_error("write_kv", e);
+  }
+  return finish(token_out);
+}
+
 ffi::Error WriteKvCpu(uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key, ffi::AnyBuffer value,
                       ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/,
                       ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
@@ -26,15 +42,8 @@ ffi::Error WriteKvCpu(uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
   if (auto e = find_buffer("write_kv", handle, DeviceKind::kHost, &buf); e.failure()) return e;
   int64_t num_layers = 0;
   if (auto e = check_write_shapes(*buf, layer, key, value, slots, &num_layers); e.failure()) return e;
-  if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
-  try {
-    buf->write_kv_host(*static_cast<const int32_t*>(layer.untyped_data()), num_layers, key.untyped_data(),
-                       value.untyped_data(), static_cast<const int32_t*>(slots.untyped_data()),
-                       static_cast<size_t>(slots.dimensions()[0]));
-  } catch (const std::exception& e) {
-    return to_ffi_error("write_kv", e);
-  }
-  return finish(token_out);
+  return write_kv_on_host(buf, *static_cast<const int32_t*>(layer.untyped_data()), num_layers, key, value,
+                          slots, token_out);
 }
 
 // write_kv with the layer as an attribute (the CUDA version validates slots on the
@@ -46,15 +55,7 @@ ffi::Error WriteKvAsyncCpu(uint64_t handle, int64_t layer, ffi::AnyBuffer key, f
   if (auto e = find_buffer("write_kv", handle, DeviceKind::kHost, &buf); e.failure()) return e;
   int64_t num_layers = 0;
   if (auto e = check_kv_shapes(*buf, key, value, slots, &num_layers); e.failure()) return e;
-  if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
-  try {
-    buf->write_kv_host(layer, num_layers, key.untyped_data(), value.untyped_data(),
-                       static_cast<const int32_t*>(slots.untyped_data()),
-                       static_cast<size_t>(slots.dimensions()[0]));
-  } catch (const std::exception& e) {
-    return to_ffi_error("write_kv", e);
-  }
-  return finish(token_out);
+  return write_kv_on_host(buf, layer, num_layers, key, value, slots, token_out);
 }
 
 ffi::Error CopyBlocksCpu(uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst, ffi::AnyBuffer /*token*/,

@@ -186,11 +186,6 @@ class Engine:
             seq = self._by_id.pop(request_id, None)
             return seq is not None and self.scheduler.abort(seq, after=self.runner.token)
 
-    def params_of(self, request_id: int) -> SamplingParams | None:
-        """The parameters an active request runs with (its seed filled in)."""
-        seq = self._by_id.get(request_id)
-        return None if seq is None else seq.params
-
     @property
     def num_inflight(self) -> int:
         """Dispatched steps whose results have not been completed."""
@@ -206,11 +201,11 @@ class Engine:
         device runs the previous one), then completes the previous step. Returns the
         sequences that finished."""
         new = self.dispatch() if self.scheduler.has_work else None
-        if not self.overlap or (self._inflight and (len(self._inflight) > 1 or new is None)):
-            if not self._inflight:
-                return []
-            return self.complete(self._inflight[0])
-        return []
+        if not self._inflight:
+            return []
+        if self.overlap and new is not None and len(self._inflight) == 1:
+            return []  # the new step runs alone: its results are collected next call
+        return self.complete(self._inflight[0])
 
     def drain(self) -> list[Sequence]:
         """Completes every dispatched step."""
@@ -234,20 +229,19 @@ class Engine:
             if not seqs:
                 return None
             # Rows whose new tokens reach the end of their sequence sample a next token.
-            sampling = []
-            for s, x in zip(seqs, inputs, strict=True):
+            sampling, rows = [], []
+            for i, (s, x) in enumerate(zip(seqs, inputs, strict=True)):
                 if x.start + len(x.tokens) == s.num_tokens:
                     x.params, x.sample_step = s.params, s.num_output
                     sampling.append(s)
+                    rows.append(i)
             _, tokens = self.runner.run_padded(inputs)
             self.steps += 1
-            rows = []
-            for i, (s, x) in enumerate(zip(seqs, inputs, strict=True)):
+            for s, x in zip(seqs, inputs, strict=True):
                 self.scheduler.computed(s, x.start + len(x.tokens))
-                if x.params is not None:
-                    s.num_pending += 1
-                    s.last_row = i
-                    rows.append(i)
+            for s, i in zip(sampling, rows, strict=True):
+                s.num_pending += 1
+                s.last_row = i
             if self.prefix_cache and self.steps % self.log_every == 0:
                 self.prefix_cache.log_stats()
             step = PendingStep(sampling, tokens if sampling else None, rows)

@@ -206,7 +206,7 @@ class KVCache:
         """Raises ValueError unless every block is allocated (so its page is mapped):
         the host-side check of a step's written blocks (see ``ops.write_kv_async``)."""
         for b in block_ids:
-            if not self._allocator.is_used(int(b)):
+            if not self.is_allocated(b):
                 raise ValueError(f"block {int(b)} of {self.name!r} is not allocated")
 
     def take_device_error(self) -> tuple[int, int]:

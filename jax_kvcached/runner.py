@@ -91,6 +91,12 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
 TOKEN_MULTIPLE = 16  # prefill chunks are padded to a multiple of this many tokens
 
 
+def packed_sizes(b: int, t: int, nb: int) -> tuple[int, ...]:
+    """The segments of a step's packed int32 input, in order: tokens, positions (b x t),
+    block tables (b x nb), context lengths, new lengths (b), slots (b x t), src rows (b)."""
+    return (b * t, b * t, b * nb, b, b, b * t, b)
+
+
 @dataclasses.dataclass
 class StepInput:
     tokens: list[int]  # the new tokens
@@ -181,11 +187,8 @@ class ModelRunner:
 
         def step(weights, view, packed, prev, b, t, nb, token):
             state = jax.tree.unflatten(weights_def, weights)
-            sizes = (b * t, b * t, b * nb, b, b, b * t, b)
-            parts, at = [], 0
-            for n in sizes:
-                parts.append(packed[at : at + n])
-                at += n
+            bounds = np.cumsum((0, *packed_sizes(b, t, nb)))
+            parts = [packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
             tokens, positions = parts[0].reshape(b, t), parts[1].reshape(b, t)
             tables, ctx_lens, new_lens = parts[2].reshape(b, nb), parts[3], parts[4]
             slots, src = parts[5], parts[6]
@@ -231,7 +234,7 @@ class ModelRunner:
         shapes = [(b, 1, nb) for b in self.batch_sizes for nb in self.decode_widths]
         for b in self.prefill_batch_sizes:
             for t in self.chunk_sizes:
-                if b == 1 or b * t <= self.prefill_tokens:  # (as prefill_fits)
+                if self.prefill_fits(b, t):
                     shapes += [(b, t, nb) for nb in self.prefill_widths]
         return shapes
 
@@ -289,7 +292,7 @@ class ModelRunner:
             params = jax.ShapeDtypeStruct((5, key), jnp.int32)
             return self._jitted_sample.lower(logits, params)
         b, t, nb = key
-        packed = jax.ShapeDtypeStruct((3 * b * t + b * nb + 3 * b,), jnp.int32)
+        packed = jax.ShapeDtypeStruct((sum(packed_sizes(b, t, nb)),), jnp.int32)
         args = (self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token)
         return self._jitted.lower(*args)
 
@@ -312,10 +315,11 @@ class ModelRunner:
             jax.block_until_ready(self._jitted_sample(logits, np.zeros((5, key), np.int32)))
             return
         b, t, nb = key
-        packed = np.zeros(3 * b * t + b * nb + 3 * b, np.int32)
-        at = 2 * b * t + b * nb
-        packed[at + b : at + 2 * b] = 1  # one new token per row (its slot is -1)
-        packed[at + 2 * b :] = -1  # slots and src
+        sizes = packed_sizes(b, t, nb)
+        new = sum(sizes[:4])  # the new-lengths segment: one token per row, its slot -1
+        packed = np.zeros(sum(sizes), np.int32)
+        packed[new : new + b] = 1
+        packed[new + b :] = -1  # slots and src
         out = self._jitted(
             self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token
         )
@@ -342,8 +346,7 @@ class ModelRunner:
             futures = {pool.submit(self._compile_by_running, key): key for key in todo}
             for f in concurrent.futures.as_completed(futures):
                 f.result()
-                key = futures[f]
-                (self._samplers if isinstance(key, int) else self._compiled).add(key)
+                self._seen(futures[f])  # (not warm yet: recorded, not counted)
                 done += 1
                 if progress:
                     progress(done, len(todo))

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from jax_kvcached.errors import PoolExhausted
 from jax_kvcached.kv_cache import KVCache
-from jax_kvcached.prefix_cache import PrefixCache, hash_block
+from jax_kvcached.prefix_cache import PrefixCache, hash_blocks
 from jax_kvcached.runner import StepInput
 from jax_kvcached.sampling import SamplingParams
 
@@ -69,11 +69,11 @@ class Sequence:
 
     def block_hashes(self, num_blocks: int, block_size: int) -> list[bytes]:
         """Hashes of the first ``num_blocks`` full blocks (extends the cached chain)."""
-        while len(self.hashes) < num_blocks:
-            i = len(self.hashes)
+        have = len(self.hashes)
+        if have < num_blocks:
+            new = self.token_ids[have * block_size : num_blocks * block_size]
             parent = self.hashes[-1] if self.hashes else None
-            chunk = self.token_ids[i * block_size : (i + 1) * block_size]
-            self.hashes.append(hash_block(parent, chunk, self.extra))
+            self.hashes += hash_blocks(new, block_size, self.extra, parent)
         return self.hashes[:num_blocks]
 
 
@@ -271,12 +271,12 @@ class Scheduler:
         for seq in group:
             if seq not in self.running or self._done_when_pending_arrives(seq):
                 continue  # (preempted while growing an earlier one)
+            n = self._step_len(seq, bool(prefill))
             if prefill:
-                n = self._step_len(seq, True)
                 if seqs and not self.prefill_fits(len(seqs) + 1, max(longest, n)):
                     break  # the prefill token budget is full: the rest go next step
                 longest = max(longest, n)
-            if not self._grow(seq, seq.num_computed + self._step_len(seq, bool(prefill)), after):
+            if not self._grow(seq, seq.num_computed + n, after):
                 continue
             seqs.append(seq)
         # Growing a later sequence may have preempted an earlier one.

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
-import jax_kvcached.scheduler as scheduler_module
+import jax_kvcached.prefix_cache as prefix_cache_module
 from jax_kvcached.engine import Engine
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.runner import ladder
@@ -190,13 +190,13 @@ def test_a_waiting_prompt_is_hashed_once(monkeypatch):
     """Under memory pressure the head-of-line prompt is tried at every step: its block
     hashes are computed once and kept on the sequence."""
     calls = []
-    real = scheduler_module.hash_block
+    real = prefix_cache_module.hash_block
 
     def counting(*a):
         calls.append(1)
         return real(*a)
 
-    monkeypatch.setattr(scheduler_module, "hash_block", counting)
+    monkeypatch.setattr(prefix_cache_module, "hash_block", counting)
     model = build_model(BUILTIN_CONFIGS["tiny-qwen2"], seed=2)
     pool = kv.Pool(
         6 * 16384, page_size=16384, backend="host", min_reserved_pages=0, max_reserved_pages=0
