@@ -99,7 +99,7 @@ def warm_up(served: ServedModel, name: str, out: Log | None = None) -> float:
     secs = runner.compile(shapes, progress=lambda d, n: out.progress(name, d, n, "compiled"))
     log.info(
         "%s: %d step shapes and %d samplers compiled in %.1f s",
-        name, len(shapes), len(runner._samplers), secs,
+        name, len(shapes), runner.num_samplers, secs,
     )  # fmt: skip
     return secs
 

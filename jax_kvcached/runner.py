@@ -280,6 +280,11 @@ class ModelRunner:
         return len(self._compiled)
 
     @property
+    def num_samplers(self) -> int:
+        """Sampler row counts compiled so far."""
+        return len(self._samplers)
+
+    @property
     def jit_cache_sizes(self) -> tuple[int, int]:
         """Executables in the step's and the sampler's jit caches: the ground truth for
         "nothing compiled after warm-up" (a retrace for any reason shows here)."""
