@@ -20,8 +20,8 @@ import numpy as np
 from bench_common import median_time
 
 import jax_kvcached as kv
-from jax_kvcached import ops
-from jax_kvcached.attention import host_paged_attention, paged_attention
+from jax_kvcached.engine.attention import host_paged_attention, paged_attention
+from jax_kvcached.memory import ops
 
 KVH, D, G, BS = 4, 64, 2, 16  # 4 KV heads x 64, GQA 2, block 16 (the shape)
 
@@ -55,7 +55,7 @@ def point(b: int, ctx: int, dtype: str, iters: int, rounds: int, gpu: bool) -> d
         host = functools.partial(host_paged_attention, c, ops.new_token())
         variants["host"] = jax.jit(host, static_argnums=4)
     if gpu:
-        from jax_kvcached.pallas_attention import pallas_paged_attention
+        from jax_kvcached.engine.pallas_attention import pallas_paged_attention
 
         splits = max(1, min(8, nb // 32))
         variants["pallas"] = jax.jit(

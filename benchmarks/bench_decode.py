@@ -32,11 +32,11 @@ from bench_common import load_model, median_time
 from flax import nnx
 
 import jax_kvcached as kv
-from jax_kvcached.attention import gqa_attention
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.attention import gqa_attention
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.runner import ModelRunner, StepInput
+from jax_kvcached.engine.sampling import SamplingParams, sample
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.runner import ModelRunner, StepInput
-from jax_kvcached.sampling import SamplingParams, sample
 
 
 def make_dense_step(model, max_len: int):

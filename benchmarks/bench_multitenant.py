@@ -21,10 +21,10 @@ import time
 import numpy as np
 
 import jax_kvcached as kv
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.sampling import SamplingParams
-from jax_kvcached.serving import ServingLoop
+from jax_kvcached.serve.loop import ServingLoop
 
 MiB = 1 << 20
 MODELS = {
@@ -85,7 +85,7 @@ def build(config: str, budget: int, page: int, max_batch: int, models) -> tuple[
 def warm_up(engine: Engine, prompt_len: tuple[int, int], max_tokens: int) -> None:
     """Compiles every step shape the trace can hit: each power-of-two batch up to
     max_batch, prefill of short and long prompts, decode up to the longest context."""
-    chunk = engine.scheduler.prefill_chunk
+    chunk = engine.prefill_chunk
     longest = prompt_len[1] + max_tokens  # a preempted request is recomputed in full
     runs = [(prompt_len[0], 1), (prompt_len[1], max_tokens)]
     # A recomputed request's last chunk: each prefill bucket after whole chunks.
@@ -93,7 +93,7 @@ def warm_up(engine: Engine, prompt_len: tuple[int, int], max_tokens: int) -> Non
         (n, 1) for n in range(chunk + 16, longest + 1, 16) if (n - chunk) & (n - chunk - 1) == 0
     ]
     b = 1
-    while b <= engine.scheduler.max_batch:
+    while b <= engine.max_batch:
         for n, out in runs:
             ps = [[1 + (i * 7 + j) % 240 for i in range(n)] for j in range(b)]
             engine.generate(ps, SamplingParams(max_tokens=out, ignore_eos=True))
@@ -108,8 +108,8 @@ def run_trace(engines, trace, max_tokens, sample_every=0.05) -> dict:
     done = threading.Event()
     left = [len(trace)]
     lock = threading.Lock()
-    compiled0 = {n: e.runner.num_compiled for n, e in engines.items()}
-    preempt0 = {n: e.scheduler.num_preemptions for n, e in engines.items()}
+    compiled0 = {n: e.num_compiled for n, e in engines.items()}
+    preempt0 = {n: e.num_preemptions for n, e in engines.items()}
 
     with ServingLoop(engines, max_queue=10_000) as loop:
         t0 = time.perf_counter()
@@ -137,7 +137,7 @@ def run_trace(engines, trace, max_tokens, sample_every=0.05) -> dict:
                 row = {"t": time.perf_counter() - t0}
                 for n, e in engines.items():
                     row[n] = e.cache.mapped_bytes
-                    row[n + ":waiting"] = len(e.scheduler.waiting)
+                    row[n + ":waiting"] = e.num_waiting
                 timeline.append(row)
                 time.sleep(sample_every)
 
@@ -154,10 +154,8 @@ def run_trace(engines, trace, max_tokens, sample_every=0.05) -> dict:
     return {
         "requests": recs,
         "timeline": timeline,
-        "compiled_during_run": sum(
-            e.runner.num_compiled - compiled0[n] for n, e in engines.items()
-        ),
-        "preemptions": sum(e.scheduler.num_preemptions - preempt0[n] for n, e in engines.items()),
+        "compiled_during_run": sum(e.num_compiled - compiled0[n] for n, e in engines.items()),
+        "preemptions": sum(e.num_preemptions - preempt0[n] for n, e in engines.items()),
     }
 
 

@@ -19,9 +19,9 @@ import numpy as np
 from bench_common import BENCH_MODEL, load_model
 
 import jax_kvcached as kv
-from jax_kvcached.engine import Engine
-from jax_kvcached.prefix_cache import PrefixCache, hash_blocks
-from jax_kvcached.sampling import SamplingParams
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.prefix_cache import PrefixCache, hash_blocks
+from jax_kvcached.engine.sampling import SamplingParams
 
 MiB = 1 << 20
 CFG = BENCH_MODEL
@@ -90,7 +90,7 @@ def chat_memory(model, system_len: int, users: int) -> dict:
         out["with" if caching else "without"] = {
             "peak_mapped_mib": peak["v"] / MiB,
             "requests": len(outs) + 1,
-            "hit_rate": eng.prefix_cache.stats()["hit_rate"] if caching else 0.0,
+            "hit_rate": (eng.stats()["prefix_cache"] or {}).get("hit_rate", 0.0),
         }
         pool.close()
     w, wo = out["with"]["peak_mapped_mib"], out["without"]["peak_mapped_mib"]
@@ -115,7 +115,7 @@ def multi_turn(model, turns: int, convs: int) -> dict:
         out["with" if caching else "without"] = {
             "prefill_tokens_per_turn": per_turn,
             "prefill_tokens_computed": sum(per_turn),
-            "hit_rate": eng.prefix_cache.stats()["hit_rate"] if caching else 0.0,
+            "hit_rate": (eng.stats()["prefix_cache"] or {}).get("hit_rate", 0.0),
         }
         pool.close()
     return out

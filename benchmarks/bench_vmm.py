@@ -1,7 +1,7 @@
 """VMM primitive latency and the KV write path.
 
 1. Per-page create / map / unmap / release latency of the physical backends, timed in
-   C++ (jax_kvcached._C.bench_backend), beside kvcached's published A100 numbers.
+   C++ (jax_kvcached.memory._C.bench_backend), beside kvcached's published A100 numbers.
 2. KV-page map+unmap through the Python API (one KV page = 2 * num_layers pages).
 3. The decode write path: FFI write_kv into the virtual buffer vs a donated
    dynamic_update_slice into an XLA-owned dense cache, side by side in one run.
@@ -23,7 +23,7 @@ import numpy as np
 from bench_common import median_time
 
 import jax_kvcached as kv
-from jax_kvcached import _C, ops
+from jax_kvcached.memory import _C, ops
 
 # kvcached bench_vmm on an A100 with 2 MiB pages (microseconds), from DESIGN.md.
 KVCACHED_A100_US = {"create": 193.0, "map": 1.45, "set_access": 36.0, "unmap": 25.6}

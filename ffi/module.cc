@@ -1,4 +1,4 @@
-// nanobind module jax_kvcached._C: the C++ core (pool, buffers, registry) and the FFI
+// nanobind module jax_kvcached.memory._C: the C++ core (pool, buffers, registry) and the FFI
 // handler capsules that jax_kvcached.ops registers with jax.ffi.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>

@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests run at once per model")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
     s.add_argument("--max-cached-tokens", type=int, default=None, help="prefix-cache bound")
+    s.add_argument(
+        "--eviction", default="lru", choices=["lru", "lfu"],
+        help="which idle cached prefix goes first: least recently or least frequently used",
+    )  # fmt: skip
     s.add_argument("--seed", type=int, default=0, help="weights of the built-in presets")
     s.add_argument(
         "--no-warmup", action="store_true",
@@ -82,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _auth(args: argparse.Namespace):  # -> AuthConfig
     """The server's keys: flags first, then the key file, then the environment."""
-    from jax_kvcached.server import AuthConfig
+    from jax_kvcached.serve.auth import AuthConfig
 
     api_key = args.api_key
     if api_key is None and args.api_key_file is not None:
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print("error: pages still mapped after every request finished", file=sys.stderr)
             return 1
     elif args.command == "serve":
-        from jax_kvcached.launch import parse_specs, serve
+        from jax_kvcached.serve.launch import parse_specs, serve
 
         if args.max_batch <= 0 or args.max_queue < 0:
             print("error: --max-batch must be > 0 and --max-queue >= 0", file=sys.stderr)
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             serve(
                 specs, memory=args.memory, host=args.host, port=args.port, backend=args.backend,
                 page_size=args.page_size, max_batch=args.max_batch, max_queue=args.max_queue,
-                max_cached_tokens=args.max_cached_tokens, seed=args.seed,
+                max_cached_tokens=args.max_cached_tokens, eviction=args.eviction, seed=args.seed,
                 warmup=not args.no_warmup, compile_cache=args.compile_cache, auth=auth,
                 shutdown_timeout=args.shutdown_timeout,
             )  # fmt: skip
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
     elif args.command == "top":
-        from jax_kvcached.top import run_top
+        from jax_kvcached.serve.top import run_top
 
         if args.interval <= 0:
             print("error: --interval must be > 0", file=sys.stderr)

@@ -8,10 +8,10 @@ import time
 
 import numpy as np
 
-from jax_kvcached.engine import Engine
-from jax_kvcached.pool import Pool
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.memory.pool import Pool
 from jax_kvcached.progress import Log
-from jax_kvcached.sampling import SamplingParams
 
 MiB = 1 << 20
 
@@ -46,7 +46,6 @@ def run_demo(
 ) -> dict:
     import jax.numpy as jnp
 
-    from jax_kvcached.chat_template import ChatTemplate
     from jax_kvcached.models import (
         BUILTIN_CONFIGS,
         PRETRAINED,
@@ -54,6 +53,7 @@ def run_demo(
         build_model,
         load_pretrained,
     )
+    from jax_kvcached.serve.chat_template import ChatTemplate
 
     log = Log(quiet)
     pool = Pool(memory_limit, backend=backend)
@@ -117,10 +117,9 @@ def run_demo(
     ttft = np.array([o.ttft_s for o in outs]) * 1e3
     tokens = sum(len(o.token_ids) for o in outs)
     stats = pool.stats()
-    cached = engine.prefix_cache.stats() if engine.prefix_cache else None
+    cached = engine.stats()["prefix_cache"]
     # Every request finished: only idle prefix-cache blocks may still hold pages.
-    if engine.prefix_cache:
-        engine.prefix_cache.reset(after=engine.runner.token)
+    engine.reset_prefix_cache()
     after_reset = pool.stats()["mapped_bytes"]
     result = {
         "model": model_name,
@@ -136,7 +135,7 @@ def run_demo(
         "mapped_after_reset_mib": after_reset / MiB,
         "reserved_after_mib": stats["reserved_bytes"] / MiB,
         "steps": engine.steps,
-        "compiled_shapes": engine.runner.num_compiled,
+        "compiled_shapes": engine.num_compiled,
         "outputs": [o.text for o in outs],
     }
     for p, o in list(zip(shown, outs, strict=True))[: min(4, batch)]:

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcached import ops
-from jax_kvcached.kv_cache import KVCache
-from jax_kvcached.pool import Pool
+from jax_kvcached.memory import ops
+from jax_kvcached.memory.kv_cache import KVCache
+from jax_kvcached.memory.pool import Pool
 from jax_kvcached.progress import Log
 
 MiB = 1 << 20

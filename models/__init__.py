@@ -2,12 +2,19 @@
 
 from .config import BUILTIN_CONFIGS, ModelConfig
 from .gguf import GGUFCheckpoint, GGUFError
-from .llama import LlamaModel, build_model
+from .interface import Attend, CausalLM
+from .llama import LlamaModel
 from .loader import find_chat_template, load_checkpoint, load_tokenizer
 from .pretrained import PRETRAINED, Pretrained, load_pretrained, pretrained_path
+from .registry import abstract_model, build_model, model_class, register
 from .tokenizer import ByteTokenizer
 
 __all__ = [
+    "Attend",
+    "CausalLM",
+    "abstract_model",
+    "model_class",
+    "register",
     "BUILTIN_CONFIGS",
     "ByteTokenizer",
     "GGUFCheckpoint",

@@ -7,6 +7,8 @@ import json
 import os
 from typing import Any
 
+from . import registry
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -57,8 +59,10 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"unsupported model_type {model_type!r} (llama, qwen2)")
+        if model_type not in registry.supported():
+            raise ValueError(
+                f"unsupported model_type {model_type!r} ({', '.join(registry.supported())})"
+            )
         heads = cfg["num_attention_heads"]
         # transformers >= 5 writes "rope_parameters" (theta inside); 4.x "rope_scaling".
         rope_params = dict(cfg.get("rope_parameters") or {})

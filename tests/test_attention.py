@@ -13,11 +13,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import jax_kvcached as kv
-from jax_kvcached import ops
-from jax_kvcached.attention import gqa_attention, host_paged_attention, paged_attention
+from jax_kvcached.engine.attention import gqa_attention, host_paged_attention, paged_attention
+from jax_kvcached.engine.pallas_attention import pallas_paged_attention
+from jax_kvcached.engine.runner import ModelRunner, StepInput
+from jax_kvcached.memory import ops
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.pallas_attention import pallas_paged_attention
-from jax_kvcached.runner import ModelRunner, StepInput
 
 
 def _reference(q, k_new, v_new, kc, vc, ctx, new):
@@ -128,7 +128,7 @@ def test_compiled_step_has_no_full_context_copy(t, impl):
     batch = [StepInput([1] * t, ctx, blocks[i]) for i in range(b)]
     runner.run(batch).block_until_ready()
     (b_, t_, nb) = runner.shapes_for(batch)
-    text = runner._lower((b_, t_, nb)).compile().as_text()
+    text = runner.lower((b_, t_, nb)).compile().as_text()
     full = b * nb * 16 * cfg.num_kv_heads * cfg.head_dim  # one layer's gathered K
     copies = _big_copies(text, full)
     if t > 1:

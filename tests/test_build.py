@@ -5,7 +5,7 @@ import shutil
 import jax
 import pytest
 
-from jax_kvcached import _C
+from jax_kvcached.memory import _C
 
 
 def test_cuda_part_is_compiled_when_a_toolkit_is_present():

@@ -1,6 +1,6 @@
 import pytest
 
-from jax_kvcached.config import Config, parse_bytes
+from jax_kvcached.memory.config import Config, parse_bytes
 
 
 @pytest.mark.parametrize(

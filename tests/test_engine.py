@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
-from jax_kvcached.attention import dense_causal_attention
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.attention import dense_causal_attention
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.runner import StepInput
+from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.runner import StepInput
-from jax_kvcached.sampling import SamplingParams
 
 PROMPTS = [
     [256, 72, 101, 108, 108, 111],
@@ -50,8 +50,8 @@ def assert_only_cached_blocks_hold_pages(eng, pool):
     assert c.num_used_blocks == (pc.num_cached_blocks if pc else 0)
     if pc:
         assert pc.num_evictable_blocks == pc.num_cached_blocks  # no refs left
-        pages = {c.page_of(b) for b in pc._hash_of}
-        assert set(c._buffer.mapped_pages()) == pages
+        pages = {c.page_of(b) for b in pc.cached_blocks()}
+        assert set(c.mapped_page_ids()) == pages
         assert pool.stats()["caches"][c.name]["mapped_pages"] == len(pages) * c.pages_per_kv_page
         pc.reset()
     assert pool.stats()["mapped_pages"] == 0
@@ -116,7 +116,9 @@ def test_steady_state_decode_never_recompiles():
     assert eng.runner.num_compiled == len(set(shapes))
     assert set(shapes) <= set(eng.runner.step_shapes())
     # Sampling compiles once per power-of-two row count, not per number of sampled rows.
-    assert set(eng.runner._samplers) == {1 << (sh[0] - 1).bit_length() for sh in shapes}
+    assert set(eng.runner.compiled_sampler_sizes) == {
+        1 << (sh[0] - 1).bit_length() for sh in shapes
+    }
     decode = [sh for sh in shapes if sh[1] == 1]
     assert len(decode) >= 59 and len(set(decode)) <= 3  # 60 decode steps, <= 3 buckets
     pool.close()

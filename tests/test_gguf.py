@@ -10,9 +10,9 @@ import pytest
 from test_engine import assert_only_cached_blocks_hold_pages
 
 import jax_kvcached as kv
-from jax_kvcached.attention import dense_causal_attention
-from jax_kvcached.chat_template import ChatTemplate, TemplateError
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.attention import dense_causal_attention
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import (
     GGUFCheckpoint,
     GGUFError,
@@ -22,7 +22,7 @@ from jax_kvcached.models import (
     load_tokenizer,
     pretrained_path,
 )
-from jax_kvcached.sampling import SamplingParams
+from jax_kvcached.serve.chat_template import ChatTemplate, TemplateError
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -197,7 +197,7 @@ def test_every_supported_tensor_type_dequantizes(tmp_path):
     for t in gguf.GGUFReader(str(path)).tensors:
         if t.name.startswith("t."):
             q = Q[t.name[2:]]
-            got = ck._dequantize(t.name, t)
+            got = ck.dequantize(t.name, t)
             assert got.shape == x.shape and got.dtype == np.float32, q
             want = gguf.quants.dequantize(gguf.quants.quantize(x, q), q).reshape(x.shape)
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=q.name)

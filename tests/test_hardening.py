@@ -20,11 +20,11 @@ from test_engine import assert_only_cached_blocks_hold_pages
 from test_server import Server, wait_for
 
 import jax_kvcached as kv
-from jax_kvcached import ops
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.memory import ops
 from jax_kvcached.models import ByteTokenizer
-from jax_kvcached.openai_protocol import TextStream
-from jax_kvcached.sampling import SamplingParams
-from jax_kvcached.server import AuthConfig
+from jax_kvcached.serve.app import AuthConfig
+from jax_kvcached.serve.protocol import TextStream
 
 API, ADMIN = "sk-test-api", "sk-test-admin"
 H = {"Authorization": f"Bearer {API}"}
@@ -61,8 +61,8 @@ def assert_no_leak(s):
         wait_for(lambda eng=eng: not eng.has_work)
         c, pc = eng.cache, eng.prefix_cache
         assert c.num_used_blocks == pc.num_cached_blocks
-        pages = {c.page_of(b) for b in pc._hash_of}
-        assert set(c._buffer.mapped_pages()) == pages
+        pages = {c.page_of(b) for b in pc.cached_blocks()}
+        assert set(c.mapped_page_ids()) == pages
 
 
 # -- per-request errors never fail the model ---------------------------------------------
@@ -319,14 +319,14 @@ def test_unmap_op_refuses_pages_the_allocator_owns(pool):
     page = int(ids[0]) // c.blocks_per_page
     with pytest.raises(FFI_ERRORS, match="block allocator"):
         ops.unmap_pages(c, jnp.array([page], jnp.int32), ops.new_token()).block_until_ready()
-    assert c._buffer.is_mapped(page)  # the allocator's state is intact
+    assert c.is_page_mapped(page)  # the allocator's state is intact
     c.free(ids)
     assert pool.stats()["mapped_pages"] == 0
     # The op's own pages: mapped and unmapped by the ops; the allocator cannot unmap them.
     own = c.num_pages - 1
     ops.map_pages(c, jnp.array([own], jnp.int32), ops.new_token()).block_until_ready()
     with pytest.raises(kv.KVCacheError, match="map_pages op"):
-        c._buffer.unmap_pages(np.array([own], np.int32))
+        c.buffer.unmap_pages(np.array([own], np.int32))
     ops.unmap_pages(c, jnp.array([own], jnp.int32), ops.new_token()).block_until_ready()
     assert pool.stats()["mapped_pages"] == 0
 

@@ -6,7 +6,7 @@ import numpy as np
 import psutil
 
 import jax_kvcached as kv
-from jax_kvcached import ops
+from jax_kvcached.memory import ops
 
 MiB = 1 << 20
 

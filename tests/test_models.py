@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from jax_kvcached.attention import dense_causal_attention
+from jax_kvcached.engine.attention import dense_causal_attention
 from jax_kvcached.models import ByteTokenizer, ModelConfig, load_checkpoint, load_tokenizer
 
 
@@ -120,3 +120,42 @@ def test_tokenizers(tmp_path):
     t.save(str(tmp_path / "tokenizer.json"))
     hf_tok = load_tokenizer(str(tmp_path))
     assert hf_tok.encode("hello world") == [0, 1]
+
+
+def test_models_follow_the_interface_and_register_by_architecture():
+    import dataclasses
+
+    import jax_kvcached as kv
+    from jax_kvcached.engine.engine import Engine
+    from jax_kvcached.models import (
+        BUILTIN_CONFIGS,
+        CausalLM,
+        LlamaModel,
+        build_model,
+        model_class,
+        register,
+    )
+
+    cfg = BUILTIN_CONFIGS["tiny-qwen2"]
+    assert model_class("qwen2") is LlamaModel and isinstance(build_model(cfg), CausalLM)
+    with pytest.raises(ValueError, match="unsupported model_type 'mamba' .*llama"):
+        model_class("mamba")
+    with pytest.raises(ValueError, match="unsupported model_type 'mamba'"):
+        ModelConfig.from_hf({"model_type": "mamba"})
+
+    @register("toy-llama")  # a new architecture: one class, registered
+    class Toy(LlamaModel):
+        pass
+
+    toy = build_model(dataclasses.replace(cfg, model_type="toy-llama"), seed=2)
+    assert type(toy) is Toy
+    with pytest.raises(ValueError, match="already registered"):
+        register("toy-llama")(LlamaModel)
+    pool = kv.Pool("16MiB", page_size="64KiB", backend="host")
+    eng = Engine(toy, pool, name="toy", max_batch=2)
+    ref = Engine(build_model(cfg, seed=2), pool, name="ref", max_batch=2)
+    out = [e.generate([[1, 2, 3]])[0].token_ids for e in (eng, ref)]
+    assert out[0] == out[1]  # the same weights behind the new name
+    with pytest.raises(TypeError, match="CausalLM"):
+        Engine(object(), pool, name="bad")
+    pool.close()

@@ -2,9 +2,9 @@
 
 import pytest
 
-from jax_kvcached.chat_template import ChatTemplate
 from jax_kvcached.models import ByteTokenizer
-from jax_kvcached.openai_protocol import APIError, TextStream, parse_chat, parse_completion
+from jax_kvcached.serve.chat_template import ChatTemplate
+from jax_kvcached.serve.protocol import APIError, TextStream, parse_chat, parse_completion
 
 TOK = ByteTokenizer()
 

@@ -5,7 +5,7 @@ import pytest
 from conftest import FFI_ERRORS, make_cache
 
 import jax_kvcached as kv
-from jax_kvcached import ops
+from jax_kvcached.memory import ops
 
 
 def _rand(shape, dtype, seed):
@@ -89,7 +89,7 @@ def test_map_and_unmap_pages_inside_jit(pool):
     total, token = step(c.view, ops.new_token())
     token.block_until_ready()
     assert float(total) == 16 * 2 * 64
-    assert not c._buffer.is_mapped(page)
+    assert not c.is_page_mapped(page)
     assert pool.stats()["mapped_pages"] == 0
     assert float(c.view[0, 0, block].sum()) == 0.0  # unmapped again: zeros
 
@@ -140,7 +140,8 @@ def test_handlers_validate_shapes_themselves(pool):
     c = make_cache(pool)
     ids = c.alloc(1)
     s = jnp.asarray(c.slot_mapping(ids, np.arange(2)))
-    call = jax.ffi.ffi_call("kvcached_write_kv", ops._TOKEN, has_side_effect=True)
+    token_type = jax.ShapeDtypeStruct((), jnp.int32)
+    call = jax.ffi.ffi_call("kvcached_write_kv", token_type, has_side_effect=True)
     bad_k = jnp.ones((2, 2, 32))
     with pytest.raises(FFI_ERRORS, match="shape"):
         _run(
@@ -258,16 +259,16 @@ def test_write_kv_async_writes_like_write_kv_and_validates(pool):
         ops.write_kv_async(b, jnp.int32(0), k[0], k[0], jnp.asarray(slots), ops.new_token())
     with pytest.raises(ValueError, match="layer 2 \\(\\+2 layers\\) out of range"):
         ops.write_kv_async(b, 2, k, k, jnp.asarray(slots), ops.new_token())
-    page = next(p for p in range(1, 99) if p not in b._buffer.mapped_pages())
+    page = next(p for p in range(1, 99) if p not in b.mapped_page_ids())
     bad = jnp.asarray([b.page_blocks(page)[0] * 16], jnp.int32)
     with pytest.raises(FFI_ERRORS, match="unmapped page"):
         _run(lambda: ops.write_kv_async(b, 0, k[0, :1], k[0, :1], bad, ops.new_token()))
     assert b.take_device_error() == (0, 0)
     ops.raise_device_errors(b)  # nothing recorded: no error
-    page_map = b._buffer.device_page_map()
-    assert [p for p, m in enumerate(page_map) if m] == list(b._buffer.mapped_pages())
+    page_map = b.device_page_map()
+    assert [p for p, m in enumerate(page_map) if m] == list(b.mapped_page_ids())
     b.free(ids_b)
-    assert not any(b._buffer.device_page_map())
+    assert not any(b.device_page_map())
     with pytest.raises(ValueError, match="block 1 of 'b' is not allocated"):
         b.check_writable([1])
     a.free(ids_a)

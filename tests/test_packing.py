@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from test_engine import PROMPTS, _reference, assert_only_cached_blocks_hold_pages
 
 import jax_kvcached as kv
-from jax_kvcached import ops
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.memory import ops
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.sampling import SamplingParams
 
 PAGE = 64 << 10
 

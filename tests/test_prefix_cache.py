@@ -1,15 +1,16 @@
 """Prefix caching: hashing, the bounded page-aware LRU cache, and engine integration."""
 
 import pytest
+from conftest import hold_prefix
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import jax_kvcached as kv
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.prefix_cache import PrefixCache, extra_key_bytes, hash_blocks
+from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.prefix_cache import PrefixCache, extra_key_bytes, hash_blocks
-from jax_kvcached.sampling import SamplingParams
 
 BS = 16
 
@@ -40,23 +41,12 @@ def test_hashes_are_chained_full_block_and_keyed():
     assert len(hs[0]) == 32  # sha256
 
 
-def _hold(pc, cache, toks, extra=b""):
-    """What a sequence does: match the cached prefix, allocate the rest, cache full blocks."""
-    hs = hash_blocks(toks, BS, extra)
-    blocks = pc.match(hs)
-    blocks += cache.alloc(-(-len(toks) // BS) - len(blocks)).tolist()
-    for h, b in zip(hs, blocks, strict=False):
-        if not pc.is_cached(b):
-            pc.insert(h, b)
-    return blocks
-
-
 def test_bound_semantics():
     toks = list(range(64))  # 4 full blocks
     for bound, kept in ((-1, 4), (0, 0), (32, 2), (1000, 4)):
         pool, c = _cache()
         pc = PrefixCache(c, bound)
-        blocks = _hold(pc, c, toks)
+        blocks = hold_prefix(pc, c, toks)
         assert pc.num_cached_blocks == (0 if bound == 0 else 4)
         pc.release(blocks)
         assert pc.num_evictable_blocks == kept
@@ -74,8 +64,8 @@ def test_bound_semantics():
 def test_ref_counts_and_sharing():
     pool, c = _cache()
     pc = PrefixCache(c, -1)
-    a = _hold(pc, c, list(range(48)))
-    b = _hold(pc, c, list(range(40)))  # shares a's first two blocks
+    a = hold_prefix(pc, c, list(range(48)))
+    b = hold_prefix(pc, c, list(range(40)))  # shares a's first two blocks
     assert b[:2] == a[:2] and b[2] != a[2]
     assert pc.ref_count(a[0]) == 2 and pc.ref_count(a[2]) == 1
     pc.release(a)
@@ -98,14 +88,14 @@ def test_page_aware_eviction_frees_whole_pages():
         pool, c = _cache(pool_pages=64)
         pc = PrefixCache(c, -1)
         bpp = c.blocks_per_page
-        seqs = [_hold(pc, c, [1000 + i] + [i] * (BS * 8 - 1)) for i in range(8 * 4)]
+        seqs = [hold_prefix(pc, c, [1000 + i] + [i] * (BS * 8 - 1)) for i in range(8 * 4)]
         # Request i's 8 blocks are interleaved with the others' in allocation order? Make
         # them so: release in an order where LRU age runs across pages (stride 8).
         for s in seqs:
             pc.release(s)
         for blocks in zip(*seqs, strict=True):  # touch in stride order: LRU runs across pages
             for b in blocks:
-                pc._lru.move_to_end(b)
+                pc.policy.touch(b)
         before = pool.stats()["mapped_pages"]
         pc.evict(2 * bpp, page_aware=page_aware)
         results[page_aware] = before - pool.stats()["mapped_pages"]
@@ -117,7 +107,7 @@ def test_isolation_by_salt_and_tenant():
     pool, c = _cache()
     pc = PrefixCache(c, -1)
     toks = list(range(33))
-    blocks = _hold(pc, c, toks, extra_key_bytes("a", None, None))
+    blocks = hold_prefix(pc, c, toks, extra_key_bytes("a", None, None))
     pc.release(blocks)
     for extra in (extra_key_bytes("a", "s1", None), extra_key_bytes("b", None, None)):
         assert pc.match(hash_blocks(toks, BS, extra)) == []
@@ -143,7 +133,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def acquire(self, prefix, length, tail):
         toks = [prefix] * min(length, 48) + [100 + tail] * max(0, length - 48)
         try:
-            self.held.append(_hold(self.pc, self.c, toks))
+            self.held.append(hold_prefix(self.pc, self.c, toks))
         except kv.PoolExhausted:
             hs = hash_blocks(toks, BS, b"")
             # A failed sequence gives back what it matched (like a failed admission).
@@ -172,14 +162,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for blocks in self.held:
             for b in blocks:
                 refs[b] = refs.get(b, 0) + 1
-        for b in pc._hash_of:
+        for b in pc.cached_blocks():
             assert pc.ref_count(b) == refs.get(b, 0) >= 0
             assert c.is_allocated(b)  # never both free and cached
-            assert (b in pc._lru) == (pc.ref_count(b) == 0)
-        live = set(refs) | set(pc._hash_of)
+            assert pc.is_evictable(b) == (pc.ref_count(b) == 0)
+        live = set(refs) | set(pc.cached_blocks())
         assert c.num_used_blocks == len(live)
         pages = {b // c.blocks_per_page for b in live}
-        assert set(c._buffer.mapped_pages()) == pages
+        assert set(c.mapped_page_ids()) == pages
         assert self.pool.stats()["mapped_pages"] == len(pages) * c.pages_per_kv_page
 
 
@@ -222,7 +212,7 @@ def test_outputs_identical_with_and_without_the_cache(params):
             assert all(o.cached_tokens == 64 for o in second)
             s = eng.prefix_cache.stats()
             assert s["hits_tokens"] >= 2 * 64 and 0 < s["hit_rate"] < 1
-            assert pool.stats()["caches"]["model"]["prefix_cache"]["cached_blocks"] > 0
+            assert eng.stats()["prefix_cache"]["cached_blocks"] > 0
         else:
             assert all(o.cached_tokens == 0 for o in second)
         pool.close()
@@ -267,13 +257,13 @@ def test_cached_prefixes_are_evicted_under_pressure_before_preempting():
 def test_bound_defaults_to_the_environment_and_metrics_are_logged(caplog):
     import logging
 
-    from jax_kvcached.config import Config
+    from jax_kvcached.memory.config import Config
 
     pool = kv.Pool("64MiB", backend="host", config=Config(max_cached_tokens=32))
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
     eng = Engine(model, pool, log_every=1)
     assert eng.prefix_cache.max_cached_tokens == 32
-    with caplog.at_level(logging.INFO, logger="jax_kvcached.prefix_cache"):
+    with caplog.at_level(logging.INFO, logger="jax_kvcached.engine.prefix_cache"):
         eng.generate([SYSTEM + [1]], SamplingParams(max_tokens=2))
     assert any("hit rate" in r.getMessage() for r in caplog.records)
     assert eng.prefix_cache.num_evictable_blocks * BS <= 32  # the bound holds

@@ -9,12 +9,12 @@ import httpx
 import pytest
 
 import jax_kvcached as kv
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, ByteTokenizer, build_model
-from jax_kvcached.sampling import SamplingParams
-from jax_kvcached.server import AuthConfig, BackgroundServer, ServedModel, create_app
-from jax_kvcached.serving import ServingLoop
-from jax_kvcached.top import render, scrape
+from jax_kvcached.serve.app import AuthConfig, BackgroundServer, ServedModel, create_app
+from jax_kvcached.serve.loop import ServingLoop
+from jax_kvcached.serve.top import render, scrape
 
 PAGE = 16384
 SEEDS = {"llama": ("tiny-llama", 1), "qwen": ("tiny-qwen2", 2)}
@@ -47,7 +47,7 @@ class Server:
         self.loop = ServingLoop(self.engines, max_queue=max_queue).start()
         models = {n: ServedModel(e, ByteTokenizer()) for n, e in self.engines.items()}
         auth = auth or AuthConfig(allow_unauthenticated_admin=True)
-        app = create_app(self.loop, models, self.pool, auth=auth)
+        app = create_app(self.loop, models, auth=auth)
         self.http = BackgroundServer(app).start()
         self.url = self.http.url
 
@@ -309,3 +309,42 @@ def test_overload_answers_429_and_a_stopped_loop_503():
         assert httpx.get(f"{s.url}/health").status_code == 503
     finally:
         s.close()
+
+
+def test_one_server_over_engines_of_several_pools():
+    """A loop may span pools (one per device): metrics, admin and top see every pool, and
+    a limit set through the admin route lands in the model's own pool."""
+    pools = {"llama": make_pool(64), "qwen": make_pool(32)}
+    engines = {
+        name: Engine(
+            build_model(BUILTIN_CONFIGS[preset], seed=seed),
+            pools[name],
+            name=name,
+            max_batch=2,
+            tokenizer=ByteTokenizer(),
+        )  # fmt: skip
+        for name, (preset, seed) in SEEDS.items()
+    }
+    loop = ServingLoop(engines).start()
+    models = {n: ServedModel(e, ByteTokenizer()) for n, e in engines.items()}
+    app = create_app(loop, models, auth=AuthConfig(allow_unauthenticated_admin=True))
+    try:
+        with BackgroundServer(app) as http:
+            for name in engines:
+                body = {"model": name, "prompt": "JAX is", "max_tokens": 4}
+                r = httpx.post(f"{http.url}/v1/completions", json=body, timeout=60)
+                assert r.status_code == 200, r.text
+            mem = httpx.get(f"{http.url}/admin/memory").json()
+            assert mem["budget_bytes"] == (64 + 32) * PAGE
+            assert sorted(p["models"] for p in mem["pools"]) == [["llama"], ["qwen"]]
+            r = httpx.post(f"{http.url}/admin/memory", json={"model": "qwen", "limit": 8 * PAGE})
+            assert r.status_code == 200, r.text
+            assert pools["qwen"].memory_limit_of("qwen").limit_bytes == 6 * PAGE  # 3 layers
+            m = scrape(http.url)
+            budgets = m["kvcached_pool_budget_bytes"]
+            assert sorted(budgets.values()) == [32 * PAGE, 64 * PAGE]
+            assert "pool [" in render(m) and f"{96 * PAGE / 2**20:.1f} MiB" in render(m)
+    finally:
+        loop.stop()
+        for p in pools.values():
+            p.close()

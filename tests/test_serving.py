@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.sampling import SamplingParams
-from jax_kvcached.serving import Overloaded, ServingLoop, Unavailable, UnknownModel
+from jax_kvcached.serve.loop import Overloaded, ServingLoop, Unavailable, UnknownModel
 
 PAGE = 16384
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
-import jax_kvcached.prefix_cache as prefix_cache_module
-from jax_kvcached.engine import Engine
+import jax_kvcached.engine.prefix_cache as prefix_cache_module
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.runner import ladder
+from jax_kvcached.engine.sampling import CHUNK, SamplingParams, gumbel_noise, sample, top_candidates
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.runner import ladder
-from jax_kvcached.sampling import CHUNK, SamplingParams, gumbel_noise, sample, top_candidates
-from jax_kvcached.serving import ServingLoop
+from jax_kvcached.serve.loop import ServingLoop
 
 
 def _pool(size="64MiB", **kw):
@@ -145,7 +145,7 @@ def test_overlapped_loop_equals_the_synchronous_one_under_preemption(params):
         stats.append(eng.scheduler.num_preemptions)
         c, pc = eng.cache, eng.prefix_cache
         assert c.num_used_blocks == pc.num_cached_blocks == pc.num_evictable_blocks
-        assert set(c._buffer.mapped_pages()) == {c.page_of(b) for b in pc._hash_of}
+        assert set(c.mapped_page_ids()) == {c.page_of(b) for b in pc.cached_blocks()}
         pc.reset()
         assert pool.stats()["mapped_pages"] == 0
         pool.close()

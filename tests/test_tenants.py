@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.sampling import SamplingParams
 
 PAGE = 16384
 
@@ -204,7 +204,7 @@ def test_waiting_tenant_runs_when_the_other_frees_and_run_does_not_hang():
         b.run()
     a.run()
     b.run()
-    done = {s.request_id: s.output for s in b.finished}
+    done = {s.request_id: s.output for s in b.drain_finished()}
     assert [done[r] for r in rids] == alone(LLAMA, 2, pb)
     pool.close()
 
@@ -224,7 +224,7 @@ def test_engine_gives_back_memory_above_a_lowered_limit_and_outputs_stay():
     assert eng.scheduler.num_preemptions > 0
     eng.run()
     assert mapped(eng.cache) <= 12
-    out = {s.request_id: s.output for s in eng.finished}
+    out = {s.request_id: s.output for s in eng.drain_finished()}
     ref = alone(QWEN, 1, ps, pages=96)
     assert [out[i][:6] for i in range(4)] == ref
     pool.close()

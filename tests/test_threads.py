@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_kvcached as kv
-from jax_kvcached import ops
+from jax_kvcached.memory import ops
 
 
 def test_concurrent_tenants_keep_exact_accounting():

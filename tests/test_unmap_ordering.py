@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from conftest import make_cache
 
-from jax_kvcached import ops
+from jax_kvcached.memory import ops
 
 
 def _slow_read(view, ids, x):

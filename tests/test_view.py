@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import make_cache
 
-from jax_kvcached import ops
+from jax_kvcached.memory import ops
 
 
 def test_view_is_zero_copy_over_the_reservation(pool):

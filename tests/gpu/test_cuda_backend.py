@@ -9,7 +9,7 @@ import pytest
 from conftest import FFI_ERRORS
 
 import jax_kvcached as kv
-from jax_kvcached import _C, ops
+from jax_kvcached.memory import _C, ops
 
 
 def _gpus():
@@ -149,7 +149,7 @@ def test_copy_blocks_and_map_unmap_in_jit(gpool):
     total, token = step(c.view, _on_gpu(ops.new_token()))
     token.block_until_ready()
     assert float(total) == 16 * 8 * 128
-    assert not c._buffer.is_mapped(page)
+    assert not c.is_page_mapped(page)
 
 
 def test_free_after_waits_for_in_flight_kernels(gpool):

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
-from jax_kvcached.attention import paged_attention
-from jax_kvcached.engine import Engine
+from jax_kvcached.engine.attention import paged_attention
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.pallas_attention import pallas_paged_attention
+from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-from jax_kvcached.pallas_attention import pallas_paged_attention
-from jax_kvcached.sampling import SamplingParams
 
 
 def _gpus():
@@ -56,7 +56,7 @@ def test_pallas_kernel_matches_the_xla_path_on_gpu(dtype, bs, groups, splits):
         ctx = [0, 5, bs * 3 + 1, 700]
         nb = -(-max(ctx) // bs)
         tables = np.zeros((4, nb), np.int32)
-        from jax_kvcached import ops
+        from jax_kvcached.memory import ops
 
         for i, n in enumerate(ctx):
             k = -(-n // bs)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_kvcached.attention import _MASKED, merge_new_tokens
+from jax_kvcached.engine.attention import _MASKED, merge_new_tokens
 
 
 def _kernel(tables_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int,
@@ -124,7 +124,7 @@ def pallas_paged_attention(
     blocks_per_step: int = 4,
     interpret: bool = False,
 ) -> jax.Array:
-    """:func:`jax_kvcached.attention.paged_attention` with the cached blocks read by the
+    """:func:`jax_kvcached.engine.attention.paged_attention` with the cached blocks read by the
     Pallas kernel (same arguments and result). ``num_splits`` splits each context across
     that many programs (flash decoding: more parallelism for long contexts and small
     batches); ``interpret=True`` runs the kernel on any platform (tests)."""

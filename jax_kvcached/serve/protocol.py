@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from jax_kvcached.sampling import SamplingParams
+from jax_kvcached.engine.sampling import SamplingParams
 
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",

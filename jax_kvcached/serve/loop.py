@@ -17,12 +17,11 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jax_kvcached.engine import Engine
-from jax_kvcached.errors import PoolExhausted
-from jax_kvcached.sampling import SamplingParams
-from jax_kvcached.scheduler import Sequence as Seq
+from jax_kvcached.engine.engine import Engine, Prompt
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.engine.sequence import Sequence as Seq
 
-log = logging.getLogger("jax_kvcached.serving")
+log = logging.getLogger("jax_kvcached.serve.loop")
 
 
 class Overloaded(RuntimeError):
@@ -56,7 +55,7 @@ EventCallback = Callable[[str, Any], None]
 @dataclasses.dataclass(eq=False)
 class Request:
     model: str
-    prompt: list[int]
+    prompt: Prompt  # validated by the model's engine
     params: SamplingParams
     on_event: EventCallback
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
@@ -153,14 +152,15 @@ class ServingLoop:
     def submit(
         self,
         model: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Prompt,
         params: SamplingParams,
         on_event: EventCallback,
     ) -> Request:
         """Queues a request. Raises UnknownModel, ValueError (bad prompt), Overloaded or
-        Unavailable; never blocks."""
+        Unavailable; never blocks. A :class:`Prompt` of the model's engine is not
+        validated again."""
         engine = self.engine(model)
-        ids = engine.encode(prompt)
+        ids = engine.prompt(prompt)
         if not self.running:
             raise Unavailable("the serving loop is not running")
         if model in self.failed:
@@ -169,7 +169,7 @@ class ServingLoop:
         with self._lock:
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
-            limit = engine.scheduler.max_batch + self.max_queue
+            limit = engine.max_batch + self.max_queue
             if self._outstanding[model] >= limit:
                 raise Overloaded(
                     f"model {model!r} has {self._outstanding[model]} requests in flight "
@@ -187,26 +187,34 @@ class ServingLoop:
             self._commands.append(("cancel", req))
         self._wake.set()
 
+    def pools(self) -> list[Any]:
+        """The distinct pools the engines live in (one or several)."""
+        out: list[Any] = []
+        for eng in self.engines.values():
+            if not any(eng.pool is p for p in out):
+                out.append(eng.pool)
+        return out
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per-model queue, memory and cache figures (a snapshot; any thread)."""
         out = {}
         for name, eng in self.engines.items():  # engines may live in different pools
-            pc = eng.prefix_cache.stats() if eng.prefix_cache else None
-            lim = eng.pool.memory_limit_of(name)
+            e = eng.stats()
+            pc = e["prefix_cache"]
             out[name] = {
-                "waiting": len(eng.scheduler.waiting),
-                "running": len(eng.scheduler.running),
+                "waiting": e["waiting"],
+                "running": e["running"],
                 "outstanding": self._outstanding[name],
-                "max_batch": eng.scheduler.max_batch,
+                "max_batch": e["max_batch"],
                 "max_queue": self.max_queue,
                 "steps": self.steps[name],
                 "finished": self.finished[name],
                 "errors": self.errors[name],
                 "generated_tokens": self.generated_tokens[name],
-                "preemptions": eng.scheduler.num_preemptions,
-                "mapped_bytes": eng.cache.mapped_bytes,
-                "limit_bytes": lim.limit_bytes,
-                "guarantee_bytes": lim.guarantee_bytes,
+                "preemptions": e["preemptions"],
+                "mapped_bytes": e["mapped_bytes"],
+                "limit_bytes": e["limit_bytes"],
+                "guarantee_bytes": e["guarantee_bytes"],
                 "prefix_hit_rate": pc["hit_rate"] if pc else 0.0,
                 "prefix_cached_tokens": pc["cached_tokens"] if pc else 0,
                 "prefix_hits_tokens": pc["hits_tokens"] if pc else 0,
@@ -243,18 +251,12 @@ class ServingLoop:
             try:
                 if engine.has_work:
                     steps, inflight = engine.steps, engine.num_inflight
-                    self._report(name, engine.step())
+                    done = engine.step()
+                    engine.drain_finished()  # (the loop reports what step() returns)
+                    progressed |= bool(done)
+                    self._report(name, done)
                     self.steps[name] += engine.steps - steps
                     progressed |= (engine.steps, engine.num_inflight) != (steps, inflight)
-            except PoolExhausted as e:
-                rid = getattr(e, "request_id", None)
-                if rid is None:
-                    self._fail_engine(name, e)
-                else:  # a request that can never fit was dropped; the engine goes on
-                    req = self._active[name].pop(rid, None)
-                    if req is not None:
-                        self._close(req, "error", e)
-                progressed = True
             except Exception as e:
                 self._fail_engine(name, e)
                 progressed = True
@@ -299,11 +301,12 @@ class ServingLoop:
         return on_token
 
     def _report(self, name: str, done: list[Seq]) -> None:
-        engine = self.engines[name]
-        engine.finished.clear()  # the loop reports finished requests itself
         for s in done:
             req = self._active[name].pop(s.request_id, None)
             if req is None:
+                continue
+            if s.error is not None:  # rejected (it can never fit); the engine goes on
+                self._close(req, "error", s.error)
                 continue
             self.finished[name] += 1
             self._close(
@@ -348,6 +351,7 @@ class ServingLoop:
             if name not in self.failed:
                 try:
                     self._report(name, engine.drain())
+                    engine.drain_finished()
                 except Exception as e:
                     log.error("completing %r at shutdown failed: %r", name, e)
             for req in list(self._active[name].values()):

@@ -7,8 +7,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from jax_kvcached.pool import Pool
-from jax_kvcached.serving import ServingLoop
+from jax_kvcached.serve.loop import ServingLoop
 
 TTFT_BUCKETS = (
     0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
@@ -18,14 +17,14 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _LoopCollector:
-    """Gauges read from the loop and the pool at scrape time."""
+    """Gauges read from the loop and its pools at scrape time."""
 
-    def __init__(self, loop: ServingLoop, pool: Pool) -> None:
-        self.loop, self.pool = loop, pool
+    def __init__(self, loop: ServingLoop) -> None:
+        self.loop = loop
 
     def collect(self) -> Iterator[Metric]:
         stats = self.loop.stats()
-        pool = self.pool.stats()
+        pools = [p.stats() for p in self.loop.pools()]
 
         def gauge(name: str, doc: str, key: str) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["model"])
@@ -74,17 +73,20 @@ class _LoopCollector:
                 c.add_metric([model], float(s[key]))
             yield c
         for key in ("budget", "mapped", "reserved"):
-            g = GaugeMetricFamily(f"kvcached_pool_{key}_bytes", f"The pool's {key} memory.")
-            g.add_metric([], float(pool[f"{key}_bytes"]))
+            g = GaugeMetricFamily(
+                f"kvcached_pool_{key}_bytes", f"The pool's {key} memory.", labels=["pool"]
+            )
+            for i, pool in enumerate(pools):  # one series per pool (device)
+                g.add_metric([f"{i}:{pool['device']}"], float(pool[f"{key}_bytes"]))
             yield g
 
 
 class ServerMetrics:
     """A registry of its own (no process-global state) for one server."""
 
-    def __init__(self, loop: ServingLoop, pool: Pool) -> None:
+    def __init__(self, loop: ServingLoop) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_LoopCollector(loop, pool))
+        self.registry.register(_LoopCollector(loop))
         self.ttft = Histogram(
             "kvcached_ttft_seconds", "Time to first token, from request arrival.", ["model"],
             buckets=TTFT_BUCKETS, registry=self.registry,

@@ -126,7 +126,7 @@ class BlockAllocator:
             if not self._unmapped:
                 for page in new_pages:
                     heapq.heappush(self._unmapped, page)
-                from jax_kvcached.errors import PoolExhausted
+                from jax_kvcached.memory.errors import PoolExhausted
 
                 raise PoolExhausted(
                     f"KV cache virtual range exhausted: {n} blocks requested, "

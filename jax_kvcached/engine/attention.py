@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 if TYPE_CHECKING:
-    from jax_kvcached.kv_cache import KVCache
+    from jax_kvcached.memory.kv_cache import KVCache
 
 _MASKED = -1e30  # finite: a fully masked (padded) row gives finite garbage, never NaN
 
@@ -139,7 +139,7 @@ def host_paged_attention(
     gather, no copy of the KV, all cores. A prefill chunk (T > 1) is compute-bound and
     goes to the XLA path's dense dots. ``token`` orders the call after earlier writes
     (the XLA path is ordered by its block tables, as the runner passes them)."""
-    from jax_kvcached import ops
+    from jax_kvcached.memory import ops
 
     b, t, h, d = q.shape
     if t > 1:  # prefill is compute-bound: XLA's dense dots beat the call's row loops

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_kvcached import ops
-from jax_kvcached.attention import host_paged_attention, paged_attention
-from jax_kvcached.kv_cache import KVCache
-from jax_kvcached.sampling import NUM_CANDIDATES, SamplingParams, sample
+from jax_kvcached.engine.attention import host_paged_attention, paged_attention
+from jax_kvcached.engine.sampling import NUM_CANDIDATES, SamplingParams, sample
+from jax_kvcached.memory import ops
+from jax_kvcached.memory.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ def resolve_attention(impl: str, cache: KVCache) -> str:
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if cache.pool.backend == "cuda" else "host"
-    if impl == "host" and cache.pool.backend != "host":
+        return "pallas" if cache.backend == "cuda" else "host"
+    if impl == "host" and cache.backend != "host":
         raise ValueError("attention='host' needs a host-backend cache")
     return impl
 
@@ -60,7 +60,7 @@ def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
         return paged_attention
     if impl == "host":
         return functools.partial(host_paged_attention, cache, token)
-    from jax_kvcached.pallas_attention import pallas_paged_attention
+    from jax_kvcached.engine.pallas_attention import pallas_paged_attention
 
     splits = max(1, min(8, nb // 32))  # flash decoding: split long contexts
     return functools.partial(
@@ -148,7 +148,7 @@ class ModelRunner:
         # The weights travel as a flat list: flattening an nnx.State on every call costs
         # more host time than the rest of a small step's dispatch.
         self._weights, self._weights_def = jax.tree.flatten(self.state)
-        self._device = cache.pool.device
+        self._device = cache.device
         self.token = ops.new_token(self._device)
         max_len = max_model_len or cfg.max_position_embeddings
         bs = cache.block_size
@@ -285,12 +285,17 @@ class ModelRunner:
         return len(self._samplers)
 
     @property
+    def compiled_sampler_sizes(self) -> set[int]:
+        """The sampler row counts compiled so far (powers of two)."""
+        return set(self._samplers)
+
+    @property
     def jit_cache_sizes(self) -> tuple[int, int]:
         """Executables in the step's and the sampler's jit caches: the ground truth for
         "nothing compiled after warm-up" (a retrace for any reason shows here)."""
         return self._jitted._cache_size(), self._jitted_sample._cache_size()
 
-    def _lower(self, key: tuple[int, int, int] | int):
+    def lower(self, key: tuple[int, int, int] | int):
         """The lowered step of a shape, or sampler of ``key`` rows (for inspection)."""
         if isinstance(key, int):  # the sampler of that many rows
             logits = jax.ShapeDtypeStruct((key, self.config.vocab_size), jnp.float32)

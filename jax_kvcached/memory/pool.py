@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jax_kvcached import _C
-from jax_kvcached.config import Config, parse_bytes
-from jax_kvcached.errors import KVCacheError, PoolExhausted
-from jax_kvcached.kv_cache import KVCache, dtype_code
-from jax_kvcached.tenants import MemoryLimit, Reclaimer, Tenant
+from jax_kvcached.memory import _C
+from jax_kvcached.memory.config import Config, parse_bytes
+from jax_kvcached.memory.errors import KVCacheError
+from jax_kvcached.memory.kv_cache import KVCache, dtype_code
+from jax_kvcached.memory.ledger import Ledger, LocalLedger, MemoryLimit, Reclaimer
 
 BACKENDS = ("auto", "host", "cuda")
 
@@ -108,9 +107,9 @@ class Pool:
         self._pool = _C.PagePool(self.backend, page, limit // page, 0, 0, dev_id)
         self.page_size: int = self._pool.page_size
         self._caches: dict[str, KVCache] = {}
-        self._tenants: dict[str, Tenant] = {}
-        # Held while a cache checks its room and maps pages, and while limits change.
-        self._lock = threading.RLock()
+        # Who may map how much: the tenants' limits, guarantees and reclaimers.
+        self.ledger: Ledger = LocalLedger(self.page_size, self._budget_pages, self._in_use_pages)
+        self._lock = threading.RLock()  # cache creation and removal
         self._closed = False
         self._apply_reserve()
 
@@ -158,15 +157,15 @@ class Pool:
                 self._pool, num_layers, num_kv_heads, head_dim, block_size, code, num_pages
             )
             cache = KVCache(
-                self, name, buffer, num_layers, num_kv_heads, head_dim, dtype, block_size
-            )
+                self.ledger, name, buffer, num_layers, num_kv_heads, head_dim, dtype,
+                block_size, backend=self.backend, device=self.device, on_close=self._forget,
+            )  # fmt: skip
+            self.ledger.register(name, group, lambda: cache.mapped_pages)
             self._caches[name] = cache
-            self._tenants[name] = Tenant(group)
             try:
                 self.set_memory_limit(name, memory_limit)
                 self.set_memory_guarantee(name, memory_guarantee)
             except BaseException:
-                del self._caches[name], self._tenants[name]
                 cache.close()
                 raise
             self._apply_reserve()
@@ -176,7 +175,7 @@ class Pool:
         with self._lock:
             if self._caches.get(cache.name) is cache:
                 del self._caches[cache.name]
-                del self._tenants[cache.name]
+                self.ledger.unregister(cache.name)
                 self._apply_reserve()
 
     def _apply_reserve(self) -> None:
@@ -191,6 +190,12 @@ class Pool:
         return self._caches[name]
 
     # -- budget ----------------------------------------------------------------------
+    def _budget_pages(self) -> int:
+        return self._pool.stats()["budget_pages"]
+
+    def _in_use_pages(self) -> int:
+        return self._pool.stats()["in_use_pages"]
+
     @property
     def budget_pages(self) -> int:
         return self._pool.stats()["budget_pages"]
@@ -199,154 +204,37 @@ class Pool:
     def memory_limit(self) -> int:
         return self.budget_pages * self.page_size
 
-    # -- tenants ---------------------------------------------------------------------
-    def _tenant(self, name: str) -> Tenant:
-        t = self._tenants.get(name)
-        if t is None:
-            raise KeyError(f"no KV cache named {name!r} in this pool; have {sorted(self._caches)}")
-        return t
-
-    def _limit_result(self, name: str) -> MemoryLimit:
-        t, cache, ps = self._tenants[name], self._caches[name], self.page_size
-        mapped = cache.mapped_pages
-        s = self._pool.stats()
-        free = s["budget_pages"] - s["in_use_pages"]
-        # Other tenants' unmet guarantees are held back from the free pages first.
-        held = self._held_for_others(cache)
-        shortfall = max(0, (t.guarantee_pages - mapped) - max(0, free - held))
-        return MemoryLimit(
-            name=name,
-            limit_bytes=None if t.limit_pages is None else t.limit_pages * ps,
-            guarantee_bytes=t.guarantee_pages * ps,
-            mapped_bytes=mapped * ps,
-            over_limit_bytes=max(0, mapped - self._limit_pages(t)) * ps,
-            guarantee_shortfall_bytes=shortfall * ps,
-        )
-
-    def _limit_pages(self, t: Tenant) -> int:
-        return self.budget_pages if t.limit_pages is None else t.limit_pages
-
+    # -- tenants (kept by the ledger) ----------------------------------------------
     def set_memory_limit(self, name: str, limit: int | str | None) -> MemoryLimit:
         """Sets the most physical memory the cache ``name`` may have mapped (``None``:
         the whole budget). Takes effect at once for growth; see :class:`MemoryLimit` for
         a limit below current use. Raises ValueError for a limit below the guarantee."""
-        with self._lock:
-            t = self._tenant(name)
-            if limit is None:
-                pages = None
-            else:
-                pages = t.round_down(
-                    parse_bytes(limit, "memory limit", allow_zero=True) // self.page_size
-                )
-                if pages < t.guarantee_pages:
-                    raise ValueError(
-                        f"memory limit of {name!r} ({pages * self.page_size} bytes in whole "
-                        f"KV pages) is below its guarantee ({t.guarantee_pages * self.page_size})"
-                    )
-            t.limit_pages = pages
-            return self._limit_result(name)
+        return self.ledger.set_limit(name, limit)
 
     def set_memory_guarantee(self, name: str, guarantee: int | str) -> MemoryLimit:
         """Sets the memory no other tenant may take from the cache ``name`` (rounded up
         to whole KV pages). Raises ValueError when it exceeds the tenant's limit or the
         guarantees together exceed the pool budget."""
-        with self._lock:
-            t = self._tenant(name)
-            nbytes = parse_bytes(guarantee, "memory guarantee", allow_zero=True)
-            pages = -(-nbytes // self.page_size)
-            pages = -(-pages // t.pages_per_kv_page) * t.pages_per_kv_page
-            if pages > self._limit_pages(t):
-                raise ValueError(
-                    f"memory guarantee of {name!r} ({pages * self.page_size} bytes) exceeds "
-                    f"its limit ({self._limit_pages(t) * self.page_size})"
-                )
-            others = self._guaranteed_to_others(name)
-            if others + pages > self.budget_pages:
-                raise ValueError(
-                    f"guarantees would total {(others + pages) * self.page_size} bytes, more "
-                    f"than the pool budget ({self.memory_limit})"
-                )
-            t.guarantee_pages = pages
-            return self._limit_result(name)
+        return self.ledger.set_guarantee(name, guarantee)
 
     def memory_limits(self) -> dict[str, MemoryLimit]:
         """Every tenant's limit, guarantee and mapped memory."""
-        with self._lock:
-            return {name: self._limit_result(name) for name in self._caches}
+        return {name: self.ledger.limit_of(name) for name in self.ledger.tenants()}
 
     def memory_limit_of(self, name: str) -> MemoryLimit:
         """One tenant's limit, guarantee and mapped memory."""
-        with self._lock:
-            self._tenant(name)
-            return self._limit_result(name)
-
-    def _guaranteed_to_others(self, name: str) -> int:
-        """Pages guaranteed to every tenant but ``name``."""
-        return sum(t.guarantee_pages for n, t in self._tenants.items() if n != name)
-
-    def _held_for_others(self, cache: KVCache) -> int:
-        return sum(
-            max(0, self._tenants[n].guarantee_pages - c.mapped_pages)
-            for n, c in self._caches.items()
-            if c is not cache
-        )
-
-    def room_pages(self, cache: KVCache) -> int:
-        """Physical pages ``cache`` may map now: the pool's free pages less the other
-        tenants' unmet guarantees, within its own limit."""
-        s = self._pool.stats()
-        room = s["budget_pages"] - s["in_use_pages"] - self._held_for_others(cache)
-        t = self._tenants.get(cache.name)
-        if t is not None:
-            room = min(room, self._limit_pages(t) - cache.mapped_pages)
-        return max(0, room)
-
-    def capacity_pages(self, cache: KVCache) -> int:
-        """The most physical pages ``cache`` could ever map under the current limits."""
-        t = self._tenants[cache.name]
-        others = self._guaranteed_to_others(cache.name)
-        return max(0, min(self._limit_pages(t), self.budget_pages - others))
-
-    def over_limit_pages(self, cache: KVCache) -> int:
-        t = self._tenants.get(cache.name)
-        return 0 if t is None else max(0, cache.mapped_pages - self._limit_pages(t))
-
-    def _map_for(self, cache: KVCache, pages: int, do_map: Callable[[], None]) -> None:
-        """Maps ``pages`` physical pages for ``cache`` if its room allows (atomically)."""
-        with self._lock:
-            self._check_open()
-            room = self.room_pages(cache)
-            if pages > room:
-                raise PoolExhausted(
-                    f"KV cache {cache.name!r}: {pages} pages needed, {room} within its room"
-                )
-            do_map()
+        return self.ledger.limit_of(name)
 
     def set_reclaimer(self, name: str, reclaim: Reclaimer | None) -> None:
         """Registers how tenant ``name`` gives idle memory back when another needs it
         (an Engine evicts idle cached prefixes). ``reclaim(pages)`` returns pages freed
         and must not block (return 0 when busy)."""
-        self._tenant(name).reclaimer = reclaim
+        self.ledger.set_reclaimer(name, reclaim)
 
-    def reclaim(self, cache: KVCache, pages: int) -> int:
-        """Asks the other tenants for up to ``pages`` idle physical pages, those furthest
-        above their guarantee first; only memory above a guarantee is asked for.
-        Returns the pages freed."""
-        freed = 0
-        order = sorted(
-            (
-                (c.mapped_pages - self._tenants[n].guarantee_pages, n)
-                for n, c in list(self._caches.items())
-                if c is not cache
-            ),
-            reverse=True,
-        )
-        for above, n in order:
-            t = self._tenants.get(n)
-            if freed >= pages or above <= 0 or t is None or t.reclaimer is None:
-                continue
-            freed += t.reclaimer(min(pages - freed, above))
-        return freed
+    def reclaim(self, name: str, pages: int) -> int:
+        """Asks the tenants other than ``name`` for up to ``pages`` idle physical pages,
+        those furthest above their guarantee first. Returns the pages freed."""
+        return self.ledger.reclaim(name, pages)
 
     def trim(self) -> None:
         """Gives every reserved (created, unmapped) page back to the OS / driver."""
@@ -366,6 +254,7 @@ class Pool:
             "mapped_bytes": s["in_use_pages"] * ps,
             "reserved_pages": s["reserved_pages"],
             "reserved_bytes": s["reserved_pages"] * ps,
+            "max_reserved_pages": s["max_reserved_pages"],
             "free_pages": s["budget_pages"] - s["in_use_pages"],
             "committed_bytes": self._pool.committed_bytes,
             "creates": s["creates"],
@@ -388,6 +277,7 @@ class Pool:
         afterwards (creating a cache or allocating raises KVCacheError)."""
         with self._lock:
             self._closed = True
+        self.ledger.close()
         for cache in list(self._caches.values()):
             cache.close()
         self._pool.set_reserve(0, 0)

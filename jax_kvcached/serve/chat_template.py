@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from typing import NoReturn
 
-log = logging.getLogger("jax_kvcached.chat_template")
+log = logging.getLogger("jax_kvcached.serve.chat_template")
 
 # For checkpoints without a template (the built-in tiny models).
 DEFAULT_TEMPLATE = (

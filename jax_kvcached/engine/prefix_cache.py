@@ -1,26 +1,29 @@
-"""Prefix caching: chained block hashes and a bounded, page-aware LRU cache of KV blocks.
+"""Prefix caching: chained block hashes and a bounded, page-aware cache of KV blocks.
 
 A full block's hash is ``sha256(parent_hash || block_token_ids || extra_keys)``; extra keys
 (tenant / model, per-request ``cache_salt``, adapter id) make different tenants or salts
 never share a block. Cached blocks carry a reference count: blocks in use by sequences
-(ref > 0) are never evicted; blocks with ref 0 stay cached, evictable in LRU order (the
-tail of a chain first), bounded by ``max_cached_tokens`` (``KVCACHED_MAX_CACHED_TOKENS``:
--1 unlimited, 0 no cross-request reuse, N tokens of idle cached blocks). Under allocation
-pressure :meth:`PrefixCache.evict` picks victims page-aware, so evictions empty whole
-pages that the pool can unmap and hand to any tenant.
+(ref > 0) are never evicted; blocks with ref 0 stay cached, evictable in the order of an
+eviction policy (``eviction.py``: LRU by default, a chain's tail first), bounded by
+``max_cached_tokens`` (``KVCACHED_MAX_CACHED_TOKENS``: -1 unlimited, 0 no cross-request
+reuse, N tokens of idle cached blocks). Under allocation pressure
+:meth:`PrefixCache.evict` picks victims page-aware, so evictions empty whole pages that
+the pool can unmap and hand to any tenant.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-from jax_kvcached.kv_cache import KVCache
+from jax_kvcached.engine.eviction import EvictionPolicy, make_policy
+from jax_kvcached.memory.config import Config
+from jax_kvcached.memory.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +53,40 @@ def hash_blocks(
 
 
 class PrefixCache:
-    """hash -> block of one KVCache, with reference counts and bounded LRU eviction."""
+    """hash -> block of one KVCache, with reference counts and bounded eviction.
 
-    def __init__(self, cache: KVCache, max_cached_tokens: int | None = None) -> None:
+    Args:
+      cache: the KV cache whose blocks are cached.
+      max_cached_tokens: the bound on idle cached tokens (default
+        ``KVCACHED_MAX_CACHED_TOKENS``).
+      policy: the eviction order, ``"lru"``, ``"lfu"`` or an EvictionPolicy.
+      free: frees blocks that leave the cache (default ``cache.free``; the KV manager
+        passes one that fences the unmap behind the last dispatched step).
+    """
+
+    def __init__(
+        self,
+        cache: KVCache,
+        max_cached_tokens: int | None = None,
+        *,
+        policy: str | EvictionPolicy = "lru",
+        free: Callable[[list[int]], None] | None = None,
+    ) -> None:
         if max_cached_tokens is None:
-            max_cached_tokens = cache.pool.config.max_cached_tokens
+            max_cached_tokens = Config.from_env().max_cached_tokens
         if max_cached_tokens < -1:
             raise ValueError("max_cached_tokens must be -1 (unlimited), 0 (off) or positive")
         self.cache = cache
         self.block_size = cache.block_size
         self.max_cached_tokens = max_cached_tokens
+        self.policy = make_policy(policy)
+        self._free = free or cache.free
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._ref: dict[int, int] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # ref-0 blocks, oldest first
         self.queries = 0  # tokens looked up
         self.hits = 0  # tokens found
         self.evictions = 0  # blocks evicted
-        cache.prefix_cache = self
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -80,10 +99,21 @@ class PrefixCache:
 
     @property
     def num_evictable_blocks(self) -> int:
-        return len(self._lru)
+        return len(self.policy)
+
+    def cached_blocks(self) -> list[int]:
+        """Every cached block (held or idle)."""
+        return list(self._hash_of)
+
+    def evictable_blocks(self) -> list[int]:
+        """The idle cached blocks, in eviction order."""
+        return list(self.policy.order())
 
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
+
+    def is_evictable(self, block: int) -> bool:
+        return block in self.policy
 
     def ref_count(self, block: int) -> int:
         return self._ref.get(block, 0)
@@ -91,6 +121,7 @@ class PrefixCache:
     def stats(self) -> dict[str, Any]:
         return {
             "max_cached_tokens": self.max_cached_tokens,
+            "eviction_policy": self.policy.name,
             "queries_tokens": self.queries,
             "hits_tokens": self.hits,
             "hit_rate": self.hits / self.queries if self.queries else 0.0,
@@ -125,7 +156,8 @@ class PrefixCache:
             out.append(block)
         for block in out:
             self._ref[block] += 1
-            self._lru.pop(block, None)
+            self.policy.on_busy(block)
+            self.policy.on_hit(block)
         self.hits += len(out) * self.block_size
         return out
 
@@ -141,11 +173,12 @@ class PrefixCache:
         self._block_of[h] = block
         self._hash_of[block] = h
         self._ref[block] = 1
+        self.policy.on_insert(block)
         return True
 
-    def release(self, blocks: Sequence[int], *, after: Any = None) -> None:
+    def release(self, blocks: Sequence[int]) -> None:
         """A sequence lets go of its blocks (in chain order): cached ones lose a ref and
-        stay cached when it reaches 0 (the chain's tail becomes the oldest); the others
+        stay cached when it reaches 0 (the chain's tail becomes idle first); the others
         are freed at once."""
         uncached = []
         for block in reversed(blocks):  # tail first: evicted before its parents
@@ -155,62 +188,63 @@ class PrefixCache:
                     raise ValueError(f"block {block} released more often than taken")
                 self._ref[block] = ref
                 if ref == 0:
-                    self._lru[block] = None
+                    self.policy.on_idle(block)
             else:
                 uncached.append(block)
         if uncached:
-            self.cache.free(uncached, after=after)
-        self._enforce_bound(after)
+            self._free(uncached)
+        self._enforce_bound()
 
     # -- eviction --------------------------------------------------------------------
-    def _drop(self, blocks: Iterable[int], after: Any) -> int:
+    def _drop(self, blocks: Iterable[int]) -> int:
         blocks = list(blocks)
         for block in blocks:
-            del self._lru[block]
+            self.policy.on_remove(block)
             del self._block_of[self._hash_of.pop(block)]
             del self._ref[block]
         if blocks:
-            self.cache.free(blocks, after=after)
+            self._free(blocks)
             self.evictions += len(blocks)
         return len(blocks)
 
-    def _enforce_bound(self, after: Any) -> None:
+    def _enforce_bound(self) -> None:
         if self.max_cached_tokens < 0:
             return
-        excess = len(self._lru) - self.max_cached_tokens // self.block_size
+        excess = len(self.policy) - self.max_cached_tokens // self.block_size
         if excess > 0:
-            victims = list(self._lru)[:excess]  # least recently used first
-            self._drop(victims, after)
+            self._drop(list(itertools.islice(self.policy.order(), excess)))
 
-    def evict(self, num_blocks: int, *, page_aware: bool = True, after: Any = None) -> int:
+    def evict(self, num_blocks: int, *, page_aware: bool = True) -> int:
         """Evicts at least ``num_blocks`` idle cached blocks (fewer if there are fewer).
 
         Page-aware: first the pages all of whose used blocks are idle cached blocks
-        (evicting them empties the page, which the pool unmaps), least recently used
-        first; then single blocks in LRU order. Returns the number evicted.
+        (evicting them empties the page, which the pool unmaps), in the policy's order of
+        each page's first block; then single blocks in the policy's order. Returns the
+        number evicted.
         """
-        if num_blocks <= 0 or not self._lru:
+        if num_blocks <= 0 or not len(self.policy):
             return 0
+        order = list(self.policy.order())
         if not page_aware:
-            return self._drop(list(self._lru)[:num_blocks], after)
+            return self._drop(order[:num_blocks])
         by_page: dict[int, list[int]] = {}
-        for block in self._lru:  # oldest first
+        for block in order:
             by_page.setdefault(self.cache.page_of(block), []).append(block)
         usage = self.cache.used_blocks_per_page(by_page)
         whole = [p for p, bs in by_page.items() if len(bs) == usage[p]]
         victims: list[int] = []
-        for p in whole:  # in the LRU order of each page's oldest block
+        for p in whole:
             if len(victims) >= num_blocks:
                 break
             victims.extend(by_page[p])
         if len(victims) < num_blocks:
             chosen = set(victims)
-            victims.extend([b for b in self._lru if b not in chosen][: num_blocks - len(victims)])
-        return self._drop(victims, after)
+            victims.extend([b for b in order if b not in chosen][: num_blocks - len(victims)])
+        return self._drop(victims)
 
-    def reset(self, *, after: Any = None) -> int:
+    def reset(self) -> int:
         """Evicts every idle cached block; returns how many. Blocks in use stay."""
-        return self._drop(list(self._lru), after)
+        return self._drop(list(self.policy.order()))
 
     def log_stats(self) -> None:
         s = self.stats()

@@ -13,14 +13,18 @@ from typing import Any
 
 import numpy as np
 
-from jax_kvcached import ops
-from jax_kvcached.errors import ContextLengthExceeded, PoolExhausted
-from jax_kvcached.kv_cache import KVCache
-from jax_kvcached.pool import Pool
-from jax_kvcached.prefix_cache import PrefixCache, extra_key_bytes
-from jax_kvcached.runner import ModelRunner
-from jax_kvcached.sampling import SamplingParams
-from jax_kvcached.scheduler import Scheduler, Sequence
+from jax_kvcached.engine.eviction import EvictionPolicy
+from jax_kvcached.engine.kv_manager import KVManager
+from jax_kvcached.engine.prefix_cache import PrefixCache, extra_key_bytes
+from jax_kvcached.engine.runner import ModelRunner
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.engine.scheduler import Scheduler
+from jax_kvcached.engine.sequence import Sequence
+from jax_kvcached.memory import ops
+from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
+from jax_kvcached.memory.kv_cache import KVCache
+from jax_kvcached.memory.pool import Pool
+from jax_kvcached.models.interface import CausalLM
 
 
 @dataclasses.dataclass
@@ -37,6 +41,18 @@ class RequestOutput:
     text: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+    """A prompt one engine has validated (:meth:`Engine.prompt`): token ids in its
+    vocabulary that leave room in its context. Passing it on is not validated again."""
+
+    token_ids: tuple[int, ...]
+    engine: Any = dataclasses.field(repr=False, compare=False)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
 @dataclasses.dataclass
 class PendingStep:
     """A dispatched step whose sampled tokens may still be computing."""
@@ -47,7 +63,7 @@ class PendingStep:
 
 
 class Engine:
-    """Serves one Flax model (``jax_kvcached.models.LlamaModel``) from a pool.
+    """Serves one Flax model (``jax_kvcached.models.CausalLM``) from a pool.
 
     Args:
       model: the model (its ``config`` gives the KV shape).
@@ -60,6 +76,7 @@ class Engine:
       tokenizer: optional, for string prompts and ``RequestOutput.text``.
       prefix_caching: reuse the KV of cached prompt prefixes across requests.
       max_cached_tokens: prefix-cache bound (default ``KVCACHED_MAX_CACHED_TOKENS``).
+      eviction: the prefix cache's eviction policy, ``"lru"`` (default) or ``"lfu"``.
       log_every: steps between INFO logs of the prefix-cache metrics.
       memory_limit / memory_guarantee: this tenant's share of the pool (see
         :meth:`Pool.set_memory_limit`); changeable at run time through the pool.
@@ -84,12 +101,19 @@ class Engine:
         tokenizer: Any = None,
         prefix_caching: bool = True,
         max_cached_tokens: int | None = None,
+        eviction: str | EvictionPolicy = "lru",
         log_every: int = 200,
         memory_limit: int | str | None = None,
         memory_guarantee: int | str = 0,
         attention: str = "auto",
         overlap: bool = True,
     ) -> None:
+        if not isinstance(model, CausalLM):
+            raise TypeError(
+                f"Engine needs a model with config, dtype, __call__(tokens, positions, "
+                f"attend) and hf_weights() (jax_kvcached.models.CausalLM), got "
+                f"{type(model).__name__}"
+            )
         cfg = model.config
         if max_batch <= 0 or prefill_chunk <= 0:
             raise ValueError("max_batch and prefill_chunk must be positive")
@@ -112,25 +136,47 @@ class Engine:
             model, self.cache, attention, max_batch=max_batch, prefill_tokens=prefill_chunk,
             max_model_len=self.max_model_len,
         )  # fmt: skip
-        self.prefix_cache = PrefixCache(self.cache, max_cached_tokens) if prefix_caching else None
+        if max_cached_tokens is None:
+            max_cached_tokens = pool.config.max_cached_tokens
+        self.kv = KVManager(
+            self.cache, self.max_model_len, prefix_caching=prefix_caching,
+            max_cached_tokens=max_cached_tokens, eviction=eviction,
+        )  # fmt: skip
+        self.kv.set_fence(self.runner.token)
         self.scheduler = Scheduler(
-            self.cache, max_batch, prefill_chunk, self.max_model_len, self.prefix_cache,
+            self.kv, max_batch, prefill_chunk, self.max_model_len,
             prefill_fits=self.runner.prefill_fits,
         )  # fmt: skip
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
         self.log_every = log_every
         self.overlap = overlap
         self._ids = itertools.count()
         self._by_id: dict[int, Sequence] = {}
         self._inflight: deque[PendingStep] = deque()  # dispatched, oldest first
         self._lock = threading.RLock()  # steps vs. another tenant's reclaim
-        self.finished: list[Sequence] = []
+        self._finished: list[Sequence] = []  # until drain_finished()
+        self._rejected: list[Sequence] = []  # rejected while dispatching, for step()
         self.steps = 0
         pool.set_reclaimer(name, self._reclaim)
 
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self.kv.prefix_cache
+
     # -- requests ----------------------------------------------------------------------
-    def encode(self, prompt: str | Seq[int]) -> list[int]:
+    def encode(self, prompt: str | Seq[int] | Prompt) -> list[int]:
         """Token ids of a prompt, validated (vocabulary, length); raises ValueError
         (:class:`ContextLengthExceeded` for a prompt that leaves no room)."""
+        return list(self.prompt(prompt).token_ids)
+
+    def prompt(self, prompt: str | Seq[int] | Prompt) -> Prompt:
+        """The validated prompt (see :meth:`encode`); one this engine validated already
+        is returned as it is."""
+        if isinstance(prompt, Prompt) and prompt.engine is self:
+            return prompt
+        if isinstance(prompt, Prompt):
+            prompt = prompt.token_ids
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a string prompt needs an Engine tokenizer")
@@ -148,11 +194,11 @@ class Engine:
             raise ContextLengthExceeded(
                 f"prompt of {len(ids)} tokens leaves no room in max_model_len={self.max_model_len}"
             )
-        return ids
+        return Prompt(tuple(ids), self)
 
     def add_request(
         self,
-        prompt: str | Seq[int],
+        prompt: str | Seq[int] | Prompt,
         params: SamplingParams | None = None,
         on_token: Callable[[int, int, bool], None] | None = None,
         *,
@@ -164,7 +210,7 @@ class Engine:
         Requests share cached prefixes only with the same model, ``cache_salt`` and
         ``adapter_id``.
         """
-        ids = self.encode(prompt)
+        ids = list(self.prompt(prompt).token_ids)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -184,7 +230,7 @@ class Engine:
         active. Its ``on_token`` is not called again."""
         with self._lock:
             seq = self._by_id.pop(request_id, None)
-            return seq is not None and self.scheduler.abort(seq, after=self.runner.token)
+            return seq is not None and self.scheduler.abort(seq)
 
     @property
     def num_inflight(self) -> int:
@@ -193,19 +239,56 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._inflight)
+        return self.scheduler.has_work or bool(self._inflight) or bool(self._rejected)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def drain_finished(self) -> list[Sequence]:
+        """The sequences finished (or rejected) since the last call, oldest first."""
+        with self._lock:
+            done, self._finished = self._finished, []
+            return done
+
+    def reset_prefix_cache(self) -> int:
+        """Evicts every idle cached prefix block; returns how many."""
+        with self._lock:
+            return self.kv.reset_prefix_cache()
+
+    def compile(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Compiles every step shape the engine can run (warm-up): after it, serving
+        compiles nothing. Returns the shape and sampler counts and the seconds taken."""
+        shapes = self.runner.step_shapes()
+        secs = self.runner.compile(shapes, progress=progress)
+        return {"shapes": len(shapes), "samplers": self.runner.num_samplers, "seconds": secs}
+
+    @property
+    def num_compiled(self) -> int:
+        """Step shapes compiled so far."""
+        return self.runner.num_compiled
 
     # -- the loop ----------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """Advances the pipeline: dispatches the next step (the host prepares it while the
         device runs the previous one), then completes the previous step. Returns the
-        sequences that finished."""
+        sequences that finished, and those rejected (finish_reason "error", ``error``
+        says why: they can never fit)."""
         new = self.dispatch() if self.scheduler.has_work else None
+        rejected, self._rejected = self._rejected, []
         if not self._inflight:
-            return []
+            return rejected
         if self.overlap and new is not None and len(self._inflight) == 1:
-            return []  # the new step runs alone: its results are collected next call
-        return self.complete(self._inflight[0])
+            return rejected  # the new step runs alone: its results are collected next call
+        return rejected + self.complete(self._inflight[0])
 
     def drain(self) -> list[Sequence]:
         """Completes every dispatched step."""
@@ -221,11 +304,12 @@ class Engine:
         with self._lock:
             if len(self._inflight) > 1:
                 raise RuntimeError("complete() a dispatched step before dispatching another")
-            try:
-                seqs, inputs = self.scheduler.schedule(after=self.runner.token)
-            except PoolExhausted as e:  # a request that can never fit was dropped
-                self._by_id.pop(getattr(e, "request_id", None), None)
-                raise
+            out = self.scheduler.schedule()
+            for s in out.rejected:  # it can never fit: dropped, reported by step()
+                self._by_id.pop(s.request_id, None)
+                self._finished.append(s)
+            self._rejected += out.rejected
+            seqs, inputs = out.sequences, out.inputs
             if not seqs:
                 return None
             # Rows whose new tokens reach the end of their sequence sample a next token.
@@ -236,9 +320,10 @@ class Engine:
                     sampling.append(s)
                     rows.append(i)
             _, tokens = self.runner.run_padded(inputs)
+            self.kv.set_fence(self.runner.token)  # frees wait for this step from now on
             self.steps += 1
             for s, x in zip(seqs, inputs, strict=True):
-                self.scheduler.computed(s, x.start + len(x.tokens))
+                self.kv.computed(s, x.start + len(x.tokens))
             for s, i in zip(sampling, rows, strict=True):
                 s.num_pending += 1
                 s.last_row = i
@@ -273,7 +358,7 @@ class Engine:
                 if s.first_token_time is None:
                     s.first_token_time = now
                 if s.blocks:  # a block that held this pending token can be cached now
-                    self.scheduler.computed(s, s.num_computed)
+                    self.kv.computed(s, s.num_computed)
                 reason = None
                 if tok in s.params.stop_token_ids or (tok in eos and not s.params.ignore_eos):
                     reason = "stop"
@@ -282,28 +367,21 @@ class Engine:
                 elif len(s.token_ids) >= self.max_model_len:
                     reason = "length"
                 if reason:
-                    self.scheduler.finish(s, reason, after=self.runner.token)
+                    self.scheduler.finish(s, reason)
                     self._by_id.pop(s.request_id, None)
                     done.append(s)
                 if s.on_token is not None:
                     s.on_token(s.request_id, tok, reason is not None)
-            self.finished.extend(done)
+            self._finished.extend(done)
             return done
 
     def _reclaim(self, pages: int) -> int:
-        """Another tenant needs memory: evict idle cached prefixes (page-aware) until
-        ``pages`` physical pages are unmapped or none are left. Never blocks."""
-        if self.prefix_cache is None or not self._lock.acquire(blocking=False):
+        """Another tenant needs memory: the KV manager evicts idle cached prefixes.
+        Never blocks (0 while this engine is stepping)."""
+        if not self._lock.acquire(blocking=False):
             return 0
         try:
-            cache = self.cache
-            before = cache.num_mapped_pages
-            target = -(-pages // cache.pages_per_kv_page)
-            while before - cache.num_mapped_pages < target:
-                want = (target - (before - cache.num_mapped_pages)) * cache.blocks_per_page
-                if self.prefix_cache.evict(want, after=self.runner.token) == 0:
-                    break
-            return (before - cache.num_mapped_pages) * cache.pages_per_kv_page
+            return self.kv.reclaim(pages)
         finally:
             self._lock.release()
 
@@ -315,8 +393,8 @@ class Engine:
         while self.has_work:
             preemptions = self.scheduler.num_preemptions
             steps, inflight = self.steps, len(self._inflight)
-            self.step()
-            stuck = self.steps == steps and not inflight
+            done = self.step()
+            stuck = self.steps == steps and not inflight and not done
             if stuck and preemptions == self.scheduler.num_preemptions:
                 raise PoolExhausted(
                     f"{self.name!r}: {len(self.scheduler.waiting)} requests wait for KV memory "
@@ -343,8 +421,12 @@ class Engine:
         ]
         self.run()
         wanted = set(ids)
-        by_id = {s.request_id: s for s in self.finished if s.request_id in wanted}
-        self.finished = [s for s in self.finished if s.request_id not in wanted]
+        with self._lock:
+            by_id = {s.request_id: s for s in self._finished if s.request_id in wanted}
+            self._finished = [s for s in self._finished if s.request_id not in wanted]
+        for rid in ids:
+            if by_id[rid].error is not None:  # rejected: it can never fit
+                raise by_id[rid].error
         out = []
         for rid in ids:
             s = by_id[rid]
@@ -365,13 +447,18 @@ class Engine:
         return out
 
     def stats(self) -> dict[str, Any]:
+        """Queue, memory and prefix-cache figures (a snapshot; any thread)."""
+        lim = self.pool.memory_limit_of(self.name)
         return {
             "steps": self.steps,
-            "waiting": len(self.scheduler.waiting),
-            "running": len(self.scheduler.running),
-            "preemptions": self.scheduler.num_preemptions,
+            "waiting": self.num_waiting,
+            "running": self.num_running,
+            "max_batch": self.max_batch,
+            "preemptions": self.num_preemptions,
             "mapped_bytes": self.cache.mapped_bytes,
-            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else None,
+            "limit_bytes": lim.limit_bytes,
+            "guarantee_bytes": lim.guarantee_bytes,
+            "prefix_cache": self.kv.stats(),
         }
 
     def close(self) -> None:

@@ -66,7 +66,8 @@ def _mib(v: float) -> str:
 
 def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.0) -> str:
     """One frame: the pool line, then a row per model."""
-    pool = {k: next(iter(m.get(f"kvcached_pool_{k}_bytes", {0: 0.0}).values())) for k in
+    # Summed over the server's pools (one per device).
+    pool = {k: sum(m.get(f"kvcached_pool_{k}_bytes", {}).values()) for k in
             ("budget", "mapped", "reserved")}  # fmt: skip
     used = pool["mapped"] / pool["budget"] if pool["budget"] else 0.0
     bar = "#" * round(30 * used) + "." * (30 - round(30 * used))

@@ -1,6 +1,6 @@
 """Exceptions raised by jax_kvcached (the C++ core raises the same classes)."""
 
-from jax_kvcached._C import BackendError, KVCacheError, PoolExhausted
+from jax_kvcached.memory._C import BackendError, KVCacheError, PoolExhausted
 
 
 class ContextLengthExceeded(ValueError):

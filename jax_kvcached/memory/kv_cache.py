@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcached import _C
-from jax_kvcached.allocator import BlockAllocator
-from jax_kvcached.errors import KVCacheError, PoolExhausted
-
-if TYPE_CHECKING:
-    from jax_kvcached.pool import Pool
+from jax_kvcached.memory import _C
+from jax_kvcached.memory.allocator import BlockAllocator
+from jax_kvcached.memory.errors import KVCacheError, PoolExhausted
+from jax_kvcached.memory.ledger import Ledger
 
 # dtype -> code understood by the C++ core (kv_buffer.h: DType)
 _DTYPE_CODES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
@@ -50,12 +48,13 @@ class KVCache:
     ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``.
 
     Physical pages are mapped only behind blocks in use. Create it with
-    :meth:`jax_kvcached.Pool.create_kv_cache`.
+    :meth:`jax_kvcached.Pool.create_kv_cache`; how much it may map is the ``ledger``'s
+    answer for tenant ``name``.
     """
 
     def __init__(
         self,
-        pool: Pool,
+        ledger: Ledger,
         name: str,
         buffer: _C.KVBuffer,
         num_layers: int,
@@ -63,9 +62,16 @@ class KVCache:
         head_dim: int,
         dtype: Any,
         block_size: int,
+        *,
+        backend: str,
+        device: Any,
+        on_close: Callable[[KVCache], None] | None = None,
     ) -> None:
-        self.pool = pool
+        self.ledger = ledger
+        self.backend = backend  # "host" or "cuda"
+        self.device = device  # the JAX device the view lives on
         self.name = name
+        self._on_close = on_close
         self._buffer = buffer
         # A handle stable across processes (per name and creation order): compiled steps
         # carry it as an attribute, so a restart hits the persistent compilation cache.
@@ -81,13 +87,13 @@ class KVCache:
         self.pages_per_kv_page: int = buffer.pages_per_kv_page
         self.shape = (num_layers, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
         self.block_bytes: int = buffer.block_bytes
+        self.page_size: int = buffer.page_size
         self._allocator = BlockAllocator(self.num_pages, buffer.page_size, self.block_bytes)
         # Every usable page but page 0 holds at least this many blocks.
         self.min_blocks_per_page: int = self._allocator.min_blocks_per_page
         self._view: jax.Array | None = None
         self._closed = False
         self._lock = threading.RLock()  # alloc / free / close from several threads
-        self.prefix_cache: Any = None  # set by a PrefixCache attached to this cache
 
     # -- the view --------------------------------------------------------------------
     @property
@@ -129,25 +135,25 @@ class KVCache:
 
     @property
     def mapped_bytes(self) -> int:
-        return self.mapped_pages * self.pool.page_size
+        return self.mapped_pages * self.page_size
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks :meth:`alloc` can hand out now: free blocks of mapped pages plus what this
         tenant's room in the pool (budget, limit, others' guarantees) can still map."""
-        new_pages = self.pool.room_pages(self) // self.pages_per_kv_page
+        new_pages = self.ledger.room_pages(self.name) // self.pages_per_kv_page
         return self._allocator.free_in_mapped + self._allocator.unmapped_capacity(new_pages)
 
     @property
     def capacity_blocks(self) -> int:
         """The most blocks this cache could hold under the pool's current limits."""
-        kv_pages = self.pool.capacity_pages(self) // self.pages_per_kv_page
+        kv_pages = self.ledger.capacity_pages(self.name) // self.pages_per_kv_page
         return self._allocator.capacity_of_pages(kv_pages)  # block 0 is never counted
 
     @property
     def over_limit_pages(self) -> int:
         """Physical pages mapped above this cache's memory limit (to give back)."""
-        return self.pool.over_limit_pages(self)
+        return self.ledger.over_limit_pages(self.name)
 
     def alloc(self, n: int) -> np.ndarray:
         """Allocates ``n`` blocks and returns their ids (int32). Maps pages on demand.
@@ -174,8 +180,8 @@ class KVCache:
 
     def _map(self, pages: list[int]) -> None:
         ids = np.asarray(pages, dtype=np.int32)
-        self.pool._map_for(
-            self, len(pages) * self.pages_per_kv_page, lambda: self._buffer.map_pages(ids)
+        self.ledger.charge(
+            self.name, len(pages) * self.pages_per_kv_page, lambda: self._buffer.map_pages(ids)
         )
 
     def free(self, block_ids: Iterable[int] | np.ndarray, *, after: Any = None) -> None:
@@ -208,6 +214,23 @@ class KVCache:
         for b in block_ids:
             if not self.is_allocated(b):
                 raise ValueError(f"block {int(b)} of {self.name!r} is not allocated")
+
+    def mapped_page_ids(self) -> list[int]:
+        """The KV pages mapped now, ascending (by the allocator or by FFI ops)."""
+        return list(self._buffer.mapped_pages())
+
+    def is_page_mapped(self, page: int) -> bool:
+        return bool(self._buffer.is_mapped(int(page)))
+
+    def device_page_map(self) -> list[int]:
+        """The device-side page map ``ops.write_kv_async`` checks (1 = mapped)."""
+        return list(self._buffer.device_page_map())
+
+    @property
+    def buffer(self) -> _C.KVBuffer:
+        """The C++ buffer (low level: bypasses the allocator and the ledger; for tools
+        and tests of the core's own checks)."""
+        return self._buffer
 
     def take_device_error(self) -> tuple[int, int]:
         """The device error record of ``ops.write_kv_async`` (code, slot), cleared."""
@@ -247,10 +270,9 @@ class KVCache:
             "num_blocks": self.num_blocks - 1,  # the null block is never handed out
             "mapped_kv_pages": kv_pages,
             "mapped_pages": phys,
-            "mapped_bytes": phys * self.pool.page_size,
+            "mapped_bytes": phys * self.page_size,
             "virtual_bytes": self.virtual_bytes,
             "capacity_blocks": self.capacity_blocks,
-            **({"prefix_cache": self.prefix_cache.stats()} if self.prefix_cache else {}),
         }
 
     @property
@@ -265,7 +287,8 @@ class KVCache:
             _C.unregister_buffer(self.handle)
             self._buffer.close()
             self._closed = True
-        self.pool._forget(self)
+        if self._on_close is not None:
+            self._on_close(self)
 
     def _check_open(self) -> None:
         if self._closed:

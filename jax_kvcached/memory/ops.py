@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcached import _C
+from jax_kvcached.memory import _C
 
 if TYPE_CHECKING:
-    from jax_kvcached.kv_cache import KVCache
+    from jax_kvcached.memory.kv_cache import KVCache
 
 _TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 _PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
@@ -60,6 +60,11 @@ def new_token(device: Any = None) -> jax.Array:
     return token if device is None else jax.device_put(token, device)
 
 
+# Under jax.vmap every op runs once per batch element, in order (the handlers take
+# unbatched operands and validate their shapes; a batched map / write is a sequence).
+VMAP_METHOD = "sequential"
+
+
 def after(indices: Any, token: jax.Array) -> jax.Array:
     """Returns integer ``indices`` (block tables, slots, layer ids...) made dependent on
     the op that produced ``token``: a gather from ``cache.view`` with them runs after it.
@@ -74,9 +79,9 @@ def after(indices: Any, token: jax.Array) -> jax.Array:
 
 
 def _call(op: str, cache: KVCache, *operands: Any, side_effect: bool = True) -> jax.Array:
-    return jax.ffi.ffi_call(f"kvcached_{op}", _TOKEN, has_side_effect=side_effect)(
-        *operands, handle=np.uint64(cache.handle)
-    )
+    return jax.ffi.ffi_call(
+        f"kvcached_{op}", _TOKEN, has_side_effect=side_effect, vmap_method=VMAP_METHOD
+    )(*operands, handle=np.uint64(cache.handle))
 
 
 def _ids(x: Any, name: str) -> jax.Array:
@@ -158,9 +163,9 @@ def write_kv_async(
             f"[0, {cache.num_layers})"
         )
     slots = _check_kv(cache, key, value, slots)
-    return jax.ffi.ffi_call("kvcached_write_kv_async", _TOKEN, has_side_effect=False)(
-        key, value, slots, token, *after, handle=np.uint64(cache.handle), layer=np.int64(layer)
-    )
+    return jax.ffi.ffi_call(
+        "kvcached_write_kv_async", _TOKEN, has_side_effect=False, vmap_method=VMAP_METHOD
+    )(key, value, slots, token, *after, handle=np.uint64(cache.handle), layer=np.int64(layer))
 
 
 _DEVICE_ERRORS = {
@@ -256,7 +261,7 @@ def paged_attention(
     i32, f32 = jnp.int32, jnp.float32
     rows = jax.ShapeDtypeStruct(q.shape[:-1], f32)
     out = (jax.ShapeDtypeStruct(q.shape, f32), rows, rows)
-    return jax.ffi.ffi_call("kvcached_paged_attention", out)(
+    return jax.ffi.ffi_call("kvcached_paged_attention", out, vmap_method=VMAP_METHOD)(
         q, k_new.astype(f32), v_new.astype(f32), jnp.asarray(block_tables, i32),
         jnp.asarray(ctx_lens, i32), jnp.asarray(new_lens, i32), token,
         handle=np.uint64(cache.handle), layer=np.int64(layer), scale=np.float32(1 / np.sqrt(d)),

@@ -9,12 +9,13 @@ import signal
 import socket
 import threading
 
-from jax_kvcached.chat_template import ChatTemplate
-from jax_kvcached.config import parse_bytes
-from jax_kvcached.engine import Engine
-from jax_kvcached.pool import Pool
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.memory.config import parse_bytes
+from jax_kvcached.memory.pool import Pool
 from jax_kvcached.progress import Log
-from jax_kvcached.server import AuthConfig, ServedModel
+from jax_kvcached.serve.auth import AuthConfig
+from jax_kvcached.serve.chat_template import ChatTemplate
+from jax_kvcached.serve.context import ServedModel
 
 log = logging.getLogger("jax_kvcached.serve")
 
@@ -93,15 +94,13 @@ def build_served(
 def warm_up(served: ServedModel, name: str, out: Log | None = None) -> float:
     """Compiles every step shape the engine can use (a progress bar, a log line), so a
     served run compiles nothing later; returns the seconds taken."""
-    runner = served.engine.runner
     out = out or Log(quiet=False)
-    shapes = runner.step_shapes()
-    secs = runner.compile(shapes, progress=lambda d, n: out.progress(name, d, n, "compiled"))
+    done = served.engine.compile(progress=lambda d, n: out.progress(name, d, n, "compiled"))
     log.info(
         "%s: %d step shapes and %d samplers compiled in %.1f s",
-        name, len(shapes), runner.num_samplers, secs,
+        name, done["shapes"], done["samplers"], done["seconds"],
     )  # fmt: skip
-    return secs
+    return done["seconds"]
 
 
 COMPILE_CACHE_ENV = "KVCACHED_COMPILE_CACHE"
@@ -158,6 +157,7 @@ def serve(
     max_batch: int = 8,
     max_queue: int = 64,
     max_cached_tokens: int | None = None,
+    eviction: str = "lru",
     seed: int = 0,
     warmup: bool = True,
     compile_cache: str | None = None,
@@ -171,8 +171,8 @@ def serve(
     and returns."""
     import uvicorn
 
-    from jax_kvcached.server import create_app
-    from jax_kvcached.serving import ServingLoop
+    from jax_kvcached.serve.app import create_app
+    from jax_kvcached.serve.loop import ServingLoop
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
@@ -198,12 +198,12 @@ def serve(
         for i, spec in enumerate(specs):
             models[spec.name] = build_served(
                 spec, pool, max_batch=max_batch, seed=seed + i, dtype=dtype,
-                max_cached_tokens=max_cached_tokens,
+                max_cached_tokens=max_cached_tokens, eviction=eviction,
             )  # fmt: skip
             if warmup:
                 warm_up(models[spec.name], spec.name)
         loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
-        app = create_app(loop, models, pool, auth=auth, max_body_bytes=max_body_bytes)
+        app = create_app(loop, models, auth=auth, max_body_bytes=max_body_bytes)
         log.info(
             "serving %s on http://%s:%d (pool %s on %s)",
             ", ".join(models), host, port, memory, pool.backend,

@@ -1,0 +1,63 @@
+"""Sequence: one request's state, shared by the scheduler, the KV manager and the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from jax_kvcached.engine.sampling import SamplingParams
+
+
+@dataclasses.dataclass(eq=False)  # identity: queues hold and remove these objects
+class Sequence:
+    """A request's state. ``token_ids`` is the one token list (prompt, then the sampled
+    tokens the host has received); ``num_pending`` more tokens are sampled by dispatched
+    steps whose results have not arrived yet."""
+
+    request_id: int
+    token_ids: list[int]
+    params: SamplingParams
+    on_token: Callable[[int, int, bool], None] | None = None
+    num_prompt: int = -1  # set from token_ids
+    num_pending: int = 0
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V is in the cache
+    finish_reason: str | None = None
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    preemptions: int = 0
+    extra: bytes = b""  # prefix-cache extra keys (tenant, cache_salt, adapter)
+    # Chained hashes of full blocks of known tokens, computed once (kept across
+    # preemption); the first ``num_inserted`` of ``blocks`` are in the prefix cache.
+    hashes: list[bytes] = dataclasses.field(default_factory=list)
+    num_inserted: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    last_row: int = -1  # row of the newest dispatched step that samples for it
+    error: Exception | None = None  # why it was rejected (finish_reason "error")
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        if self.num_prompt < 0:
+            self.num_prompt = len(self.token_ids)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.token_ids[: self.num_prompt]
+
+    @property
+    def output(self) -> list[int]:
+        return self.token_ids[self.num_prompt :]
+
+    @property
+    def num_output(self) -> int:
+        """Sampled tokens, received or pending."""
+        return len(self.token_ids) - self.num_prompt + self.num_pending
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival

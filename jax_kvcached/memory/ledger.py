@@ -1,0 +1,297 @@
+"""The tenant ledger: who may map how much of one device's physical page budget.
+
+Counted in physical pages; a tenant maps whole KV pages (``pages_per_kv_page`` physical
+pages each), so byte values are rounded to whole KV pages of that tenant.
+
+- limit: the most a tenant may have mapped (default: the whole budget).
+- guarantee: what the others may never take from it. While a tenant has less than its
+  guarantee mapped, the difference is held back from every other tenant's room.
+- reclaimer: how a tenant gives idle memory back when another one needs it.
+
+:class:`Ledger` is the narrow interface a :class:`~jax_kvcached.memory.kv_cache.KVCache`
+and a :class:`~jax_kvcached.memory.pool.Pool` use. :class:`LocalLedger` keeps it for the
+tenants of one process; a shared-memory ledger for several processes implements the
+same interface (mapping stays per process, the ledger only accounts). The one write that
+needs atomicity is :meth:`Ledger.charge`: checking a tenant's room and mapping happen
+under the ledger's lock, so two tenants never both take the last pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+from typing import Protocol
+
+from jax_kvcached.memory.config import parse_bytes
+from jax_kvcached.memory.errors import KVCacheError, PoolExhausted
+
+# reclaim(num_physical_pages) -> physical pages given back (idle cached prefixes).
+# Must not block: a busy tenant returns 0.
+Reclaimer = Callable[[int], int]
+# usage() -> physical pages the tenant has mapped now (its buffer is the truth).
+Usage = Callable[[], int]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryLimit:
+    """What :meth:`Pool.set_memory_limit` / :meth:`Pool.set_memory_guarantee` applied.
+
+    ``over_limit_bytes`` > 0: the tenant has more mapped than its new limit. It cannot grow
+    until it is below; an Engine gives the excess back at its next step (idle cached
+    prefixes first, then by preempting its newest requests).
+    ``guarantee_shortfall_bytes`` > 0: part of the guarantee is mapped by other tenants
+    now; they cannot grow into it and it becomes this tenant's as they release pages.
+    """
+
+    name: str
+    limit_bytes: int | None
+    guarantee_bytes: int
+    mapped_bytes: int
+    over_limit_bytes: int
+    guarantee_shortfall_bytes: int
+
+    @property
+    def applied(self) -> bool:
+        """True when the new settings hold right now (nothing to give back or wait for)."""
+        return self.over_limit_bytes == 0 and self.guarantee_shortfall_bytes == 0
+
+
+class Ledger(Protocol):
+    """The accounting interface of one device budget shared by named tenants."""
+
+    page_size: int
+
+    @property
+    def budget_pages(self) -> int: ...
+
+    def register(self, name: str, pages_per_kv_page: int, usage: Usage) -> None:
+        """Adds a tenant (no limit, no guarantee); ValueError if the name is taken."""
+
+    def unregister(self, name: str) -> None:
+        """Removes a tenant (its pages are unmapped by then)."""
+
+    def tenants(self) -> list[str]: ...
+
+    def mapped_pages(self, name: str) -> int: ...
+
+    def room_pages(self, name: str) -> int:
+        """Pages ``name`` may map now: free pages less the others' unmet guarantees,
+        within its own limit."""
+
+    def capacity_pages(self, name: str) -> int:
+        """The most pages ``name`` could ever map under the current limits."""
+
+    def over_limit_pages(self, name: str) -> int:
+        """Pages ``name`` has mapped above its limit (to give back)."""
+
+    def charge(self, name: str, pages: int, do_map: Callable[[], None]) -> None:
+        """Runs ``do_map`` (which maps ``pages`` pages for ``name``) if its room allows,
+        atomically with the check; raises PoolExhausted (nothing mapped) otherwise."""
+
+    def set_limit(self, name: str, limit: int | str | None) -> MemoryLimit: ...
+
+    def set_guarantee(self, name: str, guarantee: int | str) -> MemoryLimit: ...
+
+    def limit_of(self, name: str) -> MemoryLimit: ...
+
+    def set_reclaimer(self, name: str, reclaim: Reclaimer | None) -> None: ...
+
+    def reclaim(self, name: str, pages: int) -> int:
+        """Asks the other tenants for up to ``pages`` idle pages for ``name``; returns
+        the pages freed."""
+
+    def close(self) -> None:
+        """No charge succeeds afterwards (KVCacheError)."""
+
+
+@dataclasses.dataclass
+class _Tenant:
+    pages_per_kv_page: int
+    usage: Usage
+    limit_pages: int | None = None
+    guarantee_pages: int = 0
+    reclaimer: Reclaimer | None = None
+
+    def round_down(self, pages: int) -> int:
+        return pages - pages % self.pages_per_kv_page
+
+
+class LocalLedger:
+    """The ledger of one process's tenants of one device budget.
+
+    Args:
+      page_size: bytes per physical page.
+      budget_pages: the device budget in pages now.
+      in_use: pages mapped now by every tenant together (the page pool's count, which
+        also sees pages mapped by FFI ops inside jitted code).
+    """
+
+    def __init__(
+        self, page_size: int, budget_pages: Callable[[], int], in_use: Callable[[], int]
+    ) -> None:
+        self.page_size = page_size
+        self._budget_pages = budget_pages
+        self._in_use = in_use
+        self._tenants: dict[str, _Tenant] = {}
+        self._lock = threading.RLock()  # charges, limit changes, registration
+        self._closed = False
+
+    @property
+    def budget_pages(self) -> int:
+        return self._budget_pages()
+
+    # -- tenants -----------------------------------------------------------------------
+    def register(self, name: str, pages_per_kv_page: int, usage: Usage) -> None:
+        with self._lock:
+            if name in self._tenants:
+                raise ValueError(f"a tenant named {name!r} is already registered")
+            self._tenants[name] = _Tenant(pages_per_kv_page, usage)
+
+    def unregister(self, name: str) -> None:
+        with self._lock:
+            self._tenants.pop(name, None)
+
+    def tenants(self) -> list[str]:
+        with self._lock:
+            return list(self._tenants)
+
+    def _tenant(self, name: str) -> _Tenant:
+        t = self._tenants.get(name)
+        if t is None:
+            raise KeyError(f"no KV cache named {name!r} in this pool; have {sorted(self._tenants)}")
+        return t
+
+    def mapped_pages(self, name: str) -> int:
+        return self._tenant(name).usage()
+
+    # -- room ----------------------------------------------------------------------------
+    def _limit_pages(self, t: _Tenant) -> int:
+        return self.budget_pages if t.limit_pages is None else t.limit_pages
+
+    def _held_for_others(self, name: str) -> int:
+        return sum(
+            max(0, t.guarantee_pages - t.usage()) for n, t in self._tenants.items() if n != name
+        )
+
+    def _guaranteed_to_others(self, name: str) -> int:
+        return sum(t.guarantee_pages for n, t in self._tenants.items() if n != name)
+
+    def room_pages(self, name: str) -> int:
+        with self._lock:
+            t = self._tenant(name)
+            room = self.budget_pages - self._in_use() - self._held_for_others(name)
+            return max(0, min(room, self._limit_pages(t) - t.usage()))
+
+    def capacity_pages(self, name: str) -> int:
+        with self._lock:
+            t = self._tenant(name)
+            others = self._guaranteed_to_others(name)
+            return max(0, min(self._limit_pages(t), self.budget_pages - others))
+
+    def over_limit_pages(self, name: str) -> int:
+        with self._lock:
+            t = self._tenants.get(name)
+            return 0 if t is None else max(0, t.usage() - self._limit_pages(t))
+
+    def charge(self, name: str, pages: int, do_map: Callable[[], None]) -> None:
+        with self._lock:
+            if self._closed:
+                raise KVCacheError("the pool is closed")
+            room = self.room_pages(name)
+            if pages > room:
+                raise PoolExhausted(
+                    f"KV cache {name!r}: {pages} pages needed, {room} within its room"
+                )
+            do_map()
+
+    # -- limits and guarantees -------------------------------------------------------
+    def _result(self, name: str) -> MemoryLimit:
+        t, ps = self._tenants[name], self.page_size
+        mapped = t.usage()
+        free = self.budget_pages - self._in_use()
+        # Other tenants' unmet guarantees are held back from the free pages first.
+        held = self._held_for_others(name)
+        shortfall = max(0, (t.guarantee_pages - mapped) - max(0, free - held))
+        return MemoryLimit(
+            name=name,
+            limit_bytes=None if t.limit_pages is None else t.limit_pages * ps,
+            guarantee_bytes=t.guarantee_pages * ps,
+            mapped_bytes=mapped * ps,
+            over_limit_bytes=max(0, mapped - self._limit_pages(t)) * ps,
+            guarantee_shortfall_bytes=shortfall * ps,
+        )
+
+    def set_limit(self, name: str, limit: int | str | None) -> MemoryLimit:
+        """``None``: the whole budget. Rounded down to whole KV pages; ValueError below
+        the guarantee."""
+        with self._lock:
+            t = self._tenant(name)
+            if limit is None:
+                pages = None
+            else:
+                nbytes = parse_bytes(limit, "memory limit", allow_zero=True)
+                pages = t.round_down(nbytes // self.page_size)
+                if pages < t.guarantee_pages:
+                    raise ValueError(
+                        f"memory limit of {name!r} ({pages * self.page_size} bytes in whole "
+                        f"KV pages) is below its guarantee ({t.guarantee_pages * self.page_size})"
+                    )
+            t.limit_pages = pages
+            return self._result(name)
+
+    def set_guarantee(self, name: str, guarantee: int | str) -> MemoryLimit:
+        """Rounded up to whole KV pages; ValueError above the tenant's limit or when the
+        guarantees together exceed the budget."""
+        with self._lock:
+            t = self._tenant(name)
+            nbytes = parse_bytes(guarantee, "memory guarantee", allow_zero=True)
+            pages = -(-nbytes // self.page_size)
+            pages = -(-pages // t.pages_per_kv_page) * t.pages_per_kv_page
+            if pages > self._limit_pages(t):
+                raise ValueError(
+                    f"memory guarantee of {name!r} ({pages * self.page_size} bytes) exceeds "
+                    f"its limit ({self._limit_pages(t) * self.page_size})"
+                )
+            others = self._guaranteed_to_others(name)
+            if others + pages > self.budget_pages:
+                raise ValueError(
+                    f"guarantees would total {(others + pages) * self.page_size} bytes, more "
+                    f"than the pool budget ({self.budget_pages * self.page_size})"
+                )
+            t.guarantee_pages = pages
+            return self._result(name)
+
+    def limit_of(self, name: str) -> MemoryLimit:
+        with self._lock:
+            self._tenant(name)
+            return self._result(name)
+
+    # -- reclaim -------------------------------------------------------------------------
+    def set_reclaimer(self, name: str, reclaim: Reclaimer | None) -> None:
+        with self._lock:
+            self._tenant(name).reclaimer = reclaim
+
+    def reclaim(self, name: str, pages: int) -> int:
+        """Those furthest above their guarantee are asked first; only memory above a
+        guarantee is asked for."""
+        with self._lock:
+            order = sorted(
+                (
+                    (t.usage() - t.guarantee_pages, n, t.reclaimer)
+                    for n, t in self._tenants.items()
+                    if n != name
+                ),
+                key=lambda x: (x[0], x[1]),
+                reverse=True,
+            )
+        freed = 0
+        for above, _, reclaimer in order:  # outside the lock: reclaimers take their own
+            if freed >= pages or above <= 0 or reclaimer is None:
+                continue
+            freed += reclaimer(min(pages - freed, above))
+        return freed
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True

@@ -1,0 +1,76 @@
+"""What every route module shares: the loop, the served models, auth, metrics, and
+reading a bounded JSON body."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+from starlette.requests import Request
+
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.serve.auth import AuthConfig
+from jax_kvcached.serve.chat_template import ChatTemplate
+from jax_kvcached.serve.loop import ServingLoop
+from jax_kvcached.serve.metrics import ServerMetrics
+from jax_kvcached.serve.protocol import APIError
+
+
+@dataclasses.dataclass
+class ServedModel:
+    engine: Engine
+    tokenizer: Any  # encode(str, add_special_tokens=True) -> ids, decode(ids) -> str
+    chat_template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+
+def parse_json(raw: bytes) -> Any:
+    """JSON from a request body; APIError 400 on anything that is not plain JSON."""
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw, parse_constant=no_constants)
+    except RecursionError:
+        raise APIError(400, "could not parse the JSON body: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise APIError(400, f"could not parse the JSON body: {e}") from None
+
+
+@dataclasses.dataclass
+class AppContext:
+    loop: ServingLoop
+    models: dict[str, ServedModel]
+    auth: AuthConfig
+    metrics: ServerMetrics
+    max_body_bytes: int
+
+    async def read_json(self, request: Request) -> Any:
+        """The body, read chunk by chunk and refused (413) as soon as it is too large."""
+        too_large = APIError(413, f"request body over {self.max_body_bytes} bytes")
+        length = request.headers.get("content-length")
+        if length is not None:
+            if not length.isdigit():
+                raise APIError(400, f"bad Content-Length {length[:32]!r}")
+            if int(length) > self.max_body_bytes:
+                raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return parse_json(b"".join(chunks))
+
+    def served(self, name: str) -> ServedModel:
+        """The model ``name``; APIError 404 if it is not served."""
+        m = self.models.get(name)
+        if m is None:
+            raise APIError(
+                404, f"the model '{name}' does not exist; have {sorted(self.models)}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+        return m

@@ -1,0 +1,45 @@
+"""``GET|POST /admin/memory``: per-model limits and guarantees, in whichever pool each
+model lives (the admin key is required)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from jax_kvcached.serve.context import AppContext
+from jax_kvcached.serve.protocol import APIError
+
+
+def routes(ctx: AppContext) -> list[Route]:
+    async def memory(request: Request) -> Response:
+        ctx.auth.check(request, admin=True)
+        if request.method == "POST":
+            body = await ctx.read_json(request)
+            if not isinstance(body, dict) or set(body) - {"model", "limit", "guarantee"}:
+                raise APIError(400, "expected {'model': ..., 'limit': ..., 'guarantee': ...}")
+            name = body.get("model")
+            if not isinstance(name, str):
+                raise APIError(400, "'model' must be a string", param="model")
+            pool = ctx.served(name).engine.pool
+            try:  # limit first when lowering the guarantee with it, else guarantee first
+                if "guarantee" in body:
+                    pool.set_memory_guarantee(name, body["guarantee"])
+                if "limit" in body:
+                    pool.set_memory_limit(name, body["limit"])
+            except (ValueError, TypeError) as e:
+                raise APIError(400, str(e), param="limit") from None
+        limits = {}
+        for name, m in ctx.models.items():
+            r = m.engine.pool.memory_limit_of(name)
+            limits[name] = {**dataclasses.asdict(r), "applied": r.applied}
+        pools = [
+            {"device": str(p.device), "budget_bytes": p.memory_limit, "models": sorted(p.caches)}
+            for p in ctx.loop.pools()
+        ]
+        budget = sum(p["budget_bytes"] for p in pools)
+        return JSONResponse({"budget_bytes": budget, "pools": pools, "models": limits})
+
+    return [Route("/admin/memory", memory, methods=["GET", "POST"])]

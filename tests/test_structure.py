@@ -1,0 +1,209 @@
+"""The package's structure: the one-way layers, no import cycles, the C++ module's stubs,
+and tests that stay on public surfaces."""
+
+import ast
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from conftest import make_cache
+
+import jax_kvcached
+from jax_kvcached.memory import _C, ops
+
+PKG = pathlib.Path(jax_kvcached.__file__).parent
+TESTS = pathlib.Path(__file__).parent
+# A layer may import only the layers after it in this list (and itself).
+LAYERS = ("serve", "engine", "memory")
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """jax_kvcached modules imported by a file (any scope, relative imports resolved;
+    ``from package import submodule`` counts as importing the submodule)."""
+    mod = _module(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("jax_kvcached")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")
+                up = up[: len(up) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            if base.startswith("jax_kvcached"):
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    out.add(sub if sub in modules else base)
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module(p): p for p in PKG.rglob("*.py")}
+    names = set(files)
+    return {m: {i for i in _imports(p, names) if i in files and i != m} for m, p in files.items()}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for m, deps in graph.items():
+        lm = _layer(m)
+        for d in deps:
+            ld = _layer(d)
+            if lm and ld and LAYERS.index(ld) < LAYERS.index(lm):
+                bad.append(f"{m} -> {d}")
+            if m.startswith("jax_kvcached.models") and not d.startswith("jax_kvcached.models"):
+                bad.append(f"{m} -> {d} (models stand alone)")
+    return sorted(bad)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Import cycles among modules (Tarjan's strongly connected components > 1)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_layers_import_one_way():
+    graph = _graph()
+    assert {"jax_kvcached.memory.pool", "jax_kvcached.engine.kv_manager"} <= set(graph)
+    assert layer_violations(graph) == []
+
+
+def test_no_import_cycles():
+    # The package's own __init__ re-exports lazily, so it is not a node of any cycle.
+    graph = {m: d - {"jax_kvcached"} for m, d in _graph().items()}
+    assert cycles(graph) == []
+
+
+def test_the_checks_catch_violations():
+    bad = {
+        "jax_kvcached.memory.pool": {"jax_kvcached.engine.engine"},
+        "jax_kvcached.engine.engine": {"jax_kvcached.serve.loop", "jax_kvcached.memory.pool"},
+        "jax_kvcached.models.llama": {"jax_kvcached.memory.ops"},
+        "jax_kvcached.serve.loop": set(),
+        "jax_kvcached.memory.ops": set(),
+    }
+    assert layer_violations(bad) == [
+        "jax_kvcached.engine.engine -> jax_kvcached.serve.loop",
+        "jax_kvcached.memory.pool -> jax_kvcached.engine.engine",
+        "jax_kvcached.models.llama -> jax_kvcached.memory.ops (models stand alone)",
+    ]
+    assert cycles(bad) == [["jax_kvcached.engine.engine", "jax_kvcached.memory.pool"]]
+
+
+def _private_uses(source: str) -> list[str]:
+    """``obj._name`` accesses where obj is not ``self`` / ``cls`` (dunders are fine)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
+            found.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return found
+
+
+def test_tests_use_public_surfaces_only():
+    assert _private_uses("x = cache._buffer.mapped_pages()") == ["cache._buffer (line 1)"]
+    bad = {
+        p.name: uses
+        for p in [*TESTS.glob("*.py"), *TESTS.glob("gpu/*.py")]
+        if (uses := _private_uses(p.read_text()))
+    }
+    assert bad == {}
+
+
+def _stub_names(tree: ast.Module) -> dict[str, set[str]]:
+    """Top-level names of a stub, and each class's members."""
+    out: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {
+                n.name for n in node.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"
+            }
+        elif isinstance(node, ast.FunctionDef):
+            out[node.name] = set()
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out[node.target.id] = set()
+    return out
+
+
+def test_c_module_stubs_match_the_module():
+    stub = pathlib.Path(_C.__file__).with_name("_C.pyi")
+    assert stub.is_file(), "the _C.pyi stubs are installed beside the module"
+    names = _stub_names(ast.parse(stub.read_text()))
+    public = {n for n in dir(_C) if not n.startswith("_")}
+    assert set(names) == public
+    for cls in ("PagePool", "KVBuffer"):
+        members = {n for n in dir(getattr(_C, cls)) if not n.startswith("_")}
+        assert names[cls] == members, cls
+
+
+def test_ops_run_under_vmap_once_per_element(pool):
+    """Every ffi_call declares its vmap method: a vmapped write is a sequence of writes
+    and a vmapped attention equals the unbatched calls."""
+    c = make_cache(pool)
+    ids = c.alloc(2)
+    rng = np.random.default_rng(0)
+    k = jnp.asarray(rng.standard_normal((2, 4, 2, 64)), jnp.float32)  # 2 batches of 4
+    slots = jnp.asarray(np.stack([c.slot_mapping(ids, np.arange(4) + 4 * i) for i in range(2)]))
+    token = ops.new_token()
+    tokens = jax.jit(jax.vmap(lambda k, s: ops.write_kv(c, 1, k, -k, s, token)))(k, slots)
+    assert tokens.shape == (2,)
+    jax.block_until_ready(tokens)
+    got = np.asarray(c.view[1, 0, ids]).reshape(-1, 2, 64)[:8]
+    np.testing.assert_array_equal(got, np.asarray(k).reshape(8, 2, 64))
+
+    q = jnp.asarray(rng.standard_normal((3, 1, 1, 2, 1, 64)), jnp.float32)
+    kn = jnp.zeros((3, 1, 1, 2, 64), jnp.float32)
+    table = jnp.asarray(np.tile(ids, (1, 1)), jnp.int32)
+    lens = jnp.asarray([8], jnp.int32)
+    new = jnp.asarray([0], jnp.int32)
+
+    def attend(q, kn):
+        return ops.paged_attention(c, 1, q, kn, kn, table, lens, new, tokens[0])[0]
+
+    batched = jax.vmap(attend)(q, kn)
+    single = jnp.stack([attend(q[i], kn[i]) for i in range(3)])
+    np.testing.assert_allclose(np.asarray(batched), np.asarray(single), rtol=1e-6)
+    c.free(ids)
