@@ -207,3 +207,19 @@ def test_ops_run_under_vmap_once_per_element(pool):
     single = jnp.stack([attend(q[i], kn[i]) for i in range(3)])
     np.testing.assert_allclose(np.asarray(batched), np.asarray(single), rtol=1e-6)
     c.free(ids)
+
+
+def test_the_package_reexports_the_public_api():
+    from jax_kvcached.engine.engine import Engine, RequestOutput
+    from jax_kvcached.engine.sampling import SamplingParams
+    from jax_kvcached.memory.kv_cache import KVCache
+    from jax_kvcached.memory.pool import Pool
+    from jax_kvcached.serve.loop import ServingLoop
+
+    kv = jax_kvcached
+    assert (kv.Pool, kv.KVCache, kv.Engine, kv.SamplingParams, kv.ServingLoop) == (
+        Pool, KVCache, Engine, SamplingParams, ServingLoop,
+    )  # fmt: skip
+    assert kv.RequestOutput is RequestOutput and kv.ops is ops
+    assert issubclass(kv.PoolExhausted, kv.KVCacheError)
+    assert set(kv.__all__) >= {"Pool", "KVCache", "PoolExhausted", "ops", "Engine", "ServingLoop"}
