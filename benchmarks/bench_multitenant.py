@@ -82,24 +82,6 @@ def build(config: str, budget: int, page: int, max_batch: int, models) -> tuple[
     return engines, pools
 
 
-def warm_up(engine: Engine, prompt_len: tuple[int, int], max_tokens: int) -> None:
-    """Compiles every step shape the trace can hit: each power-of-two batch up to
-    max_batch, prefill of short and long prompts, decode up to the longest context."""
-    chunk = engine.prefill_chunk
-    longest = prompt_len[1] + max_tokens  # a preempted request is recomputed in full
-    runs = [(prompt_len[0], 1), (prompt_len[1], max_tokens)]
-    # A recomputed request's last chunk: each prefill bucket after whole chunks.
-    runs += [
-        (n, 1) for n in range(chunk + 16, longest + 1, 16) if (n - chunk) & (n - chunk - 1) == 0
-    ]
-    b = 1
-    while b <= engine.max_batch:
-        for n, out in runs:
-            ps = [[1 + (i * 7 + j) % 240 for i in range(n)] for j in range(b)]
-            engine.generate(ps, SamplingParams(max_tokens=out, ignore_eos=True))
-        b *= 2
-
-
 def run_trace(engines, trace, max_tokens, sample_every=0.05) -> dict:
     """Serves the trace in real time; returns per-request times and a memory timeline."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -257,7 +239,7 @@ def main() -> None:
         engines, pools = build(config, budget, page, args.max_batch, models)
         t0 = time.perf_counter()
         for engine in engines.values():
-            warm_up(engine, args.prompt_len, args.max_tokens)
+            engine.compile()  # every step shape it can run: serving compiles nothing
         print(f"  {config}: compiled in {time.perf_counter() - t0:.0f} s")
         res = run_trace(engines, trace, args.max_tokens)
         res["summary"] = summarize(res)

@@ -166,9 +166,9 @@ def eviction_stride8() -> dict:
             pc.release(s)
         for blocks in zip(*seqs, strict=True):  # LRU age in stride order (8 apart)
             for b in blocks:
-                pc._lru.move_to_end(b)
+                pc.policy.touch(b)
         before = pool.stats()["mapped_bytes"]
-        n = len(pc._lru) // 2
+        n = pc.num_evictable_blocks // 2
         pc.evict(n, page_aware=page_aware)
         out["page_aware" if page_aware else "lru"] = {
             "evicted_blocks": n,

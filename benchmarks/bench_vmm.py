@@ -56,9 +56,9 @@ def bench_kv_page(pool: kv.Pool, layers: int, iters: int) -> dict:
     for i in range(iters):
         page = np.asarray([i % c.num_pages], np.int32)
         t0 = time.perf_counter_ns()
-        c._buffer.map_pages(page)
+        c.buffer.map_pages(page)
         t1 = time.perf_counter_ns()
-        c._buffer.unmap_pages(page)
+        c.buffer.unmap_pages(page)
         t2 = time.perf_counter_ns()
         maps.append(t1 - t0)
         unmaps.append(t2 - t1)
