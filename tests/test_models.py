@@ -156,6 +156,8 @@ def test_models_follow_the_interface_and_register_by_architecture():
     ref = Engine(build_model(cfg, seed=2), pool, name="ref", max_batch=2)
     out = [e.generate([[1, 2, 3]])[0].token_ids for e in (eng, ref)]
     assert out[0] == out[1]  # the same weights behind the new name
+    p = eng.prompt([1, 2, 3])  # validated once: passed on, it is not checked again
+    assert eng.prompt(p) is p and ref.prompt(p) is not p and ref.prompt(p).token_ids == (1, 2, 3)
     with pytest.raises(TypeError, match="CausalLM"):
         Engine(object(), pool, name="bad")
     pool.close()
