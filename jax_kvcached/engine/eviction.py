@@ -40,7 +40,8 @@ class EvictionPolicy(Protocol):
         """The block was evicted (it was idle)."""
 
     def order(self) -> Iterator[int]:
-        """The idle blocks, the first to evict first."""
+        """The idle blocks, the first to evict first (a live view: take what you need
+        before evicting any)."""
 
     def __len__(self) -> int:
         """How many blocks are idle."""
@@ -77,7 +78,7 @@ class LRUPolicy:
         self._idle.move_to_end(block)
 
     def order(self) -> Iterator[int]:
-        return iter(list(self._idle))
+        return iter(self._idle)
 
     def __len__(self) -> int:
         return len(self._idle)

@@ -251,8 +251,8 @@ class ServingLoop:
             try:
                 if engine.has_work:
                     steps, inflight = engine.steps, engine.num_inflight
-                    done = engine.step()
-                    engine.drain_finished()  # (the loop reports what step() returns)
+                    engine.step()
+                    done = engine.drain_finished()  # finished and rejected requests
                     progressed |= bool(done)
                     self._report(name, done)
                     self.steps[name] += engine.steps - steps
@@ -350,8 +350,8 @@ class ServingLoop:
         for name, engine in self.engines.items():
             if name not in self.failed:
                 try:
-                    self._report(name, engine.drain())
-                    engine.drain_finished()
+                    engine.drain()
+                    self._report(name, engine.drain_finished())
                 except Exception as e:
                     log.error("completing %r at shutdown failed: %r", name, e)
             for req in list(self._active[name].values()):
