@@ -25,11 +25,13 @@ inline ffi::Error to_ffi_error(const std::string& op, const std::exception& e) {
   return ffi::Error::Internal("jax_kvcached." + op + ": " + e.what());
 }
 
-// Looks a handle up; expected_kind rejects a host buffer on the CUDA platform and back.
-inline ffi::Error find_buffer(const std::string& op, uint64_t handle, DeviceKind expected_kind,
-                              std::shared_ptr<KVBuffer>* out) {
-  *out = lookup_buffer(handle);
-  if (!*out) return invalid(op, "unknown or closed KV cache handle " + std::to_string(handle));
+// Looks up the shard of a handle on the device the call runs on; expected_kind rejects a
+// host buffer on the CUDA platform and back.
+inline ffi::Error find_buffer(const std::string& op, uint64_t handle, int32_t device,
+                              DeviceKind expected_kind, std::shared_ptr<KVBuffer>* out) {
+  std::string why;
+  *out = lookup_buffer(handle, device, &why);
+  if (!*out) return invalid(op, why);
   if ((*out)->pool().backend().device_kind() != expected_kind) {
     return invalid(op, "KV cache handle " + std::to_string(handle) + " belongs to the '" +
                            (*out)->pool().backend().name() + "' backend, not this platform");

@@ -35,11 +35,11 @@ ffi::Error write_kv_on_host(const std::shared_ptr<KVBuffer>& buf, int64_t layer,
   return finish(token_out);
 }
 
-ffi::Error WriteKvCpu(uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key, ffi::AnyBuffer value,
+ffi::Error WriteKvCpu(int32_t device, uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key, ffi::AnyBuffer value,
                       ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/,
                       ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("write_kv", handle, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = find_buffer("write_kv", handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
   int64_t num_layers = 0;
   if (auto e = check_write_shapes(*buf, layer, key, value, slots, &num_layers); e.failure()) return e;
   return write_kv_on_host(buf, *static_cast<const int32_t*>(layer.untyped_data()), num_layers, key, value,
@@ -48,20 +48,20 @@ ffi::Error WriteKvCpu(uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
 
 // write_kv with the layer as an attribute (the CUDA version validates slots on the
 // device; here the host validates them, as in write_kv).
-ffi::Error WriteKvAsyncCpu(uint64_t handle, int64_t layer, ffi::AnyBuffer key, ffi::AnyBuffer value,
+ffi::Error WriteKvAsyncCpu(int32_t device, uint64_t handle, int64_t layer, ffi::AnyBuffer key, ffi::AnyBuffer value,
                            ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*after*/,
                            ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("write_kv", handle, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = find_buffer("write_kv", handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
   int64_t num_layers = 0;
   if (auto e = check_kv_shapes(*buf, key, value, slots, &num_layers); e.failure()) return e;
   return write_kv_on_host(buf, layer, num_layers, key, value, slots, token_out);
 }
 
-ffi::Error CopyBlocksCpu(uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst, ffi::AnyBuffer /*token*/,
+ffi::Error CopyBlocksCpu(int32_t device, uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst, ffi::AnyBuffer /*token*/,
                          ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("copy_blocks", handle, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = find_buffer("copy_blocks", handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
   if (auto e = check_copy_shapes(src, dst); e.failure()) return e;
   if (auto e = check_token_out("copy_blocks", token_out); e.failure()) return e;
   try {
@@ -77,10 +77,10 @@ ffi::Error CopyBlocksCpu(uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst
 // map_pages and unmap_pages: validate, then call KVBuffer::map_pages_op / unmap_pages_op
 // (the ops own the pages they map; the allocator's pages are refused).
 template <void (KVBuffer::*Method)(const int32_t*, size_t)>
-ffi::Error PageOpCpu(const char* op, uint64_t handle, ffi::AnyBuffer ids,
+ffi::Error PageOpCpu(const char* op, int32_t device, uint64_t handle, ffi::AnyBuffer ids,
                      ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer(op, handle, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = find_buffer(op, handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
   if (auto e = check_ids_shape(op, "page_ids", ids); e.failure()) return e;
   if (auto e = check_token_out(op, token_out); e.failure()) return e;
   try {
@@ -92,28 +92,28 @@ ffi::Error PageOpCpu(const char* op, uint64_t handle, ffi::AnyBuffer ids,
   return finish(token_out);
 }
 
-ffi::Error MapPagesCpu(uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
+ffi::Error MapPagesCpu(int32_t device, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                        ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCpu<&KVBuffer::map_pages_op>("map_pages", handle, ids, token_out);
+  return PageOpCpu<&KVBuffer::map_pages_op>("map_pages", device, handle, ids, token_out);
 }
 
 // Pass the reads of the pages as "after" operands so XLA finishes them before the unmap.
-ffi::Error UnmapPagesCpu(uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
+ffi::Error UnmapPagesCpu(int32_t device, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                          ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCpu<&KVBuffer::unmap_pages_op>("unmap_pages", handle, ids, token_out);
+  return PageOpCpu<&KVBuffer::unmap_pages_op>("unmap_pages", device, handle, ids, token_out);
 }
 
 // paged_attention: attention of q over each sequence's cached tokens, read in place
 // through the block tables (see attention_cpu.h), and over the step's new tokens (causal);
 // the token orders it after the writes of earlier steps.
-ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, uint64_t handle, int64_t layer, float scale,
+ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t handle, int64_t layer, float scale,
                              ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
                              ffi::AnyBuffer tables, ffi::AnyBuffer ctx_lens, ffi::AnyBuffer new_lens,
                              ffi::AnyBuffer /*token*/, ffi::Result<ffi::AnyBuffer> out,
                              ffi::Result<ffi::AnyBuffer> mx, ffi::Result<ffi::AnyBuffer> sm) {
   const char* op = "paged_attention";
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer(op, handle, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = find_buffer(op, handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
   const KVLayout& L = buf->layout();
   const auto qd = q.dimensions();
   if (q.element_type() != ffi::DataType::F32 || qd.size() != 5 || qd[2] != L.num_kv_heads ||
@@ -172,6 +172,7 @@ ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, uint64_t handle, int64_t laye
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_paged_attention_cpu, PagedAttentionCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Attr<int64_t>("layer")
                                   .Attr<float>("scale")
@@ -188,6 +189,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_paged_attention_cpu, PagedAttentionCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cpu, WriteKvCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()  // layer
                                   .Arg<ffi::AnyBuffer>()  // key
@@ -199,6 +201,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cpu, WriteKvCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cpu, WriteKvAsyncCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Attr<int64_t>("layer")
                                   .Arg<ffi::AnyBuffer>()  // key
@@ -210,6 +213,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cpu, WriteKvAsyncCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cpu, CopyBlocksCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()  // src
                                   .Arg<ffi::AnyBuffer>()  // dst
@@ -219,6 +223,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cpu, CopyBlocksCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_map_pages_cpu, MapPagesCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()  // page ids
                                   .Arg<ffi::AnyBuffer>()  // token
@@ -227,6 +232,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_map_pages_cpu, MapPagesCpu,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_unmap_pages_cpu, UnmapPagesCpu,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()  // page ids
                                   .Arg<ffi::AnyBuffer>()  // token

@@ -127,11 +127,11 @@ __global__ void copy_block_kernel(const int32_t* src, const int32_t* dst, int64_
   }
 }
 
-ffi::Error WriteKvCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
+ffi::Error WriteKvCuda(cudaStream_t stream, int32_t device, uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
                        ffi::AnyBuffer value, ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/,
                        ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("write_kv", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  if (auto e = find_buffer("write_kv", handle, device, DeviceKind::kCuda, &buf); e.failure()) return e;
   int64_t num_layers = 0;
   if (auto e = check_write_shapes(*buf, layer, key, value, slots, &num_layers); e.failure()) return e;
   if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
@@ -153,11 +153,11 @@ ffi::Error WriteKvCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer laye
 
 // write_kv without a host round trip: nothing is copied to the host and the stream is
 // never synchronized; the layer is an attribute and every slot is checked by the kernel.
-ffi::Error WriteKvAsyncCuda(cudaStream_t stream, uint64_t handle, int64_t layer, ffi::AnyBuffer key,
+ffi::Error WriteKvAsyncCuda(cudaStream_t stream, int32_t device, uint64_t handle, int64_t layer, ffi::AnyBuffer key,
                             ffi::AnyBuffer value, ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/,
                             ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("write_kv", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  if (auto e = find_buffer("write_kv", handle, device, DeviceKind::kCuda, &buf); e.failure()) return e;
   int64_t num_layers = 0;
   if (auto e = check_kv_shapes(*buf, key, value, slots, &num_layers); e.failure()) return e;
   if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
@@ -178,10 +178,10 @@ ffi::Error WriteKvAsyncCuda(cudaStream_t stream, uint64_t handle, int64_t layer,
   return finish("write_kv", stream, token_out);
 }
 
-ffi::Error CopyBlocksCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst,
+ffi::Error CopyBlocksCuda(cudaStream_t stream, int32_t device, uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst,
                           ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("copy_blocks", handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  if (auto e = find_buffer("copy_blocks", handle, device, DeviceKind::kCuda, &buf); e.failure()) return e;
   if (auto e = check_copy_shapes(src, dst); e.failure()) return e;
   if (auto e = check_token_out("copy_blocks", token_out); e.failure()) return e;
   std::vector<int32_t> hs, hd;
@@ -209,10 +209,10 @@ ffi::Error CopyBlocksCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer s
 // map_pages and unmap_pages: fetch and validate the ids, then call KVBuffer. The fetch
 // synchronizes the stream, so every earlier read of the pages has finished.
 template <void (KVBuffer::*Method)(const int32_t*, size_t)>
-ffi::Error PageOpCuda(const char* op, cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids,
+ffi::Error PageOpCuda(const char* op, cudaStream_t stream, int32_t device, uint64_t handle, ffi::AnyBuffer ids,
                       ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer(op, handle, DeviceKind::kCuda, &buf); e.failure()) return e;
+  if (auto e = find_buffer(op, handle, device, DeviceKind::kCuda, &buf); e.failure()) return e;
   if (auto e = check_ids_shape(op, "page_ids", ids); e.failure()) return e;
   if (auto e = check_token_out(op, token_out); e.failure()) return e;
   std::vector<int32_t> h;
@@ -225,14 +225,14 @@ ffi::Error PageOpCuda(const char* op, cudaStream_t stream, uint64_t handle, ffi:
   return finish(op, stream, token_out);
 }
 
-ffi::Error MapPagesCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
+ffi::Error MapPagesCuda(cudaStream_t stream, int32_t device, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                         ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCuda<&KVBuffer::map_pages_op>("map_pages", stream, handle, ids, token_out);
+  return PageOpCuda<&KVBuffer::map_pages_op>("map_pages", stream, device, handle, ids, token_out);
 }
 
-ffi::Error UnmapPagesCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
+ffi::Error UnmapPagesCuda(cudaStream_t stream, int32_t device, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                           ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCuda<&KVBuffer::unmap_pages_op>("unmap_pages", stream, handle, ids, token_out);
+  return PageOpCuda<&KVBuffer::unmap_pages_op>("unmap_pages", stream, device, handle, ids, token_out);
 }
 
 }  // namespace
@@ -240,6 +240,7 @@ ffi::Error UnmapPagesCuda(cudaStream_t stream, uint64_t handle, ffi::AnyBuffer i
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cuda, WriteKvCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -252,6 +253,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cuda, WriteKvCuda,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cuda, WriteKvAsyncCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Attr<int64_t>("layer")
                                   .Arg<ffi::AnyBuffer>()
@@ -264,6 +266,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cuda, WriteKvAsyncCuda,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cuda, CopyBlocksCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -274,6 +277,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cuda, CopyBlocksCuda,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_map_pages_cuda, MapPagesCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
@@ -283,6 +287,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_map_pages_cuda, MapPagesCuda,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_unmap_pages_cuda, UnmapPagesCuda,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

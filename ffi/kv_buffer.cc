@@ -36,8 +36,18 @@ std::string dtype_name(DType t) {
 template <typename F>
 static void for_each_run(const std::vector<int32_t>& sorted, F fn);
 
-KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout)
+KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int device_ordinal, int local_id)
     : pool_(std::move(pool)), layout_(layout), page_size_(pool_->page_size()) {
+  const int own = pool_->backend().device_id();
+  if (device_ordinal < -1 || local_id < -1) {
+    throw Error("device_ordinal and local_id must be >= 0 (or -1: the backend's device)");
+  }
+  if (local_id >= 0 && local_id != own && pool_->backend().device_kind() == DeviceKind::kCuda) {
+    throw Error("a CUDA KV buffer lives on its backend's device " + std::to_string(own) + ", not " +
+                std::to_string(local_id));
+  }
+  device_ordinal_ = device_ordinal < 0 ? own : device_ordinal;
+  local_id_ = local_id < 0 ? own : local_id;
   if (layout.num_layers <= 0 || layout.num_kv_heads <= 0 || layout.head_dim <= 0 ||
       layout.block_size <= 0 || layout.num_pages <= 0) {
     throw Error("num_layers, num_kv_heads, head_dim, block_size and num_pages must be positive");

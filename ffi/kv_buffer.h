@@ -51,13 +51,20 @@ struct KVLayout {
 
 class KVBuffer {
  public:
-  KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout);
+  // device_ordinal: the ordinal XLA passes the FFI calls of the buffer's device (on the
+  // CPU the global device id, on a GPU its local ordinal); local_id: the device's local
+  // hardware id, which its DLPack export carries. -1: the backend's device (a CUDA
+  // buffer's local id must be its backend's device).
+  KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int device_ordinal = -1,
+           int local_id = -1);
   ~KVBuffer();
   KVBuffer(const KVBuffer&) = delete;
   KVBuffer& operator=(const KVBuffer&) = delete;
 
   const KVLayout& layout() const { return layout_; }
   PagePool& pool() { return *pool_; }
+  int device_ordinal() const { return device_ordinal_; }
+  int local_id() const { return local_id_; }
   uintptr_t base() const { return base_; }
   size_t page_size() const { return page_size_; }
   size_t plane_bytes() const { return plane_bytes_; }
@@ -148,6 +155,8 @@ class KVBuffer {
   size_t plane_bytes_;
   int64_t blocks_per_page_;
   int64_t num_blocks_;
+  int device_ordinal_;
+  int local_id_;
   uintptr_t base_ = 0;
   uintptr_t state_ = 0;  // see device_state()
   mutable std::shared_mutex mu_;

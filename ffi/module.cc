@@ -96,14 +96,19 @@ NB_MODULE(_C, m) {
 
   nb::class_<KVBuffer>(m, "KVBuffer")
       .def(nb::new_([](std::shared_ptr<PagePool> pool, int64_t num_layers, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t block_size, int dtype, int64_t num_pages) {
+                       int64_t head_dim, int64_t block_size, int dtype, int64_t num_pages,
+                       int device_ordinal, int local_id) {
              if (dtype < 0 || dtype > 2) throw Error("unsupported dtype code");
              return std::make_shared<KVBuffer>(
-                 std::move(pool), KVLayout{num_layers, num_kv_heads, head_dim, block_size,
-                                           static_cast<DType>(dtype), num_pages});
+                 std::move(pool),
+                 KVLayout{num_layers, num_kv_heads, head_dim, block_size, static_cast<DType>(dtype), num_pages},
+                 device_ordinal, local_id);
            }),
            nb::arg("pool"), nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
-           nb::arg("block_size"), nb::arg("dtype"), nb::arg("num_pages"))
+           nb::arg("block_size"), nb::arg("dtype"), nb::arg("num_pages"), nb::arg("device_ordinal") = -1,
+           nb::arg("local_id") = -1)
+      .def_prop_ro("local_id", &KVBuffer::local_id)
+      .def_prop_ro("device_ordinal", &KVBuffer::device_ordinal)
       .def_prop_ro("base", &KVBuffer::base)
       .def_prop_ro("total_bytes", &KVBuffer::total_bytes)
       .def_prop_ro("plane_bytes", &KVBuffer::plane_bytes)
@@ -135,7 +140,7 @@ NB_MODULE(_C, m) {
       .def_prop_ro("dlpack_device",
                    [](KVBuffer& b) {
                      PhysicalBackend& be = b.pool().backend();
-                     return std::make_pair(be.device_kind() == DeviceKind::kCuda ? 2 : 1, be.device_id());
+                     return std::make_pair(be.device_kind() == DeviceKind::kCuda ? 2 : 1, b.local_id());
                    })
       .def(
           "dlpack",
@@ -153,15 +158,16 @@ NB_MODULE(_C, m) {
             const int dev_type = be.device_kind() == DeviceKind::kCuda ? nb::device::cuda::value
                                                                         : nb::device::cpu::value;
             return nb::ndarray<>(reinterpret_cast<void*>(self->base()), 6, shape, owner, nullptr,
-                                 dlpack_dtype(l.dtype), dev_type, be.device_id());
+                                 dlpack_dtype(l.dtype), dev_type, self->local_id());
           },
           "A DLPack capsule over the whole virtual buffer (zero-copy).");
 
-  m.def("register_buffer", &register_buffer, nb::arg("buffer"), nb::arg("key") = "",
-        "Registers a buffer for the FFI handlers and returns its handle (random, or stable "
-        "across processes for a key).");
+  m.def("register_buffers", &register_buffers, nb::arg("shards"), nb::arg("key") = "",
+        "Registers a KV cache's buffers (one per device, distinct device ordinals, one layout) "
+        "for the FFI handlers and returns its handle (random, or stable across processes for "
+        "a key).");
   m.def("unregister_buffer", &unregister_buffer, nb::arg("handle"));
-  m.def("lookup_ok", [](uint64_t h) { return static_cast<bool>(lookup_buffer(h)); }, nb::arg("handle"));
+  m.def("lookup_ok", &is_registered, nb::arg("handle"));
 
   m.def(
       "bench_backend",

@@ -3,6 +3,11 @@ import os
 # On a GPU, JAX would otherwise preallocate 75% of device memory and leave the CUDA
 # backend's physical pages no room.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# Four CPU devices for the tensor-parallel tests (set before JAX starts; no effect on
+# GPUs). Single-device tests run on the first.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = flags.strip()
 
 import jax
 import pytest

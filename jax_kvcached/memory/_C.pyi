@@ -52,7 +52,15 @@ class KVBuffer:
         block_size: int,
         dtype: int,
         num_pages: int,
+        device_ordinal: int = -1,
+        local_id: int = -1,
     ) -> None: ...
+    @property
+    def device_ordinal(self) -> int:
+        """The ordinal XLA passes its device's FFI calls (they find the buffer by it)."""
+    @property
+    def local_id(self) -> int:
+        """Its device's local hardware id (its DLPack export carries it)."""
     @property
     def base(self) -> int: ...
     @property
@@ -90,8 +98,8 @@ class KVBuffer:
     def dlpack(self) -> Any:
         """A DLPack capsule over the whole virtual buffer (zero-copy)."""
 
-def register_buffer(buffer: KVBuffer, key: str = "") -> int:
-    """Registers a buffer for the FFI handlers and returns its handle."""
+def register_buffers(shards: list[KVBuffer], key: str = "") -> int:
+    """Registers a KV cache's buffers (one per device) and returns its handle."""
 
 def unregister_buffer(handle: int) -> None: ...
 def lookup_ok(handle: int) -> bool: ...

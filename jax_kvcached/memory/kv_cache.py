@@ -14,6 +14,7 @@ from jax_kvcached.memory import _C
 from jax_kvcached.memory.allocator import BlockAllocator
 from jax_kvcached.memory.errors import KVCacheError, PoolExhausted
 from jax_kvcached.memory.ledger import Ledger
+from jax_kvcached.memory.shards import ShardedBuffer
 
 # dtype -> code understood by the C++ core (kv_buffer.h: DType)
 _DTYPE_CODES = {jnp.dtype(jnp.float32): 0, jnp.dtype(jnp.float16): 1, jnp.dtype(jnp.bfloat16): 2}
@@ -50,13 +51,19 @@ class KVCache:
     Physical pages are mapped only behind blocks in use. Create it with
     :meth:`jax_kvcached.Pool.create_kv_cache`; how much it may map is the ``ledger``'s
     answer for tenant ``name``.
+
+    On a pool over a mesh the KV heads are split over the mesh's ``kv_axis``: each device
+    holds ``shard_kv_heads`` of them in its own virtual buffer, the view is one global
+    array sharded over the heads, and blocks, pages and the accounting (per device) are
+    the same on every device. FFI ops take per-shard operands (call them inside
+    ``jax.shard_map``); each device's call finds its own buffer.
     """
 
     def __init__(
         self,
         ledger: Ledger,
         name: str,
-        buffer: _C.KVBuffer,
+        buffer: ShardedBuffer,
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
@@ -64,20 +71,31 @@ class KVCache:
         block_size: int,
         *,
         backend: str,
-        device: Any,
+        devices: tuple[Any, ...],
+        mesh: jax.sharding.Mesh | None = None,
+        kv_axis: str | None = None,
         on_close: Callable[[KVCache], None] | None = None,
     ) -> None:
         self.ledger = ledger
         self.backend = backend  # "host" or "cuda"
-        self.device = device  # the JAX device the view lives on
+        self.devices = tuple(devices)  # every device of the view (all processes)
+        self.device = self.devices[0]  # the first (the only one without a mesh)
+        self.mesh = mesh
+        self.kv_axis = kv_axis
+        self.tensor_parallel = len(self.devices) if mesh is not None else 1
         self.name = name
         self._on_close = on_close
         self._buffer = buffer
         # A handle stable across processes (per name and creation order): compiled steps
         # carry it as an attribute, so a restart hits the persistent compilation cache.
-        self.handle: int = _C.register_buffer(buffer, f"kv_cache:{name}")
+        self.handle: int = _C.register_buffers(list(buffer.shards), f"kv_cache:{name}")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
+        if num_kv_heads % self.tensor_parallel:
+            raise ValueError(
+                f"{num_kv_heads} KV heads cannot be split over {self.tensor_parallel} devices"
+            )
+        self.shard_kv_heads = num_kv_heads // self.tensor_parallel  # per device
         self.head_dim = head_dim
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
@@ -86,7 +104,7 @@ class KVCache:
         self.num_blocks: int = buffer.num_blocks
         self.pages_per_kv_page: int = buffer.pages_per_kv_page
         self.shape = (num_layers, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
-        self.block_bytes: int = buffer.block_bytes
+        self.block_bytes: int = buffer.block_bytes  # per device
         self.page_size: int = buffer.page_size
         self._allocator = BlockAllocator(self.num_pages, buffer.page_size, self.block_bytes)
         # Every usable page but page 0 holds at least this many blocks.
@@ -97,17 +115,40 @@ class KVCache:
 
     # -- the view --------------------------------------------------------------------
     @property
+    def sharding(self) -> jax.sharding.Sharding:
+        """The view's sharding: the KV-head axis over the mesh, or the one device."""
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(self.device)
+        spec = jax.sharding.PartitionSpec(None, None, None, None, self.kv_axis, None)
+        return jax.sharding.NamedSharding(self.mesh, spec)
+
+    @property
+    def shards(self) -> tuple[_C.KVBuffer, ...]:
+        """This process's buffers, one per local device of the view."""
+        return self._buffer.shards
+
+    @property
     def view(self) -> jax.Array:
-        """The whole virtual buffer as a zero-copy ``jax.Array`` on the pool's device.
+        """The whole virtual buffer as a zero-copy ``jax.Array`` (on a mesh: one global
+        array assembled from each device's buffer, sharded over the KV heads).
 
         Unmapped pages read as zeros. Pass it into jitted functions as an argument; order
         reads after FFI writes with :func:`jax_kvcached.ops.after`.
         """
         self._check_open()
         if self._view is None:
-            self._view = jax.dlpack.from_dlpack(_DLPackExport(self._buffer))
-            if self._view.unsafe_buffer_pointer() != self._buffer.base:
-                raise KVCacheError("the DLPack import copied the KV buffer (not zero-copy)")
+            parts = []
+            for shard in self._buffer.shards:
+                part = jax.dlpack.from_dlpack(_DLPackExport(shard))
+                if part.unsafe_buffer_pointer() != shard.base:
+                    raise KVCacheError("the DLPack import copied the KV buffer (not zero-copy)")
+                parts.append(part)
+            if self.mesh is None:
+                self._view = parts[0]
+            else:
+                self._view = jax.make_array_from_single_device_arrays(
+                    self.shape, self.sharding, parts
+                )
         return self._view
 
     @property
@@ -116,6 +157,7 @@ class KVCache:
 
     @property
     def virtual_bytes(self) -> int:
+        """Virtual bytes reserved on each device."""
         return self._buffer.total_bytes
 
     # -- blocks ----------------------------------------------------------------------
@@ -135,7 +177,13 @@ class KVCache:
 
     @property
     def mapped_bytes(self) -> int:
+        """Physical bytes mapped on each device (the same on every device)."""
         return self.mapped_pages * self.page_size
+
+    def mapped_pages_per_device(self) -> list[int]:
+        """Physical pages mapped on each of this process's devices, read from each
+        device's own buffer (equal, as the shards map in lockstep)."""
+        return [n * self.pages_per_kv_page for n in self._buffer.mapped_pages_per_shard()]
 
     @property
     def num_free_blocks(self) -> int:
@@ -227,9 +275,9 @@ class KVCache:
         return list(self._buffer.device_page_map())
 
     @property
-    def buffer(self) -> _C.KVBuffer:
-        """The C++ buffer (low level: bypasses the allocator and the ledger; for tools
-        and tests of the core's own checks)."""
+    def buffer(self) -> ShardedBuffer:
+        """The buffers, mapped in lockstep (low level: bypasses the allocator and the
+        ledger; for tools and tests of the core's own checks)."""
         return self._buffer
 
     def take_device_error(self) -> tuple[int, int]:
@@ -271,6 +319,8 @@ class KVCache:
             "mapped_kv_pages": kv_pages,
             "mapped_pages": phys,
             "mapped_bytes": phys * self.page_size,
+            "mapped_pages_per_device": self.mapped_pages_per_device(),
+            "tensor_parallel": self.tensor_parallel,
             "virtual_bytes": self.virtual_bytes,
             "capacity_blocks": self.capacity_blocks,
         }
@@ -298,5 +348,6 @@ class KVCache:
         return (
             f"KVCache({self.name!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, dtype={self.dtype}, block_size={self.block_size}, "
+            f"tp={self.tensor_parallel}, "
             f"blocks={self.num_blocks}, used={self.num_used_blocks})"
         )

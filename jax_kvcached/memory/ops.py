@@ -16,6 +16,13 @@ effects on the KV buffer that XLA cannot see, so ordering is explicit:
 
 Slots are ``block_id * block_size + offset``; slot -1 skips a (padded) token.
 
+A cache split over a mesh (tensor parallelism) takes per-device operands: call the ops
+inside ``jax.shard_map`` over the cache's mesh with each device's slice of the KV heads
+(``cache.shard_kv_heads``); each device's call finds that device's buffer through the
+handle and the device ordinal XLA passes the handler. ``map_pages`` / ``unmap_pages``
+then act on each device separately; :meth:`KVCache.alloc` maps on every device in
+lockstep, all or nothing.
+
 ``write_kv`` and ``copy_blocks`` are dataflow ops by default: XLA keeps them because their
 token is used. ``map_pages`` and ``unmap_pages`` are always side-effecting calls.
 """
@@ -93,10 +100,23 @@ def _ids(x: Any, name: str) -> jax.Array:
     return x.astype(jnp.int32)
 
 
+def _heads_error(op: str, cache: KVCache, heads: int) -> str:
+    """Why an operand with all the KV heads of a split cache is refused ("" otherwise:
+    the shape checks name any other mismatch)."""
+    if cache.tensor_parallel > 1 and heads == cache.num_kv_heads:
+        return (
+            f"{op}: {cache.name!r} is split over {cache.tensor_parallel} devices; call the op "
+            f"inside jax.shard_map with each device's {cache.shard_kv_heads} KV heads"
+        )
+    return ""
+
+
 def _check_kv(cache: KVCache, key: jax.Array, value: jax.Array, slots: Any) -> jax.Array:
     slots = _ids(slots, "slots")
-    want = (slots.shape[0], cache.num_kv_heads, cache.head_dim)
+    want = (slots.shape[0], cache.shard_kv_heads, cache.head_dim)
     for name, x in (("key", key), ("value", value)):
+        if x.ndim in (3, 4) and (why := _heads_error("write_kv", cache, x.shape[-2])):
+            raise ValueError(why)
         if tuple(x.shape[-3:]) != want or x.ndim not in (3, 4):
             raise ValueError(
                 f"write_kv: {name} has shape {tuple(x.shape)}, expected {want} or (layers, *{want})"
@@ -249,9 +269,11 @@ def paged_attention(
     call fails with an FFI error. Host backend only (CPU).
     """
     b, t, kvh, g, d = q.shape
-    if (kvh, d) != (cache.num_kv_heads, cache.head_dim) or q.dtype != jnp.float32:
+    if why := _heads_error("paged_attention", cache, kvh):
+        raise ValueError(why)
+    if (kvh, d) != (cache.shard_kv_heads, cache.head_dim) or q.dtype != jnp.float32:
         raise ValueError(
-            f"paged_attention: q must be float32 (B, T, {cache.num_kv_heads}, G, "
+            f"paged_attention: q must be float32 (B, T, {cache.shard_kv_heads}, G, "
             f"{cache.head_dim}), got {q.dtype} {tuple(q.shape)}"
         )
     if (k_new.shape, v_new.shape) != ((b, t, kvh, d),) * 2:

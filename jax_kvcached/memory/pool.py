@@ -7,12 +7,14 @@ import threading
 from typing import Any
 
 import jax
+import numpy as np
 
 from jax_kvcached.memory import _C
 from jax_kvcached.memory.config import Config, parse_bytes
 from jax_kvcached.memory.errors import KVCacheError
 from jax_kvcached.memory.kv_cache import KVCache, dtype_code
 from jax_kvcached.memory.ledger import Ledger, LocalLedger, MemoryLimit, Reclaimer
+from jax_kvcached.memory.shards import ShardedBuffer
 
 BACKENDS = ("auto", "host", "cuda")
 
@@ -54,8 +56,51 @@ def _resolve(backend: str, device: Any) -> tuple[str, Any]:
     return backend, device
 
 
+def ffi_ordinal(device: Any) -> int:
+    """The device ordinal XLA passes an FFI handler running on ``device``: the global
+    device id on the CPU (several processes: 0, 1, 2048, 2049...), the local ordinal on a
+    GPU."""
+    return device.id if device.platform == "cpu" else device.local_hardware_id
+
+
+def _resolve_mesh(
+    backend: str, device: Any, devices: Any, mesh: Any, kv_axis: str | None
+) -> tuple[str, tuple[Any, ...], Any, str | None]:
+    """(backend, devices, mesh or None, axis) of a pool; a mesh for ``devices=`` too."""
+    if mesh is None and devices is None:
+        backend, device = _resolve(backend, device)
+        return backend, (device,), None, None
+    if device is not None:
+        raise ValueError("give a pool device=, devices= or mesh=, not several")
+    if mesh is not None and devices is not None:
+        raise ValueError("give a pool devices= or mesh=, not both")
+    if mesh is None:
+        devices = list(devices)
+        if not devices or len(set(devices)) != len(devices):
+            raise ValueError("devices= must list distinct JAX devices")
+        mesh = jax.sharding.Mesh(np.array(devices), (kv_axis or "tp",))
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh= takes a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if len(mesh.axis_names) != 1:
+        raise ValueError(
+            f"the pool's mesh must have one axis (the KV heads are split over it), got axes "
+            f"{mesh.axis_names}"
+        )
+    axis = mesh.axis_names[0]
+    if kv_axis is not None and kv_axis != axis:
+        raise ValueError(f"kv_axis {kv_axis!r} is not the mesh's axis {axis!r}")
+    devs = tuple(mesh.devices.flat)
+    platforms = {d.platform for d in devs}
+    if len(platforms) != 1:
+        raise ValueError(f"a pool's devices must share one platform, got {sorted(platforms)}")
+    backend, _ = _resolve(backend, next(d for d in devs if d.process_index == jax.process_index()))
+    for d in devs:
+        _resolve(backend, d)  # every device suits the backend
+    return backend, devs, mesh, axis
+
+
 class Pool:
-    """A physical page budget on one device, shared by every KV cache created from it.
+    """A physical page budget per device, shared by every KV cache created from it.
 
     Args:
       memory_limit: bytes or a string like ``"8GiB"``. Default: ``KVCACHED_GPU_UTILIZATION``
@@ -63,6 +108,11 @@ class Pool:
       page_size: physical page size in bytes (default ``KVCACHED_PAGE_SIZE_MB`` MiB).
       backend: ``"host"`` (Linux VM), ``"cuda"`` (driver VMM) or ``"auto"``.
       device: the JAX device the views live on (default: the first GPU for CUDA, else CPU).
+      devices / mesh: several devices (a 1-D ``jax.sharding.Mesh``, or a list made into
+        one with axis ``kv_axis``, default ``"tp"``): each holds a slice of every cache's KV
+        heads in its own buffer, with the budget ``memory_limit`` on each device; blocks
+        are mapped on all of them in lockstep. Over several processes
+        (``jax.distributed``) each process maps its own devices' pages.
       min_reserved_pages / max_reserved_pages: created-but-unmapped pages kept for fast
         reuse, counted in KV pages of the widest cache (one page per layer plane, as
         kvcached counts). Defaults: ``KVCACHED_MIN_RESERVED_PAGES`` / ``..._MAX_...``.
@@ -75,13 +125,22 @@ class Pool:
         backend: str = "auto",
         device: Any = None,
         *,
+        devices: Any = None,
+        mesh: Any = None,
+        kv_axis: str | None = None,
         min_reserved_pages: int | None = None,
         max_reserved_pages: int | None = None,
         config: Config | None = None,
     ) -> None:
         cfg = config or Config.from_env()
         self.config = cfg
-        self.backend, self.device = _resolve(backend, device)
+        self.backend, self.devices, self.mesh, self.kv_axis = _resolve_mesh(
+            backend, device, devices, mesh, kv_axis
+        )
+        self.device = self.devices[0]  # the only one without a mesh
+        # This process's devices: it creates their pages (all of them in one process).
+        me = jax.process_index()
+        self.local_devices = tuple(d for d in self.devices if d.process_index == me)
         page = cfg.page_size if page_size is None else parse_bytes(page_size, "page_size")
         self.min_reserved_pages = (
             cfg.min_reserved_pages if min_reserved_pages is None else int(min_reserved_pages)
@@ -93,18 +152,31 @@ class Pool:
             raise ValueError("need 0 <= min_reserved_pages <= max_reserved_pages")
         if memory_limit is None:
             if self.backend == "cuda":
-                free, _ = _C.cuda_mem_info(self.device.id)
+                free = min(_C.cuda_mem_info(d.local_hardware_id)[0] for d in self.local_devices)
                 limit = int(free * cfg.gpu_utilization)
             else:
-                limit = int(_host_available_bytes() * cfg.host_memory_fraction)
+                # The host's RAM backs every (forced host) device's pages.
+                share = cfg.host_memory_fraction / len(self.local_devices)
+                limit = int(_host_available_bytes() * share)
         else:
             limit = parse_bytes(memory_limit, "memory_limit")
         if limit < page:
             raise ValueError(
                 f"memory_limit ({limit} bytes) is smaller than one page ({page} bytes)"
             )
-        dev_id = self.device.id if self.backend == "cuda" else 0
-        self._pool = _C.PagePool(self.backend, page, limit // page, 0, 0, dev_id)
+        # One page pool per local device, each with the whole per-device budget.
+        self._pools = [
+            _C.PagePool(
+                self.backend,
+                page,
+                limit // page,
+                0,
+                0,
+                d.local_hardware_id if self.backend == "cuda" else 0,
+            )  # fmt: skip
+            for d in self.local_devices
+        ]
+        self._pool = self._pools[0]
         self.page_size: int = self._pool.page_size
         self._caches: dict[str, KVCache] = {}
         # Who may map how much: the tenants' limits, guarantees and reclaimers.
@@ -142,6 +214,13 @@ class Pool:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{what} must be a positive int, got {v!r}")
         code = dtype_code(dtype)
+        tp = len(self.devices) if self.mesh is not None else 1
+        if num_kv_heads % tp:
+            raise ValueError(
+                f"{name!r} has {num_kv_heads} KV heads, which do not split over the "
+                f"{tp} devices of the pool's mesh; use a tensor-parallel size that divides "
+                f"{num_kv_heads}"
+            )
         with self._lock:
             self._check_open()
             if name in self._caches:
@@ -153,12 +232,16 @@ class Pool:
                     f"the pool budget ({self.budget_pages} pages) cannot hold one KV page of "
                     f"{name!r}, which needs {group} pages (one per layer for K and V)"
                 )
-            buffer = _C.KVBuffer(
-                self._pool, num_layers, num_kv_heads, head_dim, block_size, code, num_pages
-            )
+            heads = num_kv_heads // tp
+            shards = []
+            for p, d in zip(self._pools, self.local_devices, strict=True):
+                layout = (num_layers, heads, head_dim, block_size, code, num_pages)
+                shards.append(_C.KVBuffer(p, *layout, ffi_ordinal(d), d.local_hardware_id))
+            buffer = ShardedBuffer(shards)
             cache = KVCache(
                 self.ledger, name, buffer, num_layers, num_kv_heads, head_dim, dtype,
-                block_size, backend=self.backend, device=self.device, on_close=self._forget,
+                block_size, backend=self.backend, devices=self.devices, mesh=self.mesh,
+                kv_axis=self.kv_axis, on_close=self._forget,
             )  # fmt: skip
             self.ledger.register(name, group, lambda: cache.mapped_pages)
             self._caches[name] = cache
@@ -180,7 +263,8 @@ class Pool:
 
     def _apply_reserve(self) -> None:
         group = max((c.pages_per_kv_page for c in self._caches.values()), default=1)
-        self._pool.set_reserve(self.min_reserved_pages * group, self.max_reserved_pages * group)
+        for p in self._pools:
+            p.set_reserve(self.min_reserved_pages * group, self.max_reserved_pages * group)
 
     @property
     def caches(self) -> dict[str, KVCache]:
@@ -194,7 +278,21 @@ class Pool:
         return self._pool.stats()["budget_pages"]
 
     def _in_use_pages(self) -> int:
-        return self._pool.stats()["in_use_pages"]
+        # The shards map in lockstep; the fullest device bounds what may still be mapped.
+        return max(p.stats()["in_use_pages"] for p in self._pools)
+
+    @property
+    def tensor_parallel(self) -> int:
+        """Devices every cache's KV heads are split over (1 without a mesh)."""
+        return len(self.devices) if self.mesh is not None else 1
+
+    def mapped_pages_per_device(self) -> dict[str, int]:
+        """Physical pages mapped on each of this process's devices, read from each
+        device's own page pool."""
+        return {
+            str(d): p.stats()["in_use_pages"]
+            for d, p in zip(self.local_devices, self._pools, strict=True)
+        }
 
     @property
     def budget_pages(self) -> int:
@@ -238,15 +336,20 @@ class Pool:
 
     def trim(self) -> None:
         """Gives every reserved (created, unmapped) page back to the OS / driver."""
-        self._pool.trim()
+        for p in self._pools:
+            p.trim()
 
     def stats(self) -> dict[str, Any]:
-        """Pool-wide and per-cache page and byte counts."""
+        """Pool-wide and per-cache page and byte counts (on a mesh: per device, and
+        ``mapped_pages_per_device`` / ``committed_bytes`` for each local device)."""
         s = self._pool.stats()
         ps = self.page_size
         return {
             "backend": self.backend,
             "device": str(self.device),
+            "devices": [str(d) for d in self.devices],
+            "tensor_parallel": self.tensor_parallel,
+            "mapped_pages_per_device": self.mapped_pages_per_device(),
             "page_size": ps,
             "budget_pages": s["budget_pages"],
             "budget_bytes": s["budget_pages"] * ps,
@@ -256,7 +359,7 @@ class Pool:
             "reserved_bytes": s["reserved_pages"] * ps,
             "max_reserved_pages": s["max_reserved_pages"],
             "free_pages": s["budget_pages"] - s["in_use_pages"],
-            "committed_bytes": self._pool.committed_bytes,
+            "committed_bytes": sum(p.committed_bytes for p in self._pools),
             "creates": s["creates"],
             "releases": s["releases"],
             "reuses": s["reuses"],
@@ -280,7 +383,8 @@ class Pool:
         self.ledger.close()
         for cache in list(self._caches.values()):
             cache.close()
-        self._pool.set_reserve(0, 0)
+        for p in self._pools:
+            p.set_reserve(0, 0)
 
     def __enter__(self) -> Pool:
         return self
@@ -291,7 +395,8 @@ class Pool:
     def __repr__(self) -> str:
         s = self._pool.stats()
         return (
-            f"Pool(backend={self.backend!r}, device={self.device}, page_size={self.page_size}, "
+            f"Pool(backend={self.backend!r}, devices={len(self.devices)}, "
+            f"page_size={self.page_size}, "
             f"budget_pages={s['budget_pages']}, mapped_pages={s['in_use_pages']}, "
             f"caches={list(self._caches)})"
         )
