@@ -12,6 +12,10 @@ hits both alike. Prints a table and writes JSON (benchmarks/results/bench_decode
 step alone (step + sampler dispatched back to back: no host work); step time across
 adjacent buckets; on-device sampling vs argmax; ``jax-kvcached serve`` cold and warm
 start (persistent compilation cache) to the first answer.
+
+``--tp 1,2,4``: tensor parallelism on forced host devices (``--parts`` is then only
+this): the same requests through an engine over 1, 2 and 4 devices; peak mapped bytes
+per device, step time and tokens/s per TP size, outputs compared.
 """
 
 from __future__ import annotations
@@ -25,18 +29,33 @@ import tempfile
 import time
 import urllib.request
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from bench_common import load_model, median_time
-from flax import nnx
 
-import jax_kvcached as kv
-from jax_kvcached.engine.attention import gqa_attention
-from jax_kvcached.engine.engine import Engine
-from jax_kvcached.engine.runner import ModelRunner, StepInput
-from jax_kvcached.engine.sampling import SamplingParams, sample
-from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+def _force_host_devices(argv: list[str]) -> None:
+    """``--tp`` needs that many CPU devices, which must be requested before JAX starts."""
+    for i, a in enumerate(argv):
+        value = a.split("=", 1)[1] if a.startswith("--tp=") else None
+        if a == "--tp" and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value:
+            n = max(int(x) for x in value.split(","))
+            flag = f"--xla_force_host_platform_device_count={n}"
+            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+
+
+_force_host_devices(sys.argv)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_common import load_model, median_time  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jax_kvcached as kv  # noqa: E402
+from jax_kvcached.engine.attention import gqa_attention  # noqa: E402
+from jax_kvcached.engine.engine import Engine  # noqa: E402
+from jax_kvcached.engine.runner import ModelRunner, StepInput  # noqa: E402
+from jax_kvcached.engine.sampling import SamplingParams, sample  # noqa: E402
+from jax_kvcached.models import BUILTIN_CONFIGS, build_model  # noqa: E402
 
 
 def make_dense_step(model, max_len: int):
@@ -404,6 +423,65 @@ def bench_loop(model, rounds: int, start_models: list[str]) -> dict:
     return out
 
 
+def bench_tp(model_name: str, sizes: list[int], rounds: int) -> list[dict]:
+    """The same requests through engines over 1, 2, 4... host devices: peak mapped bytes
+    per device, step time, tokens/s; interleaved rounds, medians."""
+    prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(400 + 16 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=48)
+    engines = {}
+    for tp in sizes:
+        pool = kv.Pool("1GiB", backend="host", devices=jax.devices("cpu")[:tp],
+                       min_reserved_pages=0, max_reserved_pages=0)  # fmt: skip
+        eng = Engine(load_model(model_name), pool, max_batch=8, prefill_chunk=256,
+                     max_model_len=1024)  # fmt: skip
+        eng.generate(prompts, params)  # compiles the shapes this run uses
+        eng.reset_prefix_cache()
+        engines[tp] = eng
+    times: dict[int, list[float]] = {tp: [] for tp in sizes}
+    peak: dict[int, list[int]] = {tp: [0] * tp for tp in sizes}
+    outs: dict[int, list] = {}
+    steps: dict[int, int] = {}
+    for _ in range(rounds):
+        for tp, eng in engines.items():
+            ids = [eng.add_request(p, params) for p in prompts]
+            t0, n0 = time.perf_counter(), eng.steps
+            done = {}
+            while eng.has_work:
+                for o in eng.step():
+                    done[o.request_id] = o.token_ids
+                per = list(eng.pool.mapped_pages_per_device().values())
+                peak[tp] = [max(a, b) for a, b in zip(peak[tp], per, strict=True)]
+            times[tp].append(time.perf_counter() - t0)
+            steps[tp] = eng.steps - n0
+            outs[tp] = [done[i] for i in ids]
+            eng.reset_prefix_cache()
+    rows = []
+    page = engines[sizes[0]].pool.page_size
+    base = max(peak[sizes[0]]) * page
+    for tp in sizes:
+        t = float(np.median(times[tp]))
+        per_dev = max(peak[tp]) * page
+        rows.append({
+            "tp": tp, "peak_mapped_bytes_per_device": per_dev,
+            "per_device_over_tp1": per_dev / base, "every_device_equal": len(set(peak[tp])) == 1,
+            "step_ms": 1e3 * t / steps[tp], "tokens_per_s": sum(map(len, outs[tp])) / t,
+            "outputs_equal_tp1": outs[tp] == outs[sizes[0]],
+        })  # fmt: skip
+        engines[tp].close()
+        engines[tp].pool.close()
+    print(f"\nTensor parallelism, {model_name}, host devices on {os.cpu_count()} cores: "
+          f"8 requests of 400-512 prompt tokens + 48 generated")  # fmt: skip
+    print(f"{'TP':>3} {'peak MiB/device':>16} {'vs TP=1':>8} {'step ms':>8} {'tok/s':>7} "
+          f"{'same tokens':>12}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['tp']:>3} {r['peak_mapped_bytes_per_device'] / 2**20:>16.1f} "
+            f"{r['per_device_over_tp1']:>8.3f} {r['step_ms']:>8.1f} {r['tokens_per_s']:>7.0f} "
+            f"{str(r['outputs_equal_tp1']):>12}"
+        )
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,8,32")
@@ -419,8 +497,17 @@ def main() -> None:
     )  # fmt: skip
     here = os.path.dirname(__file__)
     p.add_argument("--out", default=None, help="default results/bench_decode[_MODEL].json")
+    p.add_argument(
+        "--tp", default=None, metavar="1,2,4",
+        help="only the tensor-parallel comparison over these device counts (host devices)",
+    )  # fmt: skip
     args = p.parse_args()
     suffix = "" if args.model == "bench" else f"_{args.model}"
+    if args.tp:
+        out = args.out or os.path.join(here, "results", f"bench_decode_tp{suffix}.json")
+        sizes = [int(x) for x in args.tp.split(",")]
+        _write(out, {"model": args.model, "tp": bench_tp(args.model, sizes, args.rounds)})
+        return
     args.out = args.out or os.path.join(here, "results", f"bench_decode{suffix}.json")
 
     model = load_model(args.model)

@@ -41,6 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
     s.add_argument("--page-size", default=None, help="physical page size (default 2MiB)")
+    s.add_argument(
+        "--tensor-parallel", type=int, default=1, metavar="N",
+        help="split every model's heads and KV heads over N devices (default 1); --memory is "
+        "then the budget of each device. On a CPU-only machine N host devices are created",
+    )  # fmt: skip
+    s.add_argument(
+        "--devices", default=None, metavar="I,J,...",
+        help="the JAX device indices to use (default: the first --tensor-parallel ones)",
+    )  # fmt: skip
     s.add_argument("--max-batch", type=int, default=8, help="requests run at once per model")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
     s.add_argument("--max-cached-tokens", type=int, default=None, help="prefix-cache bound")
@@ -145,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.shutdown_timeout >= 0:
             print("error: --shutdown-timeout must be >= 0", file=sys.stderr)
             return 2
+        if args.tensor_parallel < 1:
+            print("error: --tensor-parallel must be >= 1", file=sys.stderr)
+            return 2
+        if args.tensor_parallel > 1:
+            # CPU devices for tensor parallelism without a GPU (no effect on GPUs); must
+            # be set before JAX starts.
+            flag = f"--xla_force_host_platform_device_count={args.tensor_parallel}"
+            if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+                os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
         try:
             specs = parse_specs(args.model or ["smollm2=smollm2-135m"], args.limit, args.guarantee)
             auth = _auth(args)
@@ -157,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                 page_size=args.page_size, max_batch=args.max_batch, max_queue=args.max_queue,
                 max_cached_tokens=args.max_cached_tokens, eviction=args.eviction, seed=args.seed,
                 warmup=not args.no_warmup, compile_cache=args.compile_cache, auth=auth,
-                shutdown_timeout=args.shutdown_timeout,
+                shutdown_timeout=args.shutdown_timeout, tensor_parallel=args.tensor_parallel,
+                devices=args.devices,
             )  # fmt: skip
         except (ValueError, FileNotFoundError) as e:  # a bad model, size or limit
             print(f"error: {e}", file=sys.stderr)

@@ -7,6 +7,7 @@ from .llama import LlamaModel
 from .loader import find_chat_template, load_checkpoint, load_tokenizer
 from .pretrained import PRETRAINED, Pretrained, load_pretrained, pretrained_path
 from .registry import abstract_model, build_model, model_class, register
+from .sharding import shard_model
 from .tokenizer import ByteTokenizer
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "abstract_model",
     "model_class",
     "register",
+    "shard_model",
     "BUILTIN_CONFIGS",
     "ByteTokenizer",
     "GGUFCheckpoint",

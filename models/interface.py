@@ -6,6 +6,8 @@ the parameter ``dtype``, and one pure call: ``model(tokens, positions, attend)``
 logits, where ``attend(layer, q, k, v)`` is the paged attention the engine supplies (it
 writes the new K/V into the cache and reads the context). Loaders fill the parameters
 through ``hf_weights()``: Hugging Face tensor name -> (module, attribute, transpose).
+Tensor parallelism splits the parameters ``tensor_parallel_plan(tp)`` names along the
+axis it gives (see ``models.sharding``); ``attend`` then receives each device's heads.
 """
 
 from __future__ import annotations
@@ -43,3 +45,7 @@ class CausalLM(Protocol):
 
     def hf_weights(self) -> dict[str, tuple[object, str, bool]]:
         """Hugging Face tensor name -> (module, attribute, transpose)."""
+
+    def tensor_parallel_plan(self, tp: int) -> list[tuple[object, str, int]]:
+        """(module, attribute, axis split over ``tp`` devices) per split parameter;
+        ValueError when the model does not split over ``tp`` devices."""

@@ -143,6 +143,35 @@ class LlamaModel(nnx.Module):
             logits = self.lm_head(x)
         return logits.astype(jnp.float32)
 
+    def tensor_parallel_plan(self, tp: int) -> list[tuple[object, str, int]]:
+        """(module, attribute, split axis) of each parameter split over ``tp`` devices
+        (the rest are replicated): attention heads and KV heads, the MLP's hidden units
+        and, when it divides, the vocabulary. Raises ValueError when heads do not split."""
+        cfg = self.config
+        for what, n in (
+            ("attention heads", cfg.num_heads),
+            ("KV heads", cfg.num_kv_heads),
+            ("MLP units (intermediate_size)", cfg.intermediate_size),
+        ):
+            if n % tp:
+                raise ValueError(
+                    f"tensor parallelism over {tp} devices needs {what} divisible by {tp}; "
+                    f"this {cfg.model_type} model has {n}"
+                )
+        plan: list[tuple[object, str, int]] = []
+        if cfg.vocab_size % tp == 0:
+            plan.append((self.embed_tokens, "embedding", 0))
+            if self.lm_head is not None:
+                plan.append((self.lm_head, "kernel", 1))
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for mod in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+                plan.append((mod, "kernel", 1))  # split by output columns
+                if mod.bias is not None:
+                    plan.append((mod, "bias", 0))
+            plan += [(attn.o_proj, "kernel", 0), (mlp.down_proj, "kernel", 0)]  # by rows
+        return plan
+
     def hf_weights(self) -> dict[str, tuple[object, str, bool]]:
         """Hugging Face tensor name -> (module, attribute, transpose)."""
         t: dict[str, tuple[object, str, bool]] = {

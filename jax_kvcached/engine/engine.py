@@ -11,8 +11,6 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-import numpy as np
-
 from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.prefix_cache import PrefixCache, extra_key_bytes
@@ -25,6 +23,18 @@ from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
 from jax_kvcached.memory.pool import Pool
 from jax_kvcached.models.interface import CausalLM
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.axis_names == b.axis_names and list(a.devices.flat) == list(b.devices.flat)
+
+
+def _mesh_text(mesh: Any) -> str:
+    if mesh is None:
+        return "(none: one device)"
+    return f"{dict(mesh.shape)} over {[str(d) for d in mesh.devices.flat]}"
 
 
 @dataclasses.dataclass
@@ -85,6 +95,10 @@ class Engine:
         ``pallas-interpret`` (the kernel interpreted).
       overlap: prepare and dispatch step n+1 before waiting for step n's tokens (the
         device feeds them to step n+1); False waits after every step. Same outputs.
+      mesh: tensor parallelism: the 1-D mesh of the pool (``Pool(mesh=)`` or
+        ``devices=``); default: the pool's. A copy of the model's parameters is placed
+        on it by its ``tensor_parallel_plan`` and each device attends over its heads.
+        A mesh other than the pool's is a ValueError.
     """
 
     def __init__(
@@ -107,6 +121,7 @@ class Engine:
         memory_guarantee: int | str = 0,
         attention: str = "auto",
         overlap: bool = True,
+        mesh: Any = None,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(
@@ -117,6 +132,12 @@ class Engine:
         cfg = model.config
         if max_batch <= 0 or prefill_chunk <= 0:
             raise ValueError("max_batch and prefill_chunk must be positive")
+        if mesh is not None and not _same_mesh(mesh, pool.mesh):
+            raise ValueError(
+                f"Engine mesh {_mesh_text(mesh)} does not match the pool's "
+                f"{_mesh_text(pool.mesh)}: create the pool with Pool(mesh=...) of that mesh"
+            )
+        self.mesh = pool.mesh
         self.config = cfg
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len or cfg.max_position_embeddings
@@ -132,10 +153,14 @@ class Engine:
         )
         self.name = name
         self.pool = pool
-        self.runner = ModelRunner(
-            model, self.cache, attention, max_batch=max_batch, prefill_tokens=prefill_chunk,
-            max_model_len=self.max_model_len,
-        )  # fmt: skip
+        try:
+            self.runner = ModelRunner(
+                model, self.cache, attention, max_batch=max_batch,
+                prefill_tokens=prefill_chunk, max_model_len=self.max_model_len,
+            )  # fmt: skip
+        except BaseException:
+            self.cache.close()  # a model that cannot run here leaves the pool as it was
+            raise
         if max_cached_tokens is None:
             max_cached_tokens = pool.config.max_cached_tokens
         self.kv = KVManager(
@@ -344,7 +369,7 @@ class Engine:
             self._inflight.popleft()
             if step.tokens is None:
                 return []
-            host = np.asarray(step.tokens)
+            host = self.runner.fetch(step.tokens)
             ops.raise_device_errors(self.cache)  # (a host sync point: cheap here)
             now = time.perf_counter()
             done = []
@@ -455,7 +480,8 @@ class Engine:
             "running": self.num_running,
             "max_batch": self.max_batch,
             "preemptions": self.num_preemptions,
-            "mapped_bytes": self.cache.mapped_bytes,
+            "mapped_bytes": self.cache.mapped_bytes,  # per device
+            "tensor_parallel": self.cache.tensor_parallel,
             "limit_bytes": lim.limit_bytes,
             "guarantee_bytes": lim.guarantee_bytes,
             "prefix_cache": self.kv.stats(),

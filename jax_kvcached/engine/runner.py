@@ -14,6 +14,11 @@ step by at most 1.25x, prefill chunks by two blocks (32 tokens) within a token b
 block-table widths by 8 blocks then 1.25x (decode with attention that walks only the
 context, the host custom call and the Pallas kernel, uses one width). Each shape is
 compiled once, ahead of time (:meth:`ModelRunner.compile`), and counted.
+
+Over a cache split across a mesh (tensor parallelism) the model's parameters are placed
+by its plan (:func:`jax_kvcached.models.shard_model`), the paged attention and the KV
+write run per device under ``jax.shard_map`` (each device over its KV heads, in its own
+buffer), and the logits come back replicated: the host side is unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from jax_kvcached.engine.attention import host_paged_attention, paged_attention
 from jax_kvcached.engine.sampling import NUM_CANDIDATES, SamplingParams, sample
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.kv_cache import KVCache
+from jax_kvcached.models.sharding import shard_model
 
 log = logging.getLogger(__name__)
 
@@ -144,11 +150,21 @@ class ModelRunner:
         self.cache = cache
         self.attention = resolve_attention(attention, cache)
         self.num_candidates = num_candidates
+        self.mesh = cache.mesh
+        if self.mesh is not None:
+            # A copy placed on the mesh (its arrays shared until placed): the model given
+            # stays where it is. ValueError when its heads do not split.
+            model = shard_model(nnx.clone(model), self.mesh)
         self.graphdef, self.state = nnx.split(model)
         # The weights travel as a flat list: flattening an nnx.State on every call costs
         # more host time than the rest of a small step's dispatch.
         self._weights, self._weights_def = jax.tree.flatten(self.state)
-        self._device = cache.device
+        # Where the step's small outputs live: the device, or replicated over the mesh.
+        self._device = (
+            cache.device
+            if self.mesh is None
+            else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        )
         self.token = ops.new_token(self._device)
         max_len = max_model_len or cfg.max_position_embeddings
         bs = cache.block_size
@@ -184,6 +200,8 @@ class ModelRunner:
         max_rows = self.max_rows
 
         weights_def = self._weights_def
+        per_device = self._per_device
+        heads = self._head_spec  # (B, T, heads, D) split over the heads on a mesh
 
         def step(weights, view, packed, prev, b, t, nb, token):
             state = jax.tree.unflatten(weights_def, weights)
@@ -199,11 +217,17 @@ class ModelRunner:
             tables = ops.after(tables, token)  # reads see every earlier step's writes
             new_k: list = [None] * layers
             new_v: list = [None] * layers
-            attention = attention_fn(self.attention, cache, nb, token)
 
             def attend(i, q, k, v):
                 new_k[i], new_v[i] = k, v
-                return attention(q, k, v, view, i, tables, ctx_lens, new_lens)
+                fn = per_device(
+                    lambda q, k, v, view, tables, ctx_lens, new_lens, token: attention_fn(
+                        self.attention, cache, nb, token
+                    )(q, k, v, view, i, tables, ctx_lens, new_lens),
+                    (heads, heads, heads, cache.sharding.spec if self.mesh else None) + (None,) * 4,
+                    heads,
+                )
+                return fn(q, k, v, view, tables, ctx_lens, new_lens, token)
 
             logits = model(tokens, positions, attend)
             last = logits[jnp.arange(b), jnp.maximum(new_lens - 1, 0)]
@@ -213,9 +237,18 @@ class ModelRunner:
             # After every read of this step (`last` depends on all of them).
             # No host round trip on CUDA: slots were checked here on the host, the kernel
             # checks them again against the page map.
-            token = ops.write_kv_async(cache, 0, k_all, v_all, slots, token, last)
             rows = bucket(b, self.sampler_sizes)
-            return jnp.pad(last, ((0, rows - b), (0, 0))), token
+            out = jnp.pad(last, ((0, rows - b), (0, 0)))
+            if self.mesh is not None:  # the logits gathered onto every device
+                out = jax.lax.with_sharding_constraint(out, self._device)
+            write = per_device(
+                lambda k, v, slots, token, out: ops.write_kv_async(
+                    cache, 0, k, v, slots, token, out
+                ),
+                (heads, heads, None, None, None),
+                None,
+            )
+            return out, write(k_all, v_all, slots, token, out)
 
         def sample_rows(logits, params):
             """Next tokens of every row, padded to ``(max_rows,)``; ``params`` ``(5, b)``:
@@ -223,10 +256,41 @@ class ModelRunner:
             temperature = jax.lax.bitcast_convert_type(params[0], jnp.float32)
             top_p = jax.lax.bitcast_convert_type(params[2], jnp.float32)
             seeds = jax.lax.bitcast_convert_type(params[3], jnp.uint32)
-            nxt = sample(logits, temperature, params[1], top_p, seeds, params[4], num_candidates)
+            nxt = sample(
+                logits, temperature, params[1], top_p, seeds, params[4], num_candidates,
+                barrier=self.mesh is None,
+            )  # fmt: skip
             return jnp.zeros((max_rows,), jnp.int32).at[: logits.shape[0]].set(nxt)
 
-        return step, sample_rows
+        # On a mesh every device samples the same rows from the replicated logits (one
+        # program per device: XLA's partitioner then never sees the sampler's barriers).
+        return step, per_device(sample_rows, (None, None), None)
+
+    @property
+    def _head_spec(self):
+        """The partition of a (B, T, heads, D) or (layers, N, heads, D) array on a mesh."""
+        if self.mesh is None:
+            return None
+        return jax.sharding.PartitionSpec(None, None, self.mesh.axis_names[0], None)
+
+    def _per_device(self, fn, in_specs, out_specs):
+        """``fn`` run on each device of the mesh over its slice (specs: a PartitionSpec,
+        or None for replicated); ``fn`` itself without a mesh. Outputs with spec None are
+        the same on every device (the FFI ops' tokens are 0 everywhere)."""
+        if self.mesh is None:
+            return fn
+        P = jax.sharding.PartitionSpec
+
+        def spec(x):
+            return P() if x is None else x
+
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=tuple(spec(x) for x in in_specs),
+            out_specs=spec(out_specs),
+            check_vma=False,
+        )
 
     # -- shapes --------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[int, int, int]]:
@@ -364,6 +428,14 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     # -- running -------------------------------------------------------------------------
+    @staticmethod
+    def fetch(x: jax.Array) -> np.ndarray:
+        """A replicated device array on the host (over several processes, this
+        process's copy: every process holds the same values)."""
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        return np.asarray(x.addressable_data(0))
+
     def run(self, batch: list[StepInput]) -> jax.Array:
         """Runs one step; returns logits ``(len(batch), vocab)`` (device array)."""
         return self.run_padded(batch)[0][: len(batch)]

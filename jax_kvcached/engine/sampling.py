@@ -100,22 +100,27 @@ def gumbel_noise(seeds: jax.Array, steps: jax.Array, ids: jax.Array) -> jax.Arra
     return -jnp.log(-jnp.log(u))
 
 
-def sample(logits, temperature, top_k, top_p, seeds, steps, num_candidates=NUM_CANDIDATES):
+def sample(
+    logits, temperature, top_k, top_p, seeds, steps, num_candidates=NUM_CANDIDATES, *,
+    barrier: bool = True,
+):  # fmt: skip
     """Next tokens ``(B,)`` int32 from logits ``(B, V)`` and per-row parameters ``(B,)``
     (temperature f32, top_k i32, top_p f32, seeds uint32, steps i32). Traceable; the
-    all-greedy batch costs one argmax."""
+    all-greedy batch costs one argmax. ``barrier=False`` leaves out the optimization
+    barriers that keep the CPU's partial-sort kernel (XLA's SPMD partitioner, which
+    runs for a program over a mesh, fails on them); the tokens are the same."""
     logits = logits.astype(jnp.float32)
 
     def greedy(_):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def draw(_):
-        return _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates)
+        return _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates, barrier)
 
     return lax.cond(jnp.all(temperature <= 0), greedy, draw, None)
 
 
-def _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates):
+def _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates, barrier=True):
     b, v = logits.shape
     k = min(num_candidates, v)
     inv_t = (1.0 / jnp.where(temperature > 0, temperature, 1.0))[:, None]
@@ -124,7 +129,7 @@ def _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates):
 
     # The order is the logits' (a positive temperature keeps it): one pass over the
     # input for the candidates and one for the normaliser, nothing materialised.
-    raw, ids = top_candidates(logits, k)
+    raw, ids = top_candidates(logits, k, barrier)
     cand = raw * inv_t
     in_k = jnp.arange(k)[None] < k_eff[:, None]
     top = cand[:, :1]
@@ -163,21 +168,22 @@ def _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates):
 CHUNK = 128  # top_candidates: vocabulary chunk of the first stage
 
 
-def top_candidates(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_candidates(x: jax.Array, k: int, barrier: bool = True) -> tuple[jax.Array, jax.Array]:
     """The ``k`` largest of each row of ``x`` ``(B, V)`` and their ids, descending, ties by
     lower id (exactly ``lax.top_k``). For a large vocabulary in two stages: the k chunks
     of 128 with the largest maxima (every top-k entry lies in one of them; ties by lower
     chunk), then the top k of those chunks, gathered in id order."""
     b, v = x.shape
+    fence = lax.optimization_barrier if barrier else (lambda x: x)
     if v < 32 * CHUNK or v % CHUNK:
         # The barrier keeps XLA from folding later gathers into the top-k's sort, which
         # would stop the CPU backend from using its partial-sort kernel.
-        return lax.optimization_barrier(lax.top_k(x, k))
+        return fence(lax.top_k(x, k))
     chunks = x.reshape(b, v // CHUNK, CHUNK)
-    _, best = lax.optimization_barrier(lax.top_k(jnp.max(chunks, axis=-1), k))
+    _, best = fence(lax.top_k(jnp.max(chunks, axis=-1), k))
     best = jnp.sort(best, axis=-1)  # id order, so the stable top-k keeps lower ids first
     picked = jnp.take_along_axis(chunks, best[:, :, None], axis=1).reshape(b, k * CHUNK)
-    vals, pos = lax.optimization_barrier(lax.top_k(picked, k))
+    vals, pos = fence(lax.top_k(picked, k))
     ids = jnp.take_along_axis(best, pos // CHUNK, axis=-1) * CHUNK + pos % CHUNK
     return vals, ids.astype(jnp.int32)
 

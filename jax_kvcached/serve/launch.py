@@ -52,6 +52,38 @@ def parse_specs(models: list[str], limits: list[str], guarantees: list[str]) -> 
     return [ModelSpec(n, s, lims.get(n), gs.get(n, 0)) for n, s in srcs.items()]
 
 
+def pick_devices(tensor_parallel: int, devices: str | None, backend: str) -> list | None:
+    """The devices of ``serve --tensor-parallel N --devices I,J,...`` (None: one device,
+    the pool's default). Raises ValueError naming the flag on a bad value."""
+    import jax
+
+    if tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel must be >= 1, got {tensor_parallel}")
+    if devices is None and tensor_parallel == 1:
+        return None
+    kind = "cpu" if backend == "host" else None
+    avail = jax.devices(kind) if kind else jax.devices()
+    if backend == "auto" and avail[0].platform == "cpu":
+        avail = jax.devices("cpu")
+    if devices is None:
+        idx = list(range(tensor_parallel))
+    else:
+        try:
+            idx = [int(x) for x in devices.split(",")]
+        except ValueError:
+            raise ValueError(f"--devices takes comma-separated indices, got {devices!r}") from None
+        if tensor_parallel not in (1, len(idx)):
+            raise ValueError(
+                f"--devices lists {len(idx)} devices but --tensor-parallel is {tensor_parallel}"
+            )
+    if len(set(idx)) != len(idx) or any(not 0 <= i < len(avail) for i in idx):
+        raise ValueError(
+            f"--devices / --tensor-parallel: need distinct indices in [0, {len(avail)}) "
+            f"({len(avail)} {avail[0].platform} device(s) visible), got {idx}"
+        )
+    return [avail[i] for i in idx]
+
+
 def build_served(
     spec: ModelSpec,
     pool: Pool,
@@ -164,6 +196,8 @@ def serve(
     auth: AuthConfig | None = None,
     shutdown_timeout: float = 10.0,
     max_body_bytes: int = 1 << 20,
+    tensor_parallel: int = 1,
+    devices: str | None = None,
 ) -> None:
     """Builds the engines and serves until SIGINT / SIGTERM. On the signal it stops
     accepting connections and requests, lets in-flight requests finish for up to
@@ -190,7 +224,11 @@ def serve(
     sock = bind_socket(host, port)
     cache_dir = enable_compile_cache(compile_cache)
     log.info("compilation cache: %s", cache_dir or "off")
-    pool = Pool(memory, page_size=page_size, backend=backend)
+    picked = pick_devices(tensor_parallel, devices, backend)
+    if picked is None:
+        pool = Pool(memory, page_size=page_size, backend=backend)
+    else:
+        pool = Pool(memory, page_size=page_size, backend=backend, devices=picked)
     # Trained weights: bf16 on a GPU; fp32 on the CPU, where XLA emulates bf16 matmuls.
     dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
     models: dict[str, ServedModel] = {}
