@@ -112,6 +112,30 @@ def test_cli_serve_and_top(tmp_path):
     assert bad.returncode == 1 and "cannot read" in bad.stderr
 
 
+def test_cli_serve_tensor_parallel(tmp_path):
+    import signal
+
+    import httpx
+
+    proc, url = start_serve(
+        ["--model", "a=tiny-llama", "--memory", "32MiB", "--page-size", "256KiB",
+         "--tensor-parallel", "2", "--no-warmup", "--backend", "host",
+         "--allow-unauthenticated-admin"],
+        tmp_path,
+    )  # fmt: skip
+    try:
+        body = {"model": "a", "prompt": "hi", "max_tokens": 3, "temperature": 0}
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        (pool,) = httpx.get(f"{url}/admin/memory").json()["pools"]
+        assert pool["tensor_parallel"] == 2 and len(pool["devices"]) == 2
+        assert len(set(pool["mapped_pages_per_device"].values())) == 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+
+
 def test_cli_serve_rejects_bad_arguments(tmp_path):
     cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", "--no-warmup"]
     for args, msg in [
@@ -119,6 +143,13 @@ def test_cli_serve_rejects_bad_arguments(tmp_path):
         (["--model", "a=tiny-llama", "--limit", "b=1MiB"], "not a --model"),
         (["--model", "a=tiny-llama", "--limit", "a=lots"], "cannot parse"),
         (["--model", "a=no-such-model"], "neither a packaged model"),
+        (["--model", "a=tiny-llama", "--tensor-parallel", "0"], "--tensor-parallel must be"),
+        (
+            ["--model", "a=tiny-qwen2", "--tensor-parallel", "2"],
+            "1 KV heads, which do not split over the 2",
+        ),
+        (["--model", "a=tiny-llama", "--devices", "0,9"], "--devices / --tensor-parallel"),
+        (["--model", "a=tiny-llama", "--tensor-parallel", "2", "--devices", "0"], "lists 1"),
     ]:
         r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)

@@ -36,7 +36,14 @@ def routes(ctx: AppContext) -> list[Route]:
             r = m.engine.pool.memory_limit_of(name)
             limits[name] = {**dataclasses.asdict(r), "applied": r.applied}
         pools = [
-            {"device": str(p.device), "budget_bytes": p.memory_limit, "models": sorted(p.caches)}
+            {
+                "device": str(p.device),
+                "devices": [str(d) for d in p.devices],
+                "tensor_parallel": p.tensor_parallel,
+                "budget_bytes": p.memory_limit,  # on each device of a tensor-parallel pool
+                "mapped_pages_per_device": p.mapped_pages_per_device(),
+                "models": sorted(p.caches),
+            }
             for p in ctx.loop.pools()
         ]
         budget = sum(p["budget_bytes"] for p in pools)
