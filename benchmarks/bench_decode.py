@@ -426,13 +426,15 @@ def bench_loop(model, rounds: int, start_models: list[str]) -> dict:
 def bench_tp(model_name: str, sizes: list[int], rounds: int) -> list[dict]:
     """The same requests through engines over 1, 2, 4... host devices: peak mapped bytes
     per device, step time, tokens/s; interleaved rounds, medians."""
-    prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(400 + 16 * i)] for i in range(8)]
+    # 16 sequences of 944 + 48 tokens = 62 blocks each, all resident at once: 992 blocks,
+    # 8 KV pages of 2 MiB planes on one device (128 blocks a page), 2 on each of four.
+    prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(944)] for i in range(16)]
     params = SamplingParams(max_tokens=48)
     engines = {}
     for tp in sizes:
         pool = kv.Pool("1GiB", backend="host", devices=jax.devices("cpu")[:tp],
                        min_reserved_pages=0, max_reserved_pages=0)  # fmt: skip
-        eng = Engine(load_model(model_name), pool, max_batch=8, prefill_chunk=256,
+        eng = Engine(load_model(model_name), pool, max_batch=16, prefill_chunk=256,
                      max_model_len=1024)  # fmt: skip
         eng.generate(prompts, params)  # compiles the shapes this run uses
         eng.reset_prefix_cache()
@@ -448,7 +450,7 @@ def bench_tp(model_name: str, sizes: list[int], rounds: int) -> list[dict]:
             done = {}
             while eng.has_work:
                 for o in eng.step():
-                    done[o.request_id] = o.token_ids
+                    done[o.request_id] = o.output
                 per = list(eng.pool.mapped_pages_per_device().values())
                 peak[tp] = [max(a, b) for a, b in zip(peak[tp], per, strict=True)]
             times[tp].append(time.perf_counter() - t0)
@@ -470,7 +472,7 @@ def bench_tp(model_name: str, sizes: list[int], rounds: int) -> list[dict]:
         engines[tp].close()
         engines[tp].pool.close()
     print(f"\nTensor parallelism, {model_name}, host devices on {os.cpu_count()} cores: "
-          f"8 requests of 400-512 prompt tokens + 48 generated")  # fmt: skip
+          "16 requests of 944 prompt tokens + 48 generated, all at once")  # fmt: skip
     print(f"{'TP':>3} {'peak MiB/device':>16} {'vs TP=1':>8} {'step ms':>8} {'tok/s':>7} "
           f"{'same tokens':>12}")  # fmt: skip
     for r in rows:

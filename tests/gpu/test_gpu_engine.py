@@ -26,16 +26,19 @@ pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU engine 
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, *range(40, 77)], [256, 9], [256, *range(1, 70)]]
 
 
-def _run(backend, device, attention="auto"):
+def _run(backend, device, attention="auto", devices=None):
     with jax.default_device(device):
         model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=3)
-        pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
+        where = {"devices": devices} if devices else {}
+        pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0,
+                       **where)  # fmt: skip
         eng = Engine(model, pool, name="m", max_batch=4, attention=attention)
         view = eng.cache.view
-        assert view.unsafe_buffer_pointer() == eng.cache.base_address  # zero-copy
+        for shard, buf in zip(view.addressable_shards, eng.cache.shards, strict=True):
+            assert shard.data.unsafe_buffer_pointer() == buf.base  # zero-copy
         outs = eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
-        eng.prefix_cache.reset(after=eng.runner.token)
-        assert pool.stats()["mapped_pages"] == 0  # nothing leaks
+        eng.reset_prefix_cache()
+        assert set(pool.mapped_pages_per_device().values()) == {0}  # nothing leaks
         pool.close()
     return [o.token_ids for o in outs]
 
@@ -44,6 +47,14 @@ def test_engine_on_cuda_matches_the_cpu_run():
     cpu = _run("host", jax.devices("cpu")[0])
     assert _run("cuda", _gpus()[0]) == cpu  # the Pallas kernel (auto on CUDA)
     assert _run("cuda", _gpus()[0], attention="xla") == cpu
+
+
+def test_tensor_parallel_engine_on_cuda_matches_the_cpu_run():
+    # tiny-llama has 2 KV heads: TP over two GPUs where present, else a mesh of one (the
+    # mesh path: shard_map, the FFI handlers finding the buffer by the GPU's ordinal).
+    gpus = _gpus()[:2]
+    cpu = _run("host", jax.devices("cpu")[0])
+    assert _run("cuda", gpus[0], devices=gpus) == cpu
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
