@@ -93,6 +93,21 @@ def test_every_attention_path_runs_under_tp(attention):
     assert one == two
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_warm_engine_compiles_nothing_more(tp):
+    # The warm-up's placement (replicated token, logits, sampled tokens) matches what
+    # serving passes: no compile and not even a retrace after Engine.compile(). (Tests
+    # run under jax.default_device, which jit's cache keys on: the warm-up's worker
+    # threads must compile under the caller's default device too.)
+    with tp_pool(tp) as pool:
+        eng = Engine(build_model(LLAMA), pool, max_batch=2, prefill_chunk=16, max_model_len=32)
+        eng.compile()
+        executables = eng.runner.jit_cache_sizes
+        eng.generate([[1, 2, 3, 4, 5], list(range(9, 29))], SamplingParams(max_tokens=6))
+        assert eng.runner.compiles_after_warmup == 0
+        assert eng.runner.jit_cache_sizes == executables
+
+
 def test_seeded_sampling_is_the_same_under_tp():
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7)
     one, _, p1 = _generate(LLAMA, 1, params=params)

@@ -416,8 +416,19 @@ class ModelRunner:
         todo += [s for s in shapes if s not in self._compiled]
         threads = threads or min(8, os.cpu_count() or 1)
         done = 0
+        # jit's cache keys on the caller's default device (a thread-local context): the
+        # workers compile under the caller's, or serving would trace every shape again.
+        default = jax.config.jax_default_device
+
+        def compile_one(key: tuple[int, int, int] | int) -> None:
+            if default is None:
+                self._compile_by_running(key)
+            else:
+                with jax.default_device(default):
+                    self._compile_by_running(key)
+
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            futures = {pool.submit(self._compile_by_running, key): key for key in todo}
+            futures = {pool.submit(compile_one, key): key for key in todo}
             for f in concurrent.futures.as_completed(futures):
                 f.result()
                 self._seen(futures[f])  # (not warm yet: recorded, not counted)
