@@ -33,6 +33,13 @@ def pool():
     p.close()
 
 
+def tp_pool(tp, memory="64MiB", **kw):
+    """A host pool over the first ``tp`` CPU devices (a plain one-device pool for 1)."""
+    if tp == 1:
+        return kv.Pool(memory, backend="host", **kw)
+    return kv.Pool(memory, backend="host", devices=jax.devices("cpu")[:tp], **kw)
+
+
 def make_cache(pool, name="a", layers=2, heads=2, dim=64, dtype="float32", block_size=16):
     return pool.create_kv_cache(name, layers, heads, dim, dtype, block_size=block_size)
 

@@ -78,10 +78,16 @@ def start_serve(args: list[str], cwd) -> tuple[subprocess.Popen, str]:
         time.sleep(0.2)
 
 
+def complete_three_tokens(url: str, model: str) -> None:
+    import httpx
+
+    body = {"model": model, "prompt": "hi", "max_tokens": 3, "temperature": 0}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
 def test_cli_serve_and_top(tmp_path):
     import signal
-
-    import httpx
 
     cmd = [sys.executable, "-m", "jax_kvcached.cli"]
     proc, url = start_serve(
@@ -90,9 +96,7 @@ def test_cli_serve_and_top(tmp_path):
         tmp_path,
     )  # fmt: skip
     try:
-        body = {"model": "b", "prompt": "hi", "max_tokens": 3, "temperature": 0}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        complete_three_tokens(url, "b")
         top = subprocess.run(
             [*cmd, "top", "--url", url, "--once"], capture_output=True, text=True, timeout=60,
             cwd=tmp_path,
@@ -124,9 +128,7 @@ def test_cli_serve_tensor_parallel(tmp_path):
         tmp_path,
     )  # fmt: skip
     try:
-        body = {"model": "a", "prompt": "hi", "max_tokens": 3, "temperature": 0}
-        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        complete_three_tokens(url, "a")
         (pool,) = httpx.get(f"{url}/admin/memory").json()["pools"]
         assert pool["tensor_parallel"] == 2 and len(pool["devices"]) == 2
         assert len(set(pool["mapped_pages_per_device"].values())) == 1

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FFI_ERRORS
+from conftest import FFI_ERRORS, tp_pool
 from jax.sharding import Mesh, PartitionSpec
 
 import jax_kvcached as kv
@@ -19,12 +19,6 @@ pytestmark = pytest.mark.skipif(len(CPUS) < 4, reason="needs 4 CPU devices (conf
 
 P = PartitionSpec
 HEADS = P(None, None, "tp", None)
-
-
-def tp_pool(tp, memory="64MiB", **kw):
-    if tp == 1:
-        return kv.Pool(memory, backend="host", **kw)
-    return kv.Pool(memory, backend="host", devices=CPUS[:tp], **kw)
 
 
 # -- the pool and the cache -------------------------------------------------------------

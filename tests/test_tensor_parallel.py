@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tp_pool
 from jax.sharding import Mesh
 
 import jax_kvcached as kv
@@ -29,12 +30,6 @@ pytestmark = pytest.mark.skipif(len(CPUS) < 4, reason="needs 4 CPU devices (conf
 LLAMA = dataclasses.replace(BUILTIN_CONFIGS["tiny-llama"], num_heads=8, num_kv_heads=4, head_dim=16)
 QWEN2 = dataclasses.replace(BUILTIN_CONFIGS["tiny-qwen2"], num_heads=8, num_kv_heads=4, head_dim=16)
 PROMPTS = [list(range(1, 22)), [5, 6, 7], list(range(40, 90))]
-
-
-def tp_pool(tp, memory="64MiB", **kw):
-    if tp == 1:
-        return kv.Pool(memory, backend="host", **kw)
-    return kv.Pool(memory, backend="host", devices=CPUS[:tp], **kw)
 
 
 def test_a_mesh_other_than_the_pools_or_heads_that_do_not_split_are_errors():
