@@ -132,6 +132,8 @@ def test_cli_serve_tensor_parallel(tmp_path):
         (pool,) = httpx.get(f"{url}/admin/memory").json()["pools"]
         assert pool["tensor_parallel"] == 2 and len(pool["devices"]) == 2
         assert len(set(pool["mapped_pages_per_device"].values())) == 1
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'kvcached_pool_devices{pool="0:cpu:0"} 2.0' in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)

@@ -92,8 +92,8 @@ def test_every_attention_path_runs_under_tp(attention):
 def test_a_warm_engine_compiles_nothing_more(tp):
     # The warm-up's placement (replicated token, logits, sampled tokens) matches what
     # serving passes: no compile and not even a retrace after Engine.compile(). (Tests
-    # run under jax.default_device, which jit's cache keys on: the warm-up's worker
-    # threads must compile under the caller's default device too.)
+    # run under jax.default_device, which jit's cache keys on, and warm-up compiles in
+    # worker threads outside it: the runner pins its own.)
     with tp_pool(tp) as pool:
         eng = Engine(build_model(LLAMA), pool, max_batch=2, prefill_chunk=16, max_model_len=32)
         eng.compile()

@@ -166,6 +166,10 @@ class ModelRunner:
             else jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         )
         self.token = ops.new_token(self._device)
+        # jit's cache keys on the thread's default device (a context): every step runs
+        # under the cache's device, so warm-up in worker threads, a serving thread and a
+        # caller inside jax.default_device(...) all hit the same executables.
+        self._context = functools.partial(jax.default_device, cache.device)
         max_len = max_model_len or cfg.max_position_embeddings
         bs = cache.block_size
         self.max_blocks = -(-max_len // bs)
@@ -368,7 +372,8 @@ class ModelRunner:
         b, t, nb = key
         packed = jax.ShapeDtypeStruct((sum(packed_sizes(b, t, nb)),), jnp.int32)
         args = (self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token)
-        return self._jitted.lower(*args)
+        with self._context():
+            return self._jitted.lower(*args)
 
     def _seen(self, key: tuple[int, int, int] | int) -> None:
         """Records a shape about to run; one first seen after warm-up is counted."""
@@ -383,6 +388,10 @@ class ModelRunner:
         """Compiles a shape into the jitted functions' own cache (their C++ dispatch is
         far cheaper per call than an AOT executable's) by running it on inputs that
         read and write nothing: no context, every slot -1."""
+        with self._context():
+            self._compile_in_context(key)
+
+    def _compile_in_context(self, key: tuple[int, int, int] | int) -> None:
         if isinstance(key, int):
             logits = jnp.zeros((key, self.config.vocab_size), jnp.float32)
             logits = jax.device_put(logits, self._device)  # placed like a step's output
@@ -416,19 +425,8 @@ class ModelRunner:
         todo += [s for s in shapes if s not in self._compiled]
         threads = threads or min(8, os.cpu_count() or 1)
         done = 0
-        # jit's cache keys on the caller's default device (a thread-local context): the
-        # workers compile under the caller's, or serving would trace every shape again.
-        default = jax.config.jax_default_device
-
-        def compile_one(key: tuple[int, int, int] | int) -> None:
-            if default is None:
-                self._compile_by_running(key)
-            else:
-                with jax.default_device(default):
-                    self._compile_by_running(key)
-
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            futures = {pool.submit(compile_one, key): key for key in todo}
+            futures = {pool.submit(self._compile_by_running, key): key for key in todo}
             for f in concurrent.futures.as_completed(futures):
                 f.result()
                 self._seen(futures[f])  # (not warm yet: recorded, not counted)
@@ -500,9 +498,10 @@ class ModelRunner:
         )
         self._seen(shape)
         self._seen(rows)
-        logits, self.token = self._jitted(
-            self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token
-        )
-        # Dispatched right behind the step: no host round trip in between.
-        self.last_tokens = self._jitted_sample(logits, params)  # (numpy in: one transfer)
+        with self._context():
+            logits, self.token = self._jitted(
+                self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token
+            )
+            # Dispatched right behind the step: no host round trip in between.
+            self.last_tokens = self._jitted_sample(logits, params)  # (numpy in: one transfer)
         return logits, self.last_tokens

@@ -74,11 +74,19 @@ class _LoopCollector:
             yield c
         for key in ("budget", "mapped", "reserved"):
             g = GaugeMetricFamily(
-                f"kvcached_pool_{key}_bytes", f"The pool's {key} memory.", labels=["pool"]
+                f"kvcached_pool_{key}_bytes",
+                f"The pool's {key} memory (on each device of a tensor-parallel pool).",
+                labels=["pool"],
             )
-            for i, pool in enumerate(pools):  # one series per pool (device)
+            for i, pool in enumerate(pools):  # one series per pool (its first device)
                 g.add_metric([f"{i}:{pool['device']}"], float(pool[f"{key}_bytes"]))
             yield g
+        g = GaugeMetricFamily(
+            "kvcached_pool_devices", "Devices the pool's KV heads are split over.", labels=["pool"]
+        )
+        for i, pool in enumerate(pools):
+            g.add_metric([f"{i}:{pool['device']}"], float(pool["tensor_parallel"]))
+        yield g
 
 
 class ServerMetrics:
