@@ -27,6 +27,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_vmm.py
 	$(BIN)/python benchmarks/bench_attention.py
 	$(BIN)/python benchmarks/bench_decode.py
+	$(BIN)/python benchmarks/bench_decode.py --tp 1,2,4
 	$(BIN)/python benchmarks/bench_prefix.py
 	$(BIN)/python benchmarks/bench_multitenant.py
 
