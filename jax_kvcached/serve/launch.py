@@ -243,8 +243,10 @@ def serve(
         loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
         app = create_app(loop, models, auth=auth, max_body_bytes=max_body_bytes)
         log.info(
-            "serving %s on http://%s:%d (pool %s on %s)",
+            "serving %s on http://%s:%d (pool %s on %s%s)",
             ", ".join(models), host, port, memory, pool.backend,
+            f", per device, tensor parallel over {pool.tensor_parallel}"
+            if pool.tensor_parallel > 1 else "",
         )  # fmt: skip
         config = uvicorn.Config(
             app, host=host, port=port, log_level="warning",
