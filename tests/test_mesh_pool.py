@@ -69,6 +69,19 @@ def test_a_shard_that_fails_to_map_leaves_nothing_mapped_anywhere():
     assert [p.stats()["in_use_pages"] for p in pools] == [8, 8, 8, 8]
 
 
+def test_the_registry_refuses_shards_that_do_not_form_one_cache():
+    pools = [_C.PagePool("host", 2 << 20, 64, 0, 0, 0) for _ in range(2)]
+    a = _C.KVBuffer(pools[0], 2, 1, 64, 16, 0, 16, CPUS[0].id, 0)
+    other_layout = _C.KVBuffer(pools[1], 2, 2, 64, 16, 0, 16, CPUS[1].id, 1)
+    same_device = _C.KVBuffer(pools[1], 2, 1, 64, 16, 0, 16, CPUS[0].id, 0)
+    with pytest.raises(kv.KVCacheError, match="same layout"):
+        _C.register_buffers([a, other_layout])
+    with pytest.raises(kv.KVCacheError, match="two shards of one KV cache on device ordinal 0"):
+        _C.register_buffers([a, same_device])
+    with pytest.raises(kv.KVCacheError, match="at least one"):
+        _C.register_buffers([])
+
+
 def test_a_device_failing_to_map_in_alloc_raises_and_maps_nothing():
     with tp_pool(4) as pool:
         c = pool.create_kv_cache("m", 2, 4, 64, jnp.float32)

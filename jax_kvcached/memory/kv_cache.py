@@ -91,11 +91,8 @@ class KVCache:
         self.handle: int = _C.register_buffers(list(buffer.shards), f"kv_cache:{name}")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
-        if num_kv_heads % self.tensor_parallel:
-            raise ValueError(
-                f"{num_kv_heads} KV heads cannot be split over {self.tensor_parallel} devices"
-            )
-        self.shard_kv_heads = num_kv_heads // self.tensor_parallel  # per device
+        self.shard_kv_heads = num_kv_heads // self.tensor_parallel  # per device (the pool
+        # checked that they split before creating the buffers)
         self.head_dim = head_dim
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size

@@ -165,15 +165,9 @@ class Pool:
                 f"memory_limit ({limit} bytes) is smaller than one page ({page} bytes)"
             )
         # One page pool per local device, each with the whole per-device budget.
+        cuda = self.backend == "cuda"
         self._pools = [
-            _C.PagePool(
-                self.backend,
-                page,
-                limit // page,
-                0,
-                0,
-                d.local_hardware_id if self.backend == "cuda" else 0,
-            )  # fmt: skip
+            _C.PagePool(self.backend, page, limit // page, 0, 0, d.local_hardware_id if cuda else 0)
             for d in self.local_devices
         ]
         self._pool = self._pools[0]
@@ -214,7 +208,7 @@ class Pool:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{what} must be a positive int, got {v!r}")
         code = dtype_code(dtype)
-        tp = len(self.devices) if self.mesh is not None else 1
+        tp = self.tensor_parallel
         if num_kv_heads % tp:
             raise ValueError(
                 f"{name!r} has {num_kv_heads} KV heads, which do not split over the "

@@ -61,10 +61,7 @@ def pick_devices(tensor_parallel: int, devices: str | None, backend: str) -> lis
         raise ValueError(f"--tensor-parallel must be >= 1, got {tensor_parallel}")
     if devices is None and tensor_parallel == 1:
         return None
-    kind = "cpu" if backend == "host" else None
-    avail = jax.devices(kind) if kind else jax.devices()
-    if backend == "auto" and avail[0].platform == "cpu":
-        avail = jax.devices("cpu")
+    avail = jax.devices("cpu") if backend == "host" else jax.devices()
     if devices is None:
         idx = list(range(tensor_parallel))
     else:
@@ -224,11 +221,8 @@ def serve(
     sock = bind_socket(host, port)
     cache_dir = enable_compile_cache(compile_cache)
     log.info("compilation cache: %s", cache_dir or "off")
-    picked = pick_devices(tensor_parallel, devices, backend)
-    if picked is None:
-        pool = Pool(memory, page_size=page_size, backend=backend)
-    else:
-        pool = Pool(memory, page_size=page_size, backend=backend, devices=picked)
+    picked = pick_devices(tensor_parallel, devices, backend)  # None: the default device
+    pool = Pool(memory, page_size=page_size, backend=backend, devices=picked)
     # Trained weights: bf16 on a GPU; fp32 on the CPU, where XLA emulates bf16 matmuls.
     dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
     models: dict[str, ServedModel] = {}
