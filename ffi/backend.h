@@ -60,6 +60,25 @@ class PhysicalBackend {
   virtual void free_state(uintptr_t p) = 0;
   virtual void write_state(uintptr_t dst, const void* src, size_t bytes) = 0;
   virtual void read_state(void* dst, uintptr_t src, size_t bytes) = 0;
+
+  // The host tier's memory and copies (see host_arena.h).
+  // Host memory for copies of KV blocks: zero-filled, page-aligned. CUDA: page-locked
+  // (cuMemHostAlloc), so copies are DMA and asynchronous; host: an anonymous mapping
+  // committed on first touch. Throws PoolExhausted when none is left.
+  virtual void* alloc_host(size_t bytes) = 0;
+  virtual void free_host(void* p, size_t bytes) = 0;
+  // Enqueues one copy between device memory and memory from alloc_host: on CUDA on the
+  // backend's copy stream (returns at once), on the host a memcpy (done on return).
+  // Callers order the copy after the device work that writes its source (a fence).
+  virtual void copy_to_host(void* dst, uintptr_t src, size_t bytes) = 0;
+  virtual void copy_to_device(uintptr_t dst, const void* src, size_t bytes) = 0;
+  // A ticket for every copy enqueued so far; copies_done(t) says (without waiting)
+  // whether they have completed and throws BackendError if one failed.
+  virtual uint64_t record_copies() = 0;
+  virtual bool copies_done(uint64_t ticket) = 0;
+  // Waits for every copy enqueued so far (an unmap calls it first: a copy of a page
+  // never outlives its mapping). Throws BackendError if one failed.
+  virtual void sync_copies() = 0;
 };
 
 // page_size == 0 selects the default (2 MiB).

@@ -8,6 +8,8 @@
 #include <dlfcn.h>
 
 #include <atomic>
+#include <cstring>
+#include <deque>
 #include <mutex>
 #include <vector>
 
@@ -53,6 +55,17 @@ CudaDriver load_driver() {
   load(lib, d.cuMemFree, "cuMemFree_v2");
   load(lib, d.cuMemcpyHtoD, "cuMemcpyHtoD_v2");
   load(lib, d.cuMemcpyDtoH, "cuMemcpyDtoH_v2");
+  load(lib, d.cuMemHostAlloc, "cuMemHostAlloc");
+  load(lib, d.cuMemFreeHost, "cuMemFreeHost");
+  load(lib, d.cuStreamCreate, "cuStreamCreate");
+  load(lib, d.cuStreamDestroy, "cuStreamDestroy_v2");
+  load(lib, d.cuStreamSynchronize, "cuStreamSynchronize");
+  load(lib, d.cuEventCreate, "cuEventCreate");
+  load(lib, d.cuEventDestroy, "cuEventDestroy_v2");
+  load(lib, d.cuEventRecord, "cuEventRecord");
+  load(lib, d.cuEventQuery, "cuEventQuery");
+  load(lib, d.cuMemcpyDtoHAsync, "cuMemcpyDtoHAsync_v2");
+  load(lib, d.cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2");
   const CUresult r = d.cuInit(0);
   if (r != CUDA_SUCCESS) {
     const char* msg = nullptr;
@@ -115,6 +128,12 @@ class CudaBackend final : public PhysicalBackend {
 
   ~CudaBackend() override {
     const CudaDriver& d = cuda_driver();
+    if (stream_ != nullptr) {
+      ScopedContext scope(ctx_);
+      d.cuStreamSynchronize(stream_);
+      for (auto& e : pending_) d.cuEventDestroy(e.second);
+      d.cuStreamDestroy(stream_);
+    }
     d.cuMemRelease(zero_page_);
     d.cuDevicePrimaryCtxRelease(dev_);
   }
@@ -219,7 +238,95 @@ class CudaBackend final : public PhysicalBackend {
     cuda_check(cuda_driver().cuMemcpyDtoH(dst, static_cast<CUdeviceptr>(src), bytes), "cuMemcpyDtoH");
   }
 
+  void* alloc_host(size_t bytes) override {
+    ScopedContext scope(ctx_);
+    void* p = nullptr;
+    const CUresult r = cuda_driver().cuMemHostAlloc(&p, bytes == 0 ? 1 : bytes, 0);
+    if (r == CUDA_ERROR_OUT_OF_MEMORY) throw PoolExhausted("page-locked host memory exhausted");
+    cuda_check(r, "cuMemHostAlloc");
+    std::memset(p, 0, bytes);
+    return p;
+  }
+
+  void free_host(void* p, size_t /*bytes*/) override {
+    ScopedContext scope(ctx_);
+    sync_copies_noexcept();
+    cuda_driver().cuMemFreeHost(p);
+  }
+
+  // Copies run on one copy stream of this backend, in the order enqueued; events mark
+  // tickets. The caller has waited (a fence) for the compute work that wrote a source.
+  void copy_to_host(void* dst, uintptr_t src, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    ScopedContext scope(ctx_);
+    cuda_check(cuda_driver().cuMemcpyDtoHAsync(dst, static_cast<CUdeviceptr>(src), bytes, stream()),
+               "cuMemcpyDtoHAsync");
+    dirty_ = true;
+  }
+
+  void copy_to_device(uintptr_t dst, const void* src, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    ScopedContext scope(ctx_);
+    cuda_check(cuda_driver().cuMemcpyHtoDAsync(static_cast<CUdeviceptr>(dst), src, bytes, stream()),
+               "cuMemcpyHtoDAsync");
+    dirty_ = true;
+  }
+
+  uint64_t record_copies() override {
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    if (!dirty_) return issued_;  // nothing enqueued since the last ticket
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(ctx_);
+    CUevent ev;
+    cuda_check(d.cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+    const CUresult r = d.cuEventRecord(ev, stream());
+    if (r != CUDA_SUCCESS) d.cuEventDestroy(ev);
+    cuda_check(r, "cuEventRecord");
+    pending_.emplace_back(++issued_, ev);
+    dirty_ = false;
+    return issued_;
+  }
+
+  bool copies_done(uint64_t ticket) override {
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(ctx_);
+    while (!pending_.empty() && pending_.front().first <= ticket) {
+      const CUresult r = d.cuEventQuery(pending_.front().second);
+      if (r == CUDA_ERROR_NOT_READY) return false;
+      d.cuEventDestroy(pending_.front().second);
+      pending_.pop_front();
+      cuda_check(r, "a host-tier copy (cuEventQuery)");
+    }
+    return true;
+  }
+
+  void sync_copies() override {
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    if (stream_ == nullptr) return;
+    const CudaDriver& d = cuda_driver();
+    ScopedContext scope(ctx_);
+    const CUresult r = d.cuStreamSynchronize(stream_);
+    for (auto& e : pending_) d.cuEventDestroy(e.second);
+    pending_.clear();
+    cuda_check(r, "a host-tier copy (cuStreamSynchronize)");
+  }
+
  private:
+  CUstream stream() {  // under copy_mu_ and the context
+    if (stream_ == nullptr) {
+      cuda_check(cuda_driver().cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+    }
+    return stream_;
+  }
+
+  void sync_copies_noexcept() {
+    try {
+      sync_copies();
+    } catch (...) {
+    }
+  }
+
   void map_zero(uintptr_t addr, size_t n) {
     const CudaDriver& d = cuda_driver();
     for (size_t i = 0; i < n; ++i) {
@@ -237,6 +344,12 @@ class CudaBackend final : public PhysicalBackend {
   size_t page_size_ = 0;
   CUmemGenericAllocationHandle zero_page_{};
   std::atomic<size_t> live_pages_{0};
+  // The host tier's copies.
+  std::mutex copy_mu_;
+  CUstream stream_ = nullptr;
+  bool dirty_ = false;     // copies enqueued since the last ticket
+  uint64_t issued_ = 0;    // the newest ticket
+  std::deque<std::pair<uint64_t, CUevent>> pending_;  // tickets not yet seen done
 };
 
 }  // namespace

@@ -35,6 +35,18 @@ struct CudaDriver {
   CUresult (*cuMemFree)(CUdeviceptr);
   CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
+  // The host tier: page-locked host memory and a copy stream with events.
+  CUresult (*cuMemHostAlloc)(void**, size_t, unsigned int);
+  CUresult (*cuMemFreeHost)(void*);
+  CUresult (*cuStreamCreate)(CUstream*, unsigned int);
+  CUresult (*cuStreamDestroy)(CUstream);
+  CUresult (*cuStreamSynchronize)(CUstream);
+  CUresult (*cuEventCreate)(CUevent*, unsigned int);
+  CUresult (*cuEventDestroy)(CUevent);
+  CUresult (*cuEventRecord)(CUevent, CUstream);
+  CUresult (*cuEventQuery)(CUevent);
+  CUresult (*cuMemcpyDtoHAsync)(void*, CUdeviceptr, size_t, CUstream);
+  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream);
 };
 
 // The process-wide driver table; throws BackendError if libcuda cannot be loaded.

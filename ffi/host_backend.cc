@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -151,6 +152,24 @@ class HostBackend final : public PhysicalBackend {
     std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
   }
 
+  void* alloc_host(size_t bytes) override {
+    void* p = mmap(nullptr, bytes == 0 ? 1 : bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) throw PoolExhausted(errno_text("mmap(host arena)"));
+    return p;
+  }
+  void free_host(void* p, size_t bytes) override { munmap(p, bytes == 0 ? 1 : bytes); }
+  // Host copies are synchronous: every ticket is done when it is handed out.
+  void copy_to_host(void* dst, uintptr_t src, size_t bytes) override {
+    std::memcpy(dst, reinterpret_cast<const void*>(src), bytes);
+  }
+  void copy_to_device(uintptr_t dst, const void* src, size_t bytes) override {
+    std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
+  }
+  uint64_t record_copies() override { return ++tickets_; }
+  bool copies_done(uint64_t ticket) override { return ticket <= tickets_; }
+  void sync_copies() override {}
+
  private:
   void check_multiple(size_t bytes, const char* what) const {
     if (bytes == 0 || bytes % page_size_ != 0) {
@@ -164,6 +183,7 @@ class HostBackend final : public PhysicalBackend {
   std::mutex mu_;
   size_t num_slots_ = 0;
   std::vector<size_t> free_slots_;
+  std::atomic<uint64_t> tickets_{0};
 };
 
 }  // namespace

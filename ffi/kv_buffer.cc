@@ -209,6 +209,7 @@ void KVBuffer::map_pages(const int32_t* ids, size_t n, PageOwner owner) {
 void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted, bool synchronize) {
   const size_t planes = pages_per_kv_page();
   PhysicalBackend& be = pool_->backend();
+  be.sync_copies();  // a host-tier copy out of these pages finishes before they go
   set_page_map(sorted, 0);  // before the unmap: a later kernel skips and reports them
   for (size_t plane = 0; plane < planes; ++plane) {
     for_each_run(sorted, [&](size_t first, size_t count) {
@@ -398,6 +399,80 @@ void KVBuffer::copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n
       std::memmove(p + static_cast<size_t>(dst[i]) * bb, p + static_cast<size_t>(src[i]) * bb, bb);
     }
   }
+}
+
+std::string KVBuffer::check_host_copy(const int32_t* blocks, const int64_t* slots, size_t n,
+                                      const HostArena& arena) const {
+  if (closed_) return "the KV cache is closed";
+  if (arena.pool() != pool_.get() || arena.block_bytes() != block_bytes() ||
+      arena.num_planes() != layout_.num_planes()) {
+    return "the host arena was not made for this KV buffer (its pool, block bytes or planes differ)";
+  }
+  const int64_t nb = num_blocks();
+  std::vector<int64_t> seen_blocks(blocks, blocks + n), seen_slots(slots, slots + n);
+  std::sort(seen_blocks.begin(), seen_blocks.end());
+  std::sort(seen_slots.begin(), seen_slots.end());
+  for (size_t i = 0; i + 1 < n; ++i) {
+    if (seen_blocks[i] == seen_blocks[i + 1]) return "block " + std::to_string(seen_blocks[i]) + " given twice";
+    if (seen_slots[i] == seen_slots[i + 1]) return "host slot " + std::to_string(seen_slots[i]) + " given twice";
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const int64_t b = blocks[i];
+    if (b == 0) return "block 0 is the null block";
+    if (b < 0 || b >= nb) {
+      return "block " + std::to_string(b) + " (index " + std::to_string(i) + ") out of range [0, " +
+             std::to_string(nb) + ")";
+    }
+    if (block_straddles(b)) return "block " + std::to_string(b) + " straddles two pages";
+    if (phys_[static_cast<size_t>(page_of_block(b))].empty()) {
+      return "block " + std::to_string(b) + " is in an unmapped page";
+    }
+    if (slots[i] < 0 || slots[i] >= arena.num_slots()) {
+      return "host slot " + std::to_string(slots[i]) + " (index " + std::to_string(i) +
+             ") out of range [0, " + std::to_string(arena.num_slots()) + ")";
+    }
+  }
+  return "";
+}
+
+template <typename F>
+void KVBuffer::for_each_host_run(const int32_t* blocks, const int64_t* slots, size_t n, F copy) const {
+  size_t i = 0;
+  while (i < n) {
+    size_t j = i + 1;
+    while (j < n && blocks[j] == blocks[j - 1] + 1 && slots[j] == slots[j - 1] + 1) ++j;
+    for (int64_t plane = 0; plane < layout_.num_planes(); ++plane) {
+      copy(plane, blocks[i], slots[i], j - i);
+    }
+    i = j;
+  }
+}
+
+uint64_t KVBuffer::copy_to_host(const int32_t* blocks, const int64_t* slots, size_t n, HostArena& arena) {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  const std::string err = check_host_copy(blocks, slots, n, arena);
+  if (!err.empty()) throw Error("copy to host: " + err);
+  PhysicalBackend& be = pool_->backend();
+  const size_t bb = block_bytes();
+  for_each_host_run(blocks, slots, n, [&](int64_t plane, int64_t block, int64_t slot, size_t count) {
+    be.copy_to_host(arena.at(plane, slot),
+                    base_ + static_cast<size_t>(plane) * plane_bytes_ + static_cast<size_t>(block) * bb,
+                    count * bb);
+  });
+  return be.record_copies();
+}
+
+void KVBuffer::copy_from_host(HostArena& arena, const int64_t* slots, const int32_t* blocks, size_t n) {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  const std::string err = check_host_copy(blocks, slots, n, arena);
+  if (!err.empty()) throw Error("copy from host: " + err);
+  PhysicalBackend& be = pool_->backend();
+  const size_t bb = block_bytes();
+  for_each_host_run(blocks, slots, n, [&](int64_t plane, int64_t block, int64_t slot, size_t count) {
+    be.copy_to_device(base_ + static_cast<size_t>(plane) * plane_bytes_ + static_cast<size_t>(block) * bb,
+                      arena.at(plane, slot), count * bb);
+  });
+  be.sync_copies();
 }
 
 }  // namespace kvcached

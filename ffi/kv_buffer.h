@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "host_arena.h"
 #include "page_pool.h"
 
 namespace kvcached {
@@ -63,6 +64,7 @@ class KVBuffer {
 
   const KVLayout& layout() const { return layout_; }
   PagePool& pool() { return *pool_; }
+  std::shared_ptr<PagePool> shared_pool() const { return pool_; }
   int device_ordinal() const { return device_ordinal_; }
   int local_id() const { return local_id_; }
   uintptr_t base() const { return base_; }
@@ -141,6 +143,16 @@ class KVBuffer {
                      const int32_t* slots, size_t n);
   void copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n);
 
+  // The host tier (host_arena.h): copies blocks[i], every plane, to / from slot slots[i] of
+  // an arena made for this buffer (its pool, block bytes and planes). Both validate first
+  // (blocks in range, not the null block, not straddling, in mapped pages; slots in
+  // range; no block or slot twice) and throw Error, copying nothing. copy_to_host
+  // enqueues (asynchronous on CUDA) and returns a ticket for copies_done(); an unmap
+  // waits for every enqueued copy first. copy_from_host returns once its copies are done.
+  uint64_t copy_to_host(const int32_t* blocks, const int64_t* slots, size_t n, HostArena& arena);
+  void copy_from_host(HostArena& arena, const int64_t* slots, const int32_t* blocks, size_t n);
+  bool copies_done(uint64_t ticket) { return pool_->backend().copies_done(ticket); }
+
  private:
   void check_open() const;
   void check_ids(const int32_t* ids, size_t n, bool want_mapped, PageOwner owner) const;
@@ -148,6 +160,12 @@ class KVBuffer {
   void map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys);
   void unmap_locked(const std::vector<int32_t>& sorted, bool synchronize = true);
   void set_page_map(const std::vector<int32_t>& sorted, uint8_t value);
+  std::string check_host_copy(const int32_t* blocks, const int64_t* slots, size_t n,
+                              const HostArena& arena) const;
+  // Calls copy(plane, block, slot, count) per plane for each run of consecutive blocks
+  // going to consecutive slots.
+  template <typename F>
+  void for_each_host_run(const int32_t* blocks, const int64_t* slots, size_t n, F copy) const;
 
   std::shared_ptr<PagePool> pool_;
   KVLayout layout_;

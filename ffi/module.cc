@@ -12,6 +12,7 @@
 #include "bench.h"
 #include "errors.h"
 #include "handlers.h"
+#include "host_arena.h"
 #include "kv_buffer.h"
 #include "page_pool.h"
 #include "registry.h"
@@ -22,6 +23,14 @@ using namespace kvcached;
 namespace {
 
 using IdArray = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using SlotArray = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+void check_same_length(const IdArray& blocks, const SlotArray& slots) {
+  if (blocks.shape(0) != slots.shape(0)) {
+    throw Error("blocks (" + std::to_string(blocks.shape(0)) + ") and host slots (" +
+                std::to_string(slots.shape(0)) + ") differ in length");
+  }
+}
 
 std::shared_ptr<PhysicalBackend> make_backend(const std::string& name, size_t page_size, int device) {
   if (name == "host") return make_host_backend(page_size);
@@ -131,6 +140,25 @@ NB_MODULE(_C, m) {
       .def("is_mapped", &KVBuffer::is_mapped, nb::arg("page"))
       .def_prop_ro("num_mapped_pages", &KVBuffer::num_mapped_pages)
       .def("mapped_pages", &KVBuffer::mapped_pages)
+      .def(
+          "copy_to_host",
+          [](KVBuffer& b, IdArray blocks, SlotArray slots, HostArena& arena) {
+            check_same_length(blocks, slots);
+            return b.copy_to_host(blocks.data(), slots.data(), blocks.shape(0), arena);
+          },
+          nb::arg("blocks"), nb::arg("slots"), nb::arg("arena"), nb::call_guard<nb::gil_scoped_release>(),
+          "Enqueues copies of blocks (every plane) into host slots; returns a ticket.")
+      .def(
+          "copy_from_host",
+          [](KVBuffer& b, HostArena& arena, SlotArray slots, IdArray blocks) {
+            check_same_length(blocks, slots);
+            b.copy_from_host(arena, slots.data(), blocks.data(), blocks.shape(0));
+          },
+          nb::arg("arena"), nb::arg("slots"), nb::arg("blocks"), nb::call_guard<nb::gil_scoped_release>(),
+          "Copies host slots into blocks (every plane); returns when done.")
+      .def("copies_done", &KVBuffer::copies_done, nb::arg("ticket"),
+           nb::call_guard<nb::gil_scoped_release>(),
+           "Whether the copies of a ticket are done (raises if one failed).")
       .def("take_device_error", &KVBuffer::take_device_error,
            "Reads and clears the device error record of write_kv_async: (code, slot).")
       .def("device_page_map", &KVBuffer::device_page_map,
@@ -161,6 +189,27 @@ NB_MODULE(_C, m) {
                                  dlpack_dtype(l.dtype), dev_type, self->local_id());
           },
           "A DLPack capsule over the whole virtual buffer (zero-copy).");
+
+  nb::class_<HostArena>(m, "HostArena")
+      .def(nb::new_([](std::shared_ptr<KVBuffer> buffer, int64_t num_slots) {
+             return std::make_shared<HostArena>(buffer->shared_pool(), buffer->block_bytes(),
+                                                buffer->layout().num_planes(), num_slots);
+           }),
+           nb::arg("buffer"), nb::arg("num_slots"))
+      .def_prop_ro("num_slots", &HostArena::num_slots)
+      .def_prop_ro("num_planes", &HostArena::num_planes)
+      .def_prop_ro("block_bytes", &HostArena::block_bytes)
+      .def_prop_ro("slot_bytes", &HostArena::slot_bytes)
+      .def_prop_ro("total_bytes", &HostArena::total_bytes)
+      .def_prop_ro("pinned", &HostArena::pinned)
+      .def(
+          "read_slot",
+          [](HostArena& a, int64_t slot) {
+            std::string out(a.slot_bytes(), '\0');
+            a.read_slot(slot, out.data());
+            return nb::bytes(out.data(), out.size());
+          },
+          nb::arg("slot"), "The bytes of one slot, every plane in order.");
 
   m.def("register_buffers", &register_buffers, nb::arg("shards"), nb::arg("key") = "",
         "Registers a KV cache's buffers (one per device, distinct device ordinals, one layout) "

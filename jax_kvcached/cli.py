@@ -57,6 +57,16 @@ def _parser() -> argparse.ArgumentParser:
         "--eviction", default="lru", choices=["lru", "lfu"],
         help="which idle cached prefix goes first: least recently or least frequently used",
     )  # fmt: skip
+    s.add_argument(
+        "--host-cache-tokens", type=int, default=None, metavar="N",
+        help="per model, a host-memory tier of N tokens for evicted prefix blocks: restored "
+        "instead of recomputed (default: $KVCACHED_HOST_CACHE_TOKENS; unset or 0: off)",
+    )  # fmt: skip
+    s.add_argument(
+        "--host-cache-bytes", default=None, metavar="SIZE",
+        help="the host tier's bound in bytes per model, e.g. 4GiB (default: "
+        "$KVCACHED_HOST_CACHE_BYTES; with --host-cache-tokens the smaller holds; 0: off)",
+    )  # fmt: skip
     s.add_argument("--seed", type=int, default=0, help="weights of the built-in presets")
     s.add_argument(
         "--no-warmup", action="store_true",
@@ -110,6 +120,20 @@ def _auth(args: argparse.Namespace):  # -> AuthConfig
         if key is not None and (not key.isprintable() or " " in key):
             raise ValueError(f"the {what} must be printable and contain no spaces")
     return AuthConfig(api_key, admin_key, args.allow_unauthenticated_admin)
+
+
+def _host_cache_args(args: argparse.Namespace) -> dict[str, int | None]:
+    """The host tier's bounds from --host-cache-tokens / --host-cache-bytes (None: the
+    environment's)."""
+    from jax_kvcached.memory.config import parse_bytes
+
+    tokens = args.host_cache_tokens
+    if tokens is not None and tokens < 0:
+        raise ValueError(f"--host-cache-tokens must be >= 0 (0: off), got {tokens}")
+    nbytes = args.host_cache_bytes
+    if nbytes is not None:
+        nbytes = parse_bytes(nbytes, "--host-cache-bytes", allow_zero=True)
+    return {"host_cache_tokens": tokens, "host_cache_bytes": nbytes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             specs = parse_specs(args.model or ["smollm2=smollm2-135m"], args.limit, args.guarantee)
             auth = _auth(args)
+            host_cache = _host_cache_args(args)
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -176,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 max_cached_tokens=args.max_cached_tokens, eviction=args.eviction, seed=args.seed,
                 warmup=not args.no_warmup, compile_cache=args.compile_cache, auth=auth,
                 shutdown_timeout=args.shutdown_timeout, tensor_parallel=args.tensor_parallel,
-                devices=args.devices,
+                devices=args.devices, **host_cache,
             )  # fmt: skip
         except (ValueError, FileNotFoundError) as e:  # a bad model, size or limit
             print(f"error: {e}", file=sys.stderr)

@@ -89,10 +89,13 @@ def complete_three_tokens(url: str, model: str) -> None:
 def test_cli_serve_and_top(tmp_path):
     import signal
 
+    import httpx
+
     cmd = [sys.executable, "-m", "jax_kvcached.cli"]
     proc, url = start_serve(
         ["--model", "a=tiny-llama", "--model", "b=tiny-qwen2", "--memory", "32MiB",
-         "--page-size", "256KiB", "--limit", "b=4MiB", "--no-warmup", "--backend", "host"],
+         "--page-size", "256KiB", "--limit", "b=4MiB", "--no-warmup", "--backend", "host",
+         "--host-cache-tokens", "512"],
         tmp_path,
     )  # fmt: skip
     try:
@@ -105,6 +108,10 @@ def test_cli_serve_and_top(tmp_path):
         rows = {ln.split()[0]: ln.split() for ln in top.stdout.splitlines()[3:] if ln.strip()}
         assert set(rows) == {"a", "b"}
         assert rows["b"][2] == "3.0"  # the 4MiB limit in whole qwen KV pages (6 x 256KiB)
+        assert "HOST" in top.stdout and rows["b"][6] == "0.0"  # a host tier, empty so far
+        metrics = httpx.get(f"{url}/metrics").text
+        # tiny-qwen2: 512 tokens = 32 blocks of 3 layers x 2 planes x 2 KiB
+        assert 'kvcached_host_cache_capacity_bytes{model="b"} 393216.0' in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
@@ -154,6 +161,8 @@ def test_cli_serve_rejects_bad_arguments(tmp_path):
         ),
         (["--model", "a=tiny-llama", "--devices", "0,9"], "--devices / --tensor-parallel"),
         (["--model", "a=tiny-llama", "--tensor-parallel", "2", "--devices", "0"], "lists 1"),
+        (["--model", "a=tiny-llama", "--host-cache-tokens", "-5"], "--host-cache-tokens must be"),
+        (["--model", "a=tiny-llama", "--host-cache-bytes", "lots"], "--host-cache-bytes: cannot"),
     ]:
         r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)

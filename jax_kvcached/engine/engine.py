@@ -19,6 +19,7 @@ from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.scheduler import Scheduler
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.memory import ops
+from jax_kvcached.memory.config import host_cache_blocks, parse_bytes
 from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
 from jax_kvcached.memory.pool import Pool
@@ -87,6 +88,10 @@ class Engine:
       prefix_caching: reuse the KV of cached prompt prefixes across requests.
       max_cached_tokens: prefix-cache bound (default ``KVCACHED_MAX_CACHED_TOKENS``).
       eviction: the prefix cache's eviction policy, ``"lru"`` (default) or ``"lfu"``.
+      host_cache_tokens / host_cache_bytes: the bound of the prefix cache's host tier
+        (evicted prefix blocks are copied to host memory and restored from there instead
+        of recomputed); default ``KVCACHED_HOST_CACHE_TOKENS`` / ``_BYTES``, unset: off.
+        On when a bound is positive (both: the smaller); 0 turns it off.
       log_every: steps between INFO logs of the prefix-cache metrics.
       memory_limit / memory_guarantee: this tenant's share of the pool (see
         :meth:`Pool.set_memory_limit`); changeable at run time through the pool.
@@ -116,6 +121,8 @@ class Engine:
         prefix_caching: bool = True,
         max_cached_tokens: int | None = None,
         eviction: str | EvictionPolicy = "lru",
+        host_cache_tokens: int | None = None,
+        host_cache_bytes: int | str | None = None,
         log_every: int = 200,
         memory_limit: int | str | None = None,
         memory_guarantee: int | str = 0,
@@ -163,10 +170,25 @@ class Engine:
             raise
         if max_cached_tokens is None:
             max_cached_tokens = pool.config.max_cached_tokens
-        self.kv = KVManager(
-            self.cache, self.max_model_len, prefix_caching=prefix_caching,
-            max_cached_tokens=max_cached_tokens, eviction=eviction,
-        )  # fmt: skip
+        if host_cache_tokens is None:
+            host_cache_tokens = pool.config.host_cache_tokens
+        if host_cache_bytes is None:
+            host_cache_bytes = pool.config.host_cache_bytes
+        elif not isinstance(host_cache_bytes, int) or isinstance(host_cache_bytes, bool):
+            host_cache_bytes = parse_bytes(host_cache_bytes, "host_cache_bytes", allow_zero=True)
+        try:
+            host_blocks = host_cache_blocks(
+                host_cache_tokens, host_cache_bytes, block_size,
+                self.cache.block_bytes * self.cache.pages_per_kv_page * len(self.cache.shards),
+            )  # fmt: skip
+            self.kv = KVManager(
+                self.cache, self.max_model_len, prefix_caching=prefix_caching,
+                max_cached_tokens=max_cached_tokens, eviction=eviction,
+                host_cache_blocks=host_blocks,
+            )  # fmt: skip
+        except BaseException:
+            self.cache.close()
+            raise
         self.kv.set_fence(self.runner.token)
         self.scheduler = Scheduler(
             self.kv, max_batch, prefill_chunk, self.max_model_len,
@@ -485,9 +507,11 @@ class Engine:
             "limit_bytes": lim.limit_bytes,
             "guarantee_bytes": lim.guarantee_bytes,
             "prefix_cache": self.kv.stats(),
+            "host_cache": self.kv.host_stats(),
         }
 
     def close(self) -> None:
         with self._lock:
             self.pool.set_reclaimer(self.name, None)
+            self.kv.close()
             self.cache.close()

@@ -8,20 +8,32 @@ prefixes above their guarantee (through the ledger), then a preemption signal (`
 returns False; whom to preempt is the scheduler's choice). Other tenants take memory
 back through :meth:`reclaim`.
 
+With a host tier (``host_cache_blocks`` > 0), evicted prefix blocks are copied to host
+memory first, and :meth:`admit` restores a prompt's prefix from there when it continues
+past the device-cached blocks (new blocks, KV copied back, no recompute).
+
 It also owns the device fence: the arrays of the last dispatched step, set by the engine
-after each dispatch. Every block freed here is unmapped only once the fence is ready, so
-no host policy code passes device arrays around.
+after each dispatch. Every block freed here is unmapped only once the fence is ready, and
+blocks are copied to or from the host tier only once it is ready, so no host policy code
+passes device arrays around.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import jax
+
 from jax_kvcached.engine.eviction import EvictionPolicy
+from jax_kvcached.engine.host_cache import HostCache
 from jax_kvcached.engine.prefix_cache import PrefixCache, hash_blocks
 from jax_kvcached.engine.sequence import Sequence
-from jax_kvcached.memory.errors import PoolExhausted
+from jax_kvcached.memory.errors import KVCacheError, PoolExhausted
+from jax_kvcached.memory.host_store import HostStore
 from jax_kvcached.memory.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 
 class KVManager:
@@ -33,6 +45,7 @@ class KVManager:
       prefix_caching: share the KV of cached prompt prefixes across requests.
       max_cached_tokens: the prefix cache's bound (default ``KVCACHED_MAX_CACHED_TOKENS``).
       eviction: the prefix cache's eviction policy (``"lru"``, ``"lfu"`` or an instance).
+      host_cache_blocks: blocks the host tier holds (0: no tier; needs prefix caching).
     """
 
     def __init__(
@@ -43,16 +56,24 @@ class KVManager:
         prefix_caching: bool = True,
         max_cached_tokens: int | None = None,
         eviction: str | EvictionPolicy = "lru",
+        host_cache_blocks: int = 0,
     ) -> None:
+        if host_cache_blocks < 0:
+            raise ValueError(f"host_cache_blocks must be >= 0, got {host_cache_blocks}")
         self.cache = cache
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
         self._fence: Any = None
         self.prefix_cache: PrefixCache | None = (
-            PrefixCache(cache, max_cached_tokens, policy=eviction, free=self._free)
+            PrefixCache(
+                cache, max_cached_tokens, policy=eviction, free=self._free, evicted=self._spill
+            )
             if prefix_caching
             else None
         )
+        self.host_cache: HostCache | None = None
+        if host_cache_blocks and self.caching:
+            self.host_cache = HostCache(HostStore(cache, host_cache_blocks), self.block_size)
 
     # -- the fence ---------------------------------------------------------------------
     def set_fence(self, arrays: Any) -> None:
@@ -62,6 +83,40 @@ class KVManager:
 
     def _free(self, blocks: list[int]) -> None:
         self.cache.free(blocks, after=self._fence)
+
+    def _wait_fence(self) -> None:
+        if self._fence is not None:
+            jax.block_until_ready(self._fence)
+
+    # -- the host tier -------------------------------------------------------------------
+    def _spill(self, hashes: list[bytes], blocks: list[int]) -> None:
+        """Evicted blocks go to the host tier (before the prefix cache frees them)."""
+        if self.host_cache is not None:
+            self._wait_fence()  # every step that wrote them is done
+            self.host_cache.store_blocks(hashes, blocks)
+
+    def _restore(self, seq: Sequence, hashes: list[bytes]) -> int:
+        """Restores the leading ``hashes`` the tier holds into new blocks of ``seq``
+        (which holds its device-cached prefix) and caches them; returns how many."""
+        have = len(seq.blocks)
+
+        def new_blocks(n: int) -> list[int] | None:
+            if not self.grow(seq, (have + n) * self.block_size):
+                return None
+            self._wait_fence()  # no dispatched step still reads them
+            return seq.blocks[have:]
+
+        try:
+            restored = self.host_cache.restore(hashes, new_blocks)
+        except KVCacheError as err:  # their contents are undefined: recompute instead
+            log.warning("%r: restoring from the host tier failed (%s)", self.cache.name, err)
+            dropped, seq.blocks = seq.blocks[have:], seq.blocks[:have]
+            if dropped:
+                self._free(dropped)
+            return 0
+        for h, b in zip(hashes, restored, strict=False):
+            self.prefix_cache.insert(h, b)
+        return len(restored)
 
     # -- arithmetic ------------------------------------------------------------------------
     @property
@@ -106,6 +161,7 @@ class KVManager:
             # The last token is always recomputed: it yields the next token's logits.
             hashes = self._hashes(seq, (seq.num_tokens - 1) // bs)
         hit = self.prefix_cache.lookup(hashes) if self.caching else 0
+        on_host = self.host_cache.lookup(hashes[hit:]) if self.host_cache else 0
         need = self.blocks_for(min(seq.num_tokens + 1, self.max_model_len)) - hit
         while need > (available := self.available_blocks() - hit):
             capacity = self.cache.capacity_blocks
@@ -119,6 +175,8 @@ class KVManager:
                 return None  # other tenants hold the memory: wait
         if self.caching:
             seq.blocks = self.prefix_cache.match(hashes)
+            if on_host:
+                self._restore(seq, hashes[len(seq.blocks) : len(seq.blocks) + on_host])
             seq.num_inserted = len(seq.blocks)
             seq.num_computed = len(seq.blocks) * bs
             seq.cached_tokens = seq.num_computed
@@ -188,9 +246,22 @@ class KVManager:
         return (before - cache.num_mapped_pages) * cache.pages_per_kv_page
 
     def reset_prefix_cache(self) -> int:
-        """Evicts every idle cached block; returns how many."""
+        """Forgets every idle cached block, on the device and in the host tier; returns
+        how many device blocks were evicted."""
+        if self.host_cache is not None:
+            self.host_cache.clear()
         return self.prefix_cache.reset() if self.prefix_cache else 0
 
     def stats(self) -> dict[str, Any] | None:
         """The prefix cache's figures (None without one)."""
         return self.prefix_cache.stats() if self.prefix_cache else None
+
+    def host_stats(self) -> dict[str, Any] | None:
+        """The host tier's figures (None without one)."""
+        return self.host_cache.stats() if self.host_cache else None
+
+    def close(self) -> None:
+        """Gives the host tier's memory back."""
+        if self.host_cache is not None:
+            self.host_cache.close()
+            self.host_cache = None

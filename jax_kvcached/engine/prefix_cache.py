@@ -62,6 +62,8 @@ class PrefixCache:
       policy: the eviction order, ``"lru"``, ``"lfu"`` or an EvictionPolicy.
       free: frees blocks that leave the cache (default ``cache.free``; the KV manager
         passes one that fences the unmap behind the last dispatched step).
+      evicted: called with (hashes, blocks) of evicted blocks before they are freed (the
+        KV manager copies them to its host tier); not called by :meth:`reset`.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class PrefixCache:
         *,
         policy: str | EvictionPolicy = "lru",
         free: Callable[[list[int]], None] | None = None,
+        evicted: Callable[[list[bytes], list[int]], None] | None = None,
     ) -> None:
         if max_cached_tokens is None:
             max_cached_tokens = Config.from_env().max_cached_tokens
@@ -81,6 +84,7 @@ class PrefixCache:
         self.max_cached_tokens = max_cached_tokens
         self.policy = make_policy(policy)
         self._free = free or cache.free
+        self._evicted = evicted
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._ref: dict[int, int] = {}
@@ -108,6 +112,10 @@ class PrefixCache:
     def evictable_blocks(self) -> list[int]:
         """The idle cached blocks, in eviction order."""
         return list(self.policy.order())
+
+    def block_of(self, h: bytes) -> int | None:
+        """The block cached under hash ``h`` (None if none)."""
+        return self._block_of.get(h)
 
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
@@ -196,8 +204,10 @@ class PrefixCache:
         self._enforce_bound()
 
     # -- eviction --------------------------------------------------------------------
-    def _drop(self, blocks: Iterable[int]) -> int:
+    def _drop(self, blocks: Iterable[int], *, spill: bool = True) -> int:
         blocks = list(blocks)
+        if blocks and spill and self._evicted is not None:
+            self._evicted([self._hash_of[b] for b in blocks], blocks)
         for block in blocks:
             self.policy.on_remove(block)
             del self._block_of[self._hash_of.pop(block)]
@@ -243,8 +253,9 @@ class PrefixCache:
         return self._drop(victims)
 
     def reset(self) -> int:
-        """Evicts every idle cached block; returns how many. Blocks in use stay."""
-        return self._drop(list(self.policy.order()))
+        """Evicts every idle cached block (forgotten: not handed to ``evicted``);
+        returns how many. Blocks in use stay."""
+        return self._drop(list(self.policy.order()), spill=False)
 
     def log_stats(self) -> None:
         s = self.stats()

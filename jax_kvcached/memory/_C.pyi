@@ -86,6 +86,16 @@ class KVBuffer:
     @property
     def num_mapped_pages(self) -> int: ...
     def mapped_pages(self) -> list[int]: ...
+    def copy_to_host(
+        self, blocks: npt.NDArray[np.int32], slots: npt.NDArray[np.int64], arena: HostArena
+    ) -> int:
+        """Enqueues copies of blocks (every plane) into host slots; returns a ticket."""
+    def copy_from_host(
+        self, arena: HostArena, slots: npt.NDArray[np.int64], blocks: npt.NDArray[np.int32]
+    ) -> None:
+        """Copies host slots into blocks (every plane); returns when done."""
+    def copies_done(self, ticket: int) -> bool:
+        """Whether the copies of a ticket are done (raises if one failed)."""
     def take_device_error(self) -> tuple[int, int]:
         """Reads and clears the device error record of write_kv_async: (code, slot)."""
     def device_page_map(self) -> list[int]:
@@ -97,6 +107,26 @@ class KVBuffer:
     def dlpack_device(self) -> tuple[int, int]: ...
     def dlpack(self) -> Any:
         """A DLPack capsule over the whole virtual buffer (zero-copy)."""
+
+class HostArena:
+    """Host memory for num_slots copies of one block of every plane of ``buffer``
+    (page-locked on CUDA)."""
+
+    def __init__(self, buffer: KVBuffer, num_slots: int) -> None: ...
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def num_planes(self) -> int: ...
+    @property
+    def block_bytes(self) -> int: ...
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def total_bytes(self) -> int: ...
+    @property
+    def pinned(self) -> bool: ...
+    def read_slot(self, slot: int) -> bytes:
+        """The bytes of one slot, every plane in order."""
 
 def register_buffers(shards: list[KVBuffer], key: str = "") -> int:
     """Registers a KV cache's buffers (one per device) and returns its handle."""

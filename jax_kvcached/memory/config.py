@@ -64,6 +64,29 @@ def _env_number(env: Mapping[str, str], name: str, default, kind, lo=None, hi=No
     return value
 
 
+def _env_bytes(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    return parse_bytes(raw, name, allow_zero=True)
+
+
+def host_cache_blocks(
+    tokens: int | None, nbytes: int | None, block_size: int, block_bytes: int
+) -> int:
+    """Blocks a host tier bounded by ``tokens`` and / or ``nbytes`` holds (``block_bytes``:
+    one block's host bytes). 0 (off) when neither is set or either is 0."""
+    for value, what in ((tokens, "host cache tokens"), (nbytes, "host cache bytes")):
+        if value is not None and (isinstance(value, bool) or value < 0):
+            raise ValueError(f"{what} must be >= 0 (0: off), got {value!r}")
+    bounds = []
+    if tokens is not None:
+        bounds.append(tokens // block_size)
+    if nbytes is not None:
+        bounds.append(nbytes // block_bytes)
+    return min(bounds) if bounds else 0
+
+
 @dataclass(frozen=True)
 class Config:
     """Library settings; :meth:`from_env` reads them from ``KVCACHED_*`` variables."""
@@ -74,6 +97,10 @@ class Config:
     min_reserved_pages: int = 5
     max_reserved_pages: int = 10
     max_cached_tokens: int = 16000
+    # The host tier of the prefix cache, per engine (None: unset; 0: off). It is on when
+    # a bound is set and positive; with both set it holds the smaller.
+    host_cache_tokens: int | None = None
+    host_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.min_reserved_pages > self.max_reserved_pages:
@@ -98,4 +125,6 @@ class Config:
             min_reserved_pages=_env_number(env, "KVCACHED_MIN_RESERVED_PAGES", 5, int, lo=0),
             max_reserved_pages=_env_number(env, "KVCACHED_MAX_RESERVED_PAGES", 10, int, lo=0),
             max_cached_tokens=_env_number(env, "KVCACHED_MAX_CACHED_TOKENS", 16000, int, lo=-1),
+            host_cache_tokens=_env_number(env, "KVCACHED_HOST_CACHE_TOKENS", None, int, lo=0),
+            host_cache_bytes=_env_bytes(env, "KVCACHED_HOST_CACHE_BYTES"),
         )

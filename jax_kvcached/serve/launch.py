@@ -195,6 +195,8 @@ def serve(
     max_body_bytes: int = 1 << 20,
     tensor_parallel: int = 1,
     devices: str | None = None,
+    host_cache_tokens: int | None = None,
+    host_cache_bytes: int | None = None,
 ) -> None:
     """Builds the engines and serves until SIGINT / SIGTERM. On the signal it stops
     accepting connections and requests, lets in-flight requests finish for up to
@@ -231,7 +233,13 @@ def serve(
             models[spec.name] = build_served(
                 spec, pool, max_batch=max_batch, seed=seed + i, dtype=dtype,
                 max_cached_tokens=max_cached_tokens, eviction=eviction,
+                host_cache_tokens=host_cache_tokens, host_cache_bytes=host_cache_bytes,
             )  # fmt: skip
+            if hc := models[spec.name].engine.stats()["host_cache"]:
+                log.info(
+                    "%s: host tier of %d tokens (%.1f MiB%s)", spec.name, hc["capacity_tokens"],
+                    hc["capacity_bytes"] / 2**20, ", page-locked" if hc["pinned_memory"] else "",
+                )  # fmt: skip
             if warmup:
                 warm_up(models[spec.name], spec.name)
         loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)

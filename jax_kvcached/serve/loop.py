@@ -200,7 +200,7 @@ class ServingLoop:
         out = {}
         for name, eng in self.engines.items():  # engines may live in different pools
             e = eng.stats()
-            pc = e["prefix_cache"]
+            pc, hc = e["prefix_cache"], e["host_cache"] or {}
             out[name] = {
                 "waiting": e["waiting"],
                 "running": e["running"],
@@ -219,6 +219,17 @@ class ServingLoop:
                 "prefix_cached_tokens": pc["cached_tokens"] if pc else 0,
                 "prefix_hits_tokens": pc["hits_tokens"] if pc else 0,
                 "prefix_queries_tokens": pc["queries_tokens"] if pc else 0,
+                # the prefix cache's host tier (zeros without one)
+                "host_hit_rate": hc["hits_tokens"] / pc["queries_tokens"]
+                if hc and pc and pc["queries_tokens"]
+                else 0.0,
+                "host_hits_tokens": hc.get("hits_tokens", 0),
+                "host_restores": hc.get("restores", 0),
+                "host_bytes_to_host": hc.get("bytes_to_host", 0),
+                "host_bytes_from_host": hc.get("bytes_from_host", 0),
+                "host_entries": hc.get("entries", 0),
+                "host_bytes": hc.get("bytes", 0),
+                "host_capacity_bytes": hc.get("capacity_bytes", 0),
                 "failed": name in self.failed,
             }
         return out

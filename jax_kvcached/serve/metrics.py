@@ -50,13 +50,29 @@ class _LoopCollector:
         yield gauge("kvcached_max_batch", "Requests run at once.", "max_batch")
         yield gauge(
             "kvcached_prefix_hit_rate",
-            "Prompt tokens served from the prefix cache.",
+            "Prompt tokens served from the prefix cache on the device.",
             "prefix_hit_rate",
         )
         yield gauge(
             "kvcached_prefix_cached_tokens",
             "Tokens held by the prefix cache.",
             "prefix_cached_tokens",
+        )
+        yield gauge(
+            "kvcached_host_cache_bytes",
+            "Host memory held by the prefix cache's host tier (entries x block bytes).",
+            "host_bytes",
+        )
+        yield gauge(
+            "kvcached_host_cache_capacity_bytes",
+            "The host tier's bound (0: no host tier).",
+            "host_capacity_bytes",
+        )
+        yield gauge("kvcached_host_cache_entries", "Blocks held by the host tier.", "host_entries")
+        yield gauge(
+            "kvcached_host_hit_rate",
+            "Prompt tokens restored from the host tier (of those looked up).",
+            "host_hit_rate",
         )
         yield gauge(
             "kvcached_model_failed", "1 if the model's engine was taken out of service.", "failed"
@@ -67,6 +83,14 @@ class _LoopCollector:
             ("kvcached_generated_tokens", "Tokens generated.", "generated_tokens"),
             ("kvcached_prefix_hit_tokens", "Prompt tokens found cached.", "prefix_hits_tokens"),
             ("kvcached_prefix_query_tokens", "Prompt tokens looked up.", "prefix_queries_tokens"),
+            ("kvcached_host_hit_tokens", "Prompt tokens restored from the host tier.",
+             "host_hits_tokens"),
+            ("kvcached_host_restores", "Requests whose prefix the host tier restored.",
+             "host_restores"),
+            ("kvcached_host_copied_to_host_bytes", "Bytes copied out to the host tier.",
+             "host_bytes_to_host"),
+            ("kvcached_host_copied_from_host_bytes", "Bytes restored from the host tier.",
+             "host_bytes_from_host"),
         ):  # fmt: skip
             c = CounterMetricFamily(name, doc, labels=["model"])
             for model, s in stats.items():

@@ -76,6 +76,7 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
         f"({100 * used:.0f}%), {pool['reserved'] / MiB:.1f} MiB reserved",
         "",
         f"{'MODEL':<16}{'MAPPED':>8}{'LIMIT':>8}{'GUAR':>8} {'HIT%':>5} {'CACHED':>7} "
+        f"{'HOST':>7} {'HHIT%':>5} "
         f"{'QUEUE':>5} {'RUN':>4} {'TOK/S':>7} {'PREEMPT':>7} {'TTFT p50':>9} {'p99':>8}",
     ]
     mapped = _by_model(m, "kvcached_mapped_bytes")
@@ -83,6 +84,9 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
     guar = _by_model(m, "kvcached_memory_guarantee_bytes")
     hit = _by_model(m, "kvcached_prefix_hit_rate")
     cached = _by_model(m, "kvcached_prefix_cached_tokens")
+    host = _by_model(m, "kvcached_host_cache_bytes")
+    host_cap = _by_model(m, "kvcached_host_cache_capacity_bytes")
+    host_hit = _by_model(m, "kvcached_host_hit_rate")
     queue = _by_model(m, "kvcached_queue_depth")
     running = _by_model(m, "kvcached_running_requests")
     pre = _by_model(m, "kvcached_preemptions_total")
@@ -97,7 +101,10 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
         lines.append(
             f"{name:<16}{_mib(mapped[model]):>8}{_mib(limit.get(model)):>8}"
             f"{_mib(guar.get(model, 0.0)):>8} {100 * hit.get(model, 0.0):5.1f} "
-            f"{cached.get(model, 0):7.0f} {queue.get(model, 0):5.0f} {running.get(model, 0):4.0f} "
+            f"{cached.get(model, 0):7.0f} "
+            f"{_mib(host.get(model)) if host_cap.get(model) else '      -':>7} "
+            f"{100 * host_hit.get(model, 0.0):5.1f} "
+            f"{queue.get(model, 0):5.0f} {running.get(model, 0):4.0f} "
             f"{'      -' if math.isnan(rate) else f'{rate:7.1f}'} {pre.get(model, 0):7.0f} "
             f"{ms(p50):>9} {ms(p99):>8}"
         )
