@@ -304,9 +304,10 @@ def test_outputs_are_identical_with_the_tier_on_and_off():
     assert s_on["prefix_cache"]["hits_tokens"] + hc["hits_tokens"] == 3 * 64
     assert s_off["prefix_cache"]["hits_tokens"] < 3 * 64
     assert hc["restores"] >= 2
-    assert hc["bytes_from_host"] == hc["restored_blocks"] * hc["capacity_bytes"] // hc[
-        "capacity_blocks"
-    ]
+    assert (
+        hc["bytes_from_host"]
+        == hc["restored_blocks"] * hc["capacity_bytes"] // hc["capacity_blocks"]
+    )
 
 
 def test_a_restored_block_is_byte_identical_to_the_evicted_one():

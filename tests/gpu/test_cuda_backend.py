@@ -192,3 +192,27 @@ def test_write_kv_async_checks_slots_on_the_device(gpool):
     ops.raise_device_errors(c)  # cleared: raised once
     assert float(jnp.abs(c.view[:, :, 7 * c.blocks_per_page].astype(jnp.float32)).sum()) == 0.0
     c.free(ids)
+
+
+def test_host_tier_copies_are_asynchronous_byte_identical_and_outlive_no_page(gpool):
+    from jax_kvcached.memory.host_store import HostStore
+
+    c = gpool.create_kv_cache("tier", 2, 8, 128, "float32")
+    store = HostStore(c, 16)
+    assert store.pinned  # page-locked host memory: DMA copies
+    ids = c.alloc(4)
+    slots = _on_gpu(jnp.asarray(c.slot_mapping(ids, np.arange(64))))
+    k = _on_gpu(jnp.asarray(np.random.default_rng(2).standard_normal((2, 64, 8, 128)), jnp.float32))
+    ops.write_kv(c, 0, k, -k, slots, _on_gpu(ops.new_token())).block_until_ready()
+    before = np.asarray(c.view[:, :, np.asarray(ids)])
+    ticket = store.copy_out(ids.tolist(), store.alloc(4))
+    c.free(ids)  # the unmap waits for the enqueued copies
+    deadline = time.monotonic() + 10
+    while not store.done(ticket):
+        assert time.monotonic() < deadline
+    new = c.alloc(4)
+    store.copy_in([0, 1, 2, 3], new.tolist())
+    np.testing.assert_array_equal(np.asarray(c.view[:, :, np.asarray(new)]), before)
+    for i in range(4):
+        assert store.read_slot(i) == np.ascontiguousarray(before[:, :, i]).tobytes()
+    store.close()

@@ -26,17 +26,25 @@ pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU engine 
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, *range(40, 77)], [256, 9], [256, *range(1, 70)]]
 
 
-def _run(backend, device, attention="auto", devices=None):
+def _run(backend, device, attention="auto", devices=None, host_cache_tokens=0):
     with jax.default_device(device):
         model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=3)
         where = {"devices": devices} if devices else {}
         pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0,
                        **where)  # fmt: skip
-        eng = Engine(model, pool, name="m", max_batch=4, attention=attention)
+        eng = Engine(
+            model, pool, name="m", max_batch=4, attention=attention,
+            host_cache_tokens=host_cache_tokens,
+        )  # fmt: skip
         view = eng.cache.view
         for shard, buf in zip(view.addressable_shards, eng.cache.shards, strict=True):
             assert shard.data.unsafe_buffer_pointer() == buf.base  # zero-copy
         outs = eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+        if host_cache_tokens:  # evict to the host tier, then restore every prefix
+            eng.prefix_cache.evict(10**6)
+            again = eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+            assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+            assert eng.stats()["host_cache"]["restores"] >= 2
         eng.reset_prefix_cache()
         assert set(pool.mapped_pages_per_device().values()) == {0}  # nothing leaks
         pool.close()
@@ -47,6 +55,11 @@ def test_engine_on_cuda_matches_the_cpu_run():
     cpu = _run("host", jax.devices("cpu")[0])
     assert _run("cuda", _gpus()[0]) == cpu  # the Pallas kernel (auto on CUDA)
     assert _run("cuda", _gpus()[0], attention="xla") == cpu
+
+
+def test_host_tier_on_cuda_restores_what_it_evicted():
+    cpu = _run("host", jax.devices("cpu")[0])
+    assert _run("cuda", _gpus()[0], host_cache_tokens=4096) == cpu
 
 
 def test_tensor_parallel_engine_on_cuda_matches_the_cpu_run():
