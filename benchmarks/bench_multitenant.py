@@ -7,6 +7,12 @@ Both configurations serve the same seeded arrival trace through the same Serving
 after compiling the step shapes the trace can hit. Prints a table of TTFT p50/p99,
 throughput, peak mapped memory and preemptions with static/elastic ratios, writes JSON
 and a PNG timeline of per-model memory to benchmarks/results/.
+
+The host-tier section (``--host-tier``, also part of the default run): two tenants with
+cached prefixes take turns bursting; each burst reclaims the idle tenant's idle cached
+prefixes. The idle tenant's next requests (same prefixes) then find them on the device,
+in the host tier, or nowhere: its prefix hits after the other's burst, as a share of its
+hits with no burst, and its TTFT, with and without the tier.
 """
 
 from __future__ import annotations
@@ -174,6 +180,93 @@ def summarize(res: dict) -> dict:
     }
 
 
+TIER_TENANTS = ("llama-4l", "qwen-3l")
+
+
+def host_tier_bursts(models, rounds: int, tier_tokens: int, seed: int = 0) -> dict:
+    """Alternating bursts with prefix caching, with (``tier_tokens`` > 0) or without the
+    host tier. Per round the idle tenant asks twice on its 4 shared 512-token prefixes
+    (the second ask finds them all on the device: the reference), the busy tenant serves
+    16 long unique prompts (more than the pool holds: it reclaims the idle tenant's idle
+    cached prefixes), then the idle tenant asks again (measured). The first two rounds
+    (one per tenant) warm up every step shape and are not counted."""
+    rng = np.random.default_rng(seed)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    pool = kv.Pool("12MiB", page_size=64 << 10, backend="host")
+    engines = {
+        n: Engine(
+            models[n],
+            pool,
+            name=n,
+            max_batch=8,
+            prefill_chunk=128,
+            max_cached_tokens=-1,
+            host_cache_tokens=tier_tokens,
+        )  # fmt: skip
+        for n in TIER_TENANTS
+    }
+    prefixes = {n: [rng.integers(1, 250, 512).tolist() for _ in range(4)] for n in TIER_TENANTS}
+
+    def ask(name):
+        """The tenant's 4 requests on its prefixes: (prefix tokens found, TTFT median)."""
+        ps = [p + rng.integers(1, 250, 16).tolist() for p in prefixes[name]]
+        outs = engines[name].generate(ps, greedy)
+        return sum(o.cached_tokens for o in outs), float(np.median([o.ttft_s for o in outs]))
+
+    rows = []
+    for r in range(rounds + 2):
+        busy, idle = TIER_TENANTS[r % 2], TIER_TENANTS[1 - r % 2]
+        ask(idle)
+        ref_hits, ref_ttft = ask(idle)  # every prefix cached on the device
+        engines[busy].generate([rng.integers(1, 250, 600).tolist() for _ in range(8)], greedy)
+        hits, ttft = ask(idle)
+        if r >= 2:
+            rows.append(
+                {"busy": busy, "idle": idle, "hits_before_burst": ref_hits,
+                 "hits_after_burst": hits, "ttft_before_burst_ms": ref_ttft * 1e3,
+                 "ttft_after_burst_ms": ttft * 1e3}
+            )  # fmt: skip
+    tiers = {n: e.stats()["host_cache"] for n, e in engines.items()}
+    compiled = {n: e.num_compiled for n, e in engines.items()}
+    for e in engines.values():
+        e.close()
+    pool.close()
+    kept = sum(r["hits_after_burst"] for r in rows) / sum(r["hits_before_burst"] for r in rows)
+    return {
+        "tier_tokens": tier_tokens,
+        "rounds": rows,
+        "hits_kept": kept,
+        "ttft_after_burst_ms": float(np.median([r["ttft_after_burst_ms"] for r in rows])),
+        "ttft_before_burst_ms": float(np.median([r["ttft_before_burst_ms"] for r in rows])),
+        "host_cache": tiers,
+        "compiled_shapes": compiled,
+    }
+
+
+def run_host_tier(models, rounds: int) -> dict:
+    out = {"without": host_tier_bursts(models, rounds, 0)}
+    out["with"] = host_tier_bursts(models, rounds, 8192)
+    w, wo = out["with"], out["without"]
+    print("\nhost tier: alternating bursts reclaim the idle tenant's cached prefixes")
+    print(f"{'idle tenant, 4 x 512-token prefixes':40}{'without tier':>14}{'with tier':>12}")
+    for label, key, scale, unit in (
+        ("prefix hits kept after a burst", "hits_kept", 100, "%"),
+        ("TTFT after a burst (ms)", "ttft_after_burst_ms", 1, ""),
+        ("TTFT before it, all on device (ms)", "ttft_before_burst_ms", 1, ""),
+    ):
+        print(f"{label:40}{scale * wo[key]:13.0f}{unit or ' '}{scale * w[key]:11.0f}{unit or ' '}")
+    tiers = w["host_cache"].values()
+    print(
+        f"  with the tier: {sum(t['restores'] for t in tiers)} restores, "
+        f"{sum(t['bytes_from_host'] for t in tiers) / MiB:.1f} MiB restored, "
+        f"{sum(t['bytes_to_host'] for t in tiers) / MiB:.1f} MiB copied out"
+    )
+    ok = w["hits_kept"] >= 0.9
+    print(f"hits kept with the tier: {100 * w['hits_kept']:.0f}% (goal >= 90%: "
+          f"{'met' if ok else 'NOT met'})")  # fmt: skip
+    return out
+
+
 def plot(path, runs, budget, args) -> None:
     import matplotlib
 
@@ -222,13 +315,26 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="a short run (12 s of arrivals)")
+    p.add_argument(
+        "--host-tier", action="store_true",
+        help="only the host-tier section (alternating bursts with prefix caching)",
+    )  # fmt: skip
+    p.add_argument("--rounds", type=int, default=6, help="bursts in the host-tier section")
     args = p.parse_args()
     if args.quick:
         args.duration = 12.0
     budget = kv.parse_bytes(args.budget)
     page = kv.parse_bytes(args.page_size)
-    trace = make_trace(args.duration, args.hi, args.lo, args.prompt_len, args.seed)
     models = {n: build_model(c, seed=i) for i, (n, c) in enumerate(MODELS.items())}
+    if args.host_tier:
+        tier = run_host_tier(models, args.rounds)
+        out = os.path.join(os.path.dirname(args.out), "bench_multitenant_host_tier.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(tier, f, indent=1)
+        print(f"wrote {out}")
+        return
+    trace = make_trace(args.duration, args.hi, args.lo, args.prompt_len, args.seed)
     print(
         f"{len(trace)} requests over {args.duration:.0f} s, budget {budget / MiB:.0f} MiB, "
         f"pages {page // 1024} KiB, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
@@ -285,6 +391,7 @@ def main() -> None:
         "static": s,
         "p99_ttft_ratio": goal,
         "timelines": {c: runs[c]["timeline"] for c in runs},
+        "host_tier": run_host_tier(models, 2 if args.quick else args.rounds),
     }
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -414,3 +414,38 @@ def test_a_tensor_parallel_engine_restores_from_the_tier():
         eng.close()
     assert outs[0] == outs[1024]
     pool.close()
+
+
+def test_a_chain_split_between_device_and_tier_is_restored_in_place():
+    """Page-aware eviction can take a chain's middle: the request matches the device
+    blocks around it and restores the middle from the host tier."""
+    pool = small_pool(40)
+    outs = {}
+    for host in (0, 1024):
+        eng = Engine(build_model(LLAMA, seed=3), pool, name=f"e{host}", host_cache_tokens=host)
+        p = prompts(4, 1, 70, [])[0]
+        greedy = SamplingParams(max_tokens=3, ignore_eos=True)
+        first = eng.generate([p + [1]], greedy)[0]
+        pc = eng.prefix_cache
+        hs = hash_blocks(p, BS, extra_key_bytes(eng.name, None, None))
+        blocks = [pc.block_of(h) for h in hs]
+        view = np.asarray(eng.cache.view)
+        middle = block_bytes(view, blocks[1])
+        for b in (blocks[0], blocks[2], blocks[3]):
+            pc.policy.touch(b)  # block 1 becomes the least recently used
+        assert pc.evict(1, page_aware=False) == 1 and pc.block_of(hs[1]) is None
+        out = eng.generate([p + [2]], greedy)[0]
+        outs[host] = (first.token_ids, out.token_ids)
+        if host:
+            assert out.cached_tokens == 64
+            hc = eng.kv.host_cache
+            assert hc.restores == 1 and hc.restored_blocks == 1
+            assert [pc.block_of(h) for h in hs][::2] == blocks[::2]  # matched in place
+            view = np.asarray(eng.cache.view)
+            assert block_bytes(view, pc.block_of(hs[1])) == middle
+        else:
+            assert out.cached_tokens == 16  # only the head: the chain breaks at the gap
+        check_accounting(eng)
+        eng.close()
+    assert outs[0] == outs[1024]
+    pool.close()

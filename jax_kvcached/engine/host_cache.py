@@ -93,12 +93,16 @@ class HostCache:
             return False
         return e.ready
 
+    def ready(self, h: bytes) -> bool:
+        """Whether the tier can serve ``h`` now (its copy has completed)."""
+        e = self._entries.get(h)
+        return e is not None and self._ready(h, e)
+
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """How many leading ``hashes`` the tier can serve now (no change, no metrics)."""
         n = 0
         for h in hashes:
-            e = self._entries.get(h)
-            if e is None or not self._ready(h, e):
+            if not self.ready(h):
                 break
             n += 1
         return n

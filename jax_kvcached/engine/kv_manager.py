@@ -95,28 +95,71 @@ class KVManager:
             self._wait_fence()  # every step that wrote them is done
             self.host_cache.store_blocks(hashes, blocks)
 
-    def _restore(self, seq: Sequence, hashes: list[bytes]) -> int:
-        """Restores the leading ``hashes`` the tier holds into new blocks of ``seq``
-        (which holds its device-cached prefix) and caches them; returns how many."""
-        have = len(seq.blocks)
+    def _prefix(self, hashes: list[bytes]) -> tuple[int, int]:
+        """(n, on_device): the longest prefix of ``hashes`` whose every block is cached
+        on the device or servable from the host tier, and how many of those are on the
+        device. Page-aware eviction empties whole pages, so a chain's evicted blocks
+        need not be its tail: device and host blocks may alternate."""
+        pc, hc = self.prefix_cache, self.host_cache
+        if hc is None:
+            n = pc.lookup(hashes)
+            return n, n
+        n = dev = 0
+        for h in hashes:
+            if pc.block_of(h) is not None:
+                dev += 1
+            elif not hc.ready(h):
+                break
+            n += 1
+        return n, dev
+
+    def _take_prefix(self, hashes: list[bytes], n: int) -> list[int]:
+        """The blocks of the first ``n`` hashes (see :meth:`_prefix`), each held: device
+        ones matched, host ones restored into new blocks and cached. Shorter when memory
+        for a restore cannot be had (the rest is recomputed)."""
+        pc = self.prefix_cache
+        if self.host_cache is None:
+            return pc.match(hashes)
+        found = pc.match_each(hashes, n)
+        missing = [i for i, b in enumerate(found) if b is None]
+        restored = self._restore([hashes[i] for i in missing]) if missing else []
+        if len(restored) < len(missing):  # cut before the first block not restored
+            cut = missing[len(restored)]
+            pc.release([b for b in found[cut:] if b is not None])
+            found = found[:cut]
+        for i, b in zip(missing, restored, strict=False):
+            found[i] = b
+            pc.insert(hashes[i], b)
+        return found
+
+    def _alloc(self, n: int) -> list[int] | None:
+        """``n`` new blocks: evicting own idle prefixes, then asking other tenants for
+        theirs. None: no memory without preempting."""
+        while True:
+            try:
+                return self.cache.alloc(n).tolist()
+            except PoolExhausted:
+                if self.prefix_cache and self.prefix_cache.evict(n) > 0:
+                    continue
+                if self._reclaim_from_others(n) > 0:
+                    continue
+                return None
+
+    def _restore(self, hashes: list[bytes]) -> list[int]:
+        """New blocks holding the host tier's copies of ``hashes`` (fewer, in order, when
+        memory or a copy fails; an empty list then frees what was allocated)."""
 
         def new_blocks(n: int) -> list[int] | None:
-            if not self.grow(seq, (have + n) * self.block_size):
-                return None
-            self._wait_fence()  # no dispatched step still reads them
-            return seq.blocks[have:]
+            blocks = self._alloc(n)
+            if blocks is not None:
+                self._wait_fence()  # no dispatched step still reads them
+            return blocks
 
         try:
-            restored = self.host_cache.restore(hashes, new_blocks)
+            return self.host_cache.restore(hashes, new_blocks)
         except KVCacheError as err:  # their contents are undefined: recompute instead
             log.warning("%r: restoring from the host tier failed (%s)", self.cache.name, err)
-            dropped, seq.blocks = seq.blocks[have:], seq.blocks[:have]
-            if dropped:
-                self._free(dropped)
-            return 0
-        for h, b in zip(hashes, restored, strict=False):
-            self.prefix_cache.insert(h, b)
-        return len(restored)
+            return []
 
     # -- arithmetic ------------------------------------------------------------------------
     @property
@@ -160,8 +203,7 @@ class KVManager:
         if self.caching:
             # The last token is always recomputed: it yields the next token's logits.
             hashes = self._hashes(seq, (seq.num_tokens - 1) // bs)
-        hit = self.prefix_cache.lookup(hashes) if self.caching else 0
-        on_host = self.host_cache.lookup(hashes[hit:]) if self.host_cache else 0
+        prefix, hit = self._prefix(hashes) if self.caching else (0, 0)
         need = self.blocks_for(min(seq.num_tokens + 1, self.max_model_len)) - hit
         while need > (available := self.available_blocks() - hit):
             capacity = self.cache.capacity_blocks
@@ -174,9 +216,7 @@ class KVManager:
             if not self._reclaim_from_others(need - available):
                 return None  # other tenants hold the memory: wait
         if self.caching:
-            seq.blocks = self.prefix_cache.match(hashes)
-            if on_host:
-                self._restore(seq, hashes[len(seq.blocks) : len(seq.blocks) + on_host])
+            seq.blocks = self._take_prefix(hashes, prefix)
             seq.num_inserted = len(seq.blocks)
             seq.num_computed = len(seq.blocks) * bs
             seq.cached_tokens = seq.num_computed
@@ -186,16 +226,12 @@ class KVManager:
         """Gives ``seq`` blocks for ``num_tokens`` tokens: evicting own idle prefixes,
         then asking other tenants for theirs. False: no memory without preempting."""
         need = self.blocks_for(num_tokens) - len(seq.blocks)
-        while need > 0:
-            try:
-                seq.blocks.extend(self.cache.alloc(need).tolist())
-                return True
-            except PoolExhausted:
-                if self.prefix_cache and self.prefix_cache.evict(need) > 0:
-                    continue
-                if self._reclaim_from_others(need) > 0:
-                    continue
-                return False
+        if need <= 0:
+            return True
+        blocks = self._alloc(need)
+        if blocks is None:
+            return False
+        seq.blocks.extend(blocks)
         return True
 
     def release(self, seq: Sequence) -> None:

@@ -169,6 +169,20 @@ class PrefixCache:
         self.hits += len(out) * self.block_size
         return out
 
+    def match_each(self, hashes: Sequence[bytes], n: int) -> list[int | None]:
+        """One entry per hash of the first ``n`` of ``hashes``: its cached block, with a
+        ref taken, or None where it is not cached (the caller fills the gaps, e.g. from
+        the host tier). Counts the lookup of all ``hashes``."""
+        self.queries += len(hashes) * self.block_size
+        out = [self._block_of.get(h) if self.enabled else None for h in hashes[:n]]
+        for block in out:
+            if block is not None:
+                self._ref[block] += 1
+                self.policy.on_busy(block)
+                self.policy.on_hit(block)
+                self.hits += self.block_size
+        return out
+
     def insert(self, h: bytes, block: int) -> bool:
         """Registers a computed full block held (ref 1) by one sequence. Returns False
         (and changes nothing) when caching is off or the hash is already cached."""
