@@ -5,6 +5,8 @@
 2. KV-page map+unmap through the Python API (one KV page = 2 * num_layers pages).
 3. The decode write path: FFI write_kv into the virtual buffer vs a donated
    dynamic_update_slice into an XLA-owned dense cache, side by side in one run.
+4. The host tier's copies: 2048 tokens of KV (128 blocks) out to the host arena and back
+   (per backend: page-locked memory and a copy stream on CUDA).
 
 Prints a table and writes JSON (default benchmarks/results/bench_vmm.json).
 """
@@ -173,6 +175,36 @@ def bench_write(batch: int, layers: int, heads: int, dim: int, max_len: int, ite
     }
 
 
+def bench_host_tier(backend: str, layers: int, iters: int) -> dict:
+    """Copy out (enqueue + wait for the ticket) and copy in of 128 blocks of 16 tokens,
+    ``layers`` x 8 KV heads x 128, bf16 (what a 2048-token prefix restore moves)."""
+    from jax_kvcached.memory.host_store import HostStore
+
+    pool = kv.Pool("2GiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
+    c = pool.create_kv_cache("bench-host-tier", layers, 8, 128, "bfloat16")
+    store = HostStore(c, 128)
+    blocks = c.alloc(128).tolist()
+    slots = store.alloc(128)
+    outs, ins = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        ticket = store.copy_out(blocks, slots)
+        while not store.done(ticket):
+            pass
+        t1 = time.perf_counter()
+        store.copy_in(slots, blocks)
+        ins.append(time.perf_counter() - t1)
+        outs.append(t1 - t0)
+    mib = 128 * store.slot_bytes / (1 << 20)
+    pool.close()
+    out_ms, in_ms = 1e3 * float(np.median(outs)), 1e3 * float(np.median(ins))
+    return {
+        "backend": backend, "layers": layers, "mib": mib, "pinned": store.pinned,
+        "out_ms": out_ms, "in_ms": in_ms,
+        "out_gib_s": mib / 1024 / (out_ms / 1e3), "in_gib_s": mib / 1024 / (in_ms / 1e3),
+    }  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=256, help="pages per backend run")
@@ -196,6 +228,10 @@ def main() -> None:
     pool = kv.Pool("4GiB", backend="host", min_reserved_pages=0, max_reserved_pages=64)
     result["kv_page"] = [bench_kv_page(pool, layers, 200) for layers in (1, 8, 32)]
     pool.close()
+
+    result["host_tier"] = [bench_host_tier("host", 8, 20)]
+    if gpu and _C.cuda_compiled():
+        result["host_tier"].append(bench_host_tier("cuda", 8, 20))
 
     result["write"] = [
         bench_write(b, layers=8, heads=8, dim=128, max_len=1024, iters=args.write_iters)
@@ -247,6 +283,14 @@ def main() -> None:
     worst = max(r["ffi_over_dense"] for r in result["write"])
     worst1 = max(r["ffi_one_call_over_dense_stacked"] for r in result["write"])
     print(f"worst FFI/dense: per layer {worst:.2f}, one call {worst1:.2f} (goal <= 1.0)")
+
+    print("\nHost tier: 2048 tokens (128 blocks) of 8 layers x 8 KV heads x 128 bf16")
+    for r in result["host_tier"]:
+        print(
+            f"  {r['backend']:>4}: {r['mib']:.0f} MiB out {r['out_ms']:.2f} ms "
+            f"({r['out_gib_s']:.1f} GiB/s), in {r['in_ms']:.2f} ms ({r['in_gib_s']:.1f} GiB/s)"
+            f"{', page-locked' if r['pinned'] else ''}"
+        )
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

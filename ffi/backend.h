@@ -64,7 +64,7 @@ class PhysicalBackend {
   // The host tier's memory and copies (see host_arena.h).
   // Host memory for copies of KV blocks: zero-filled, page-aligned. CUDA: page-locked
   // (cuMemHostAlloc), so copies are DMA and asynchronous; host: an anonymous mapping
-  // committed on first touch. Throws PoolExhausted when none is left.
+  // committed at once (MAP_POPULATE). Throws PoolExhausted when none is left.
   virtual void* alloc_host(size_t bytes) = 0;
   virtual void free_host(void* p, size_t bytes) = 0;
   // Enqueues one copy between device memory and memory from alloc_host: on CUDA on the

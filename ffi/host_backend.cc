@@ -153,8 +153,10 @@ class HostBackend final : public PhysicalBackend {
   }
 
   void* alloc_host(size_t bytes) override {
+    // Committed up front (MAP_POPULATE), as page-locked memory is on CUDA: a copy into
+    // the arena never takes page faults, and the bound is memory the tier really holds.
     void* p = mmap(nullptr, bytes == 0 ? 1 : bytes, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED) throw PoolExhausted(errno_text("mmap(host arena)"));
     return p;
   }

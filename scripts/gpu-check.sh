@@ -2,8 +2,10 @@
 # One prepared GPU run (H200 device machine: JAX + CUDA preinstalled, no internet), sized
 # to finish in under 8 minutes: builds with the preinstalled toolchain, runs the GPU
 # tests (CUDA backend, engine on CUDA, the Pallas paged-attention kernel compiled for the
-# GPU, the tensor-parallel path over the GPUs present), the attention benchmark (Pallas vs XLA vs jax's decode kernel vs dense) and the
-# VMM benchmark and the step's K/V write with and without the host sync; copies logs and
+# GPU, the tensor-parallel path over the GPUs present, the host tier's page-locked
+# asynchronous copies and an engine restoring from it), the attention benchmark (Pallas vs
+# XLA vs jax's decode kernel vs dense), the VMM benchmark (with the host tier's copy
+# bandwidth) and the step's K/V write with and without the host sync; copies logs and
 # JSON to $OUT when it is set.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}

@@ -36,6 +36,11 @@ from jax_kvcached.memory.kv_cache import KVCache
 log = logging.getLogger(__name__)
 
 
+def _ready(arrays: Any) -> bool:
+    """Whether every array of a pytree is computed (no wait)."""
+    return all(x.is_ready() for x in jax.tree_util.tree_leaves(arrays))
+
+
 class KVManager:
     """Blocks of one KV cache for the sequences of one engine.
 
@@ -72,6 +77,9 @@ class KVManager:
             else None
         )
         self.host_cache: HostCache | None = None
+        # With a host tier: each cached block's writer, the fence of the step that wrote
+        # it (None: restored on the host), so a spill waits only for steps still running.
+        self._writer: dict[int, Any] = {}
         if host_cache_blocks and self.caching:
             self.host_cache = HostCache(HostStore(cache, host_cache_blocks), self.block_size)
 
@@ -91,9 +99,14 @@ class KVManager:
     # -- the host tier -------------------------------------------------------------------
     def _spill(self, hashes: list[bytes], blocks: list[int]) -> None:
         """Evicted blocks go to the host tier (before the prefix cache frees them)."""
-        if self.host_cache is not None:
-            self._wait_fence()  # every step that wrote them is done
-            self.host_cache.store_blocks(hashes, blocks)
+        if self.host_cache is None:
+            return
+        # Every step that wrote them must be done; usually long ago (no wait).
+        writers = [self._writer.pop(b, self._fence) for b in blocks]
+        running = {id(f): f for f in writers if f is not None and not _ready(f)}
+        if running:
+            jax.block_until_ready(list(running.values()))
+        self.host_cache.store_blocks(hashes, blocks)
 
     def _prefix(self, hashes: list[bytes]) -> tuple[int, int]:
         """(n, on_device): the longest prefix of ``hashes`` whose every block is cached
@@ -130,6 +143,7 @@ class KVManager:
         for i, b in zip(missing, restored, strict=False):
             found[i] = b
             pc.insert(hashes[i], b)
+            self._writer[b] = None  # written by a finished host copy
         return found
 
     def _alloc(self, n: int) -> list[int] | None:
@@ -254,7 +268,9 @@ class KVManager:
             return
         hashes = self._hashes(seq, full)
         for i in range(seq.num_inserted, full):
-            self.prefix_cache.insert(hashes[i], seq.blocks[i])
+            inserted = self.prefix_cache.insert(hashes[i], seq.blocks[i])
+            if inserted and self.host_cache is not None:
+                self._writer[seq.blocks[i]] = self._fence  # the newest step wrote it
         seq.num_inserted = full
 
     def shrink_to_limit(self) -> bool:
@@ -284,9 +300,12 @@ class KVManager:
     def reset_prefix_cache(self) -> int:
         """Forgets every idle cached block, on the device and in the host tier; returns
         how many device blocks were evicted."""
-        if self.host_cache is not None:
-            self.host_cache.clear()
-        return self.prefix_cache.reset() if self.prefix_cache else 0
+        if self.host_cache is None:
+            return self.prefix_cache.reset() if self.prefix_cache else 0
+        self.host_cache.clear()
+        n = self.prefix_cache.reset()
+        self._writer = {b: f for b, f in self._writer.items() if self.prefix_cache.is_cached(b)}
+        return n
 
     def stats(self) -> dict[str, Any] | None:
         """The prefix cache's figures (None without one)."""
@@ -301,3 +320,4 @@ class KVManager:
         if self.host_cache is not None:
             self.host_cache.close()
             self.host_cache = None
+            self._writer.clear()
