@@ -336,7 +336,6 @@ std::string KVBuffer::check_read(int64_t layer, const int32_t* tables, int64_t b
 
 std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t n) const {
   if (closed_) return "the KV cache is closed";
-  const int64_t nb = num_blocks();
   std::vector<int32_t> dsts(dst, dst + n), srcs(src, src + n);
   std::sort(dsts.begin(), dsts.end());
   std::sort(srcs.begin(), srcs.end());
@@ -351,19 +350,23 @@ std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t 
   for (size_t i = 0; i < n; ++i) {
     for (int which = 0; which < 2; ++which) {
       const int64_t b = which == 0 ? src[i] : dst[i];
-      const char* name = which == 0 ? "source" : "destination";
-      if (b < 0 || b >= nb) {
-        return std::string(name) + " block " + std::to_string(b) + " (index " + std::to_string(i) +
-               ") out of range [0, " + std::to_string(nb) + ")";
-      }
       if (which == 1 && b == 0) return "destination block 0 is the null block";
-      if (block_straddles(b)) {
-        return std::string(name) + " block " + std::to_string(b) + " straddles two pages";
-      }
-      if (phys_[static_cast<size_t>(page_of_block(b))].empty()) {
-        return std::string(name) + " block " + std::to_string(b) + " is in an unmapped page";
-      }
+      std::string err = check_block(b, i, which == 0 ? "source block " : "destination block ");
+      if (!err.empty()) return err;
     }
+  }
+  return {};
+}
+
+std::string KVBuffer::check_block(int64_t b, size_t index, const std::string& what) const {
+  const int64_t nb = num_blocks();
+  if (b < 0 || b >= nb) {
+    return what + std::to_string(b) + " (index " + std::to_string(index) + ") out of range [0, " +
+           std::to_string(nb) + ")";
+  }
+  if (block_straddles(b)) return what + std::to_string(b) + " straddles two pages";
+  if (phys_[static_cast<size_t>(page_of_block(b))].empty()) {
+    return what + std::to_string(b) + " is in an unmapped page";
   }
   return {};
 }
@@ -408,7 +411,6 @@ std::string KVBuffer::check_host_copy(const int32_t* blocks, const int64_t* slot
       arena.num_planes() != layout_.num_planes()) {
     return "the host arena was not made for this KV buffer (its pool, block bytes or planes differ)";
   }
-  const int64_t nb = num_blocks();
   std::vector<int64_t> seen_blocks(blocks, blocks + n), seen_slots(slots, slots + n);
   std::sort(seen_blocks.begin(), seen_blocks.end());
   std::sort(seen_slots.begin(), seen_slots.end());
@@ -417,16 +419,9 @@ std::string KVBuffer::check_host_copy(const int32_t* blocks, const int64_t* slot
     if (seen_slots[i] == seen_slots[i + 1]) return "host slot " + std::to_string(seen_slots[i]) + " given twice";
   }
   for (size_t i = 0; i < n; ++i) {
-    const int64_t b = blocks[i];
-    if (b == 0) return "block 0 is the null block";
-    if (b < 0 || b >= nb) {
-      return "block " + std::to_string(b) + " (index " + std::to_string(i) + ") out of range [0, " +
-             std::to_string(nb) + ")";
-    }
-    if (block_straddles(b)) return "block " + std::to_string(b) + " straddles two pages";
-    if (phys_[static_cast<size_t>(page_of_block(b))].empty()) {
-      return "block " + std::to_string(b) + " is in an unmapped page";
-    }
+    if (blocks[i] == 0) return "block 0 is the null block";
+    std::string err = check_block(blocks[i], i, "block ");
+    if (!err.empty()) return err;
     if (slots[i] < 0 || slots[i] >= arena.num_slots()) {
       return "host slot " + std::to_string(slots[i]) + " (index " + std::to_string(i) +
              ") out of range [0, " + std::to_string(arena.num_slots()) + ")";

@@ -160,6 +160,9 @@ class KVBuffer {
   void map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys);
   void unmap_locked(const std::vector<int32_t>& sorted, bool synchronize = true);
   void set_page_map(const std::vector<int32_t>& sorted, uint8_t value);
+  // Block b (the index-th given) in range, not straddling, in a mapped page; else why
+  // ("<what><b> ...").
+  std::string check_block(int64_t b, size_t index, const std::string& what) const;
   std::string check_host_copy(const int32_t* blocks, const int64_t* slots, size_t n,
                               const HostArena& arena) const;
   // Calls copy(plane, block, slot, count) per plane for each run of consecutive blocks

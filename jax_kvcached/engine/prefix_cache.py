@@ -163,11 +163,15 @@ class PrefixCache:
                 break
             out.append(block)
         for block in out:
-            self._ref[block] += 1
-            self.policy.on_busy(block)
-            self.policy.on_hit(block)
-        self.hits += len(out) * self.block_size
+            self._take(block)
         return out
+
+    def _take(self, block: int) -> None:
+        """A new request holds a cached block: a ref and a hit."""
+        self._ref[block] += 1
+        self.policy.on_busy(block)
+        self.policy.on_hit(block)
+        self.hits += self.block_size
 
     def match_each(self, hashes: Sequence[bytes], n: int) -> list[int | None]:
         """One entry per hash of the first ``n`` of ``hashes``: its cached block, with a
@@ -177,10 +181,7 @@ class PrefixCache:
         out = [self._block_of.get(h) if self.enabled else None for h in hashes[:n]]
         for block in out:
             if block is not None:
-                self._ref[block] += 1
-                self.policy.on_busy(block)
-                self.policy.on_hit(block)
-                self.hits += self.block_size
+                self._take(block)
         return out
 
     def insert(self, h: bytes, block: int) -> bool:
