@@ -1,4 +1,5 @@
-"""Command line: ``jax-kvcached demo`` (the main job), ``kv-demo``, ``serve`` and ``top``."""
+"""Command line: ``jax-kvcached demo`` (the main job), ``kv-demo``, ``serve``, ``top`` and
+``ctl``."""
 
 from __future__ import annotations
 
@@ -34,7 +35,16 @@ def _parser() -> argparse.ArgumentParser:
         help="a served model: smollm2-135m, a random preset (tiny-llama, tiny-qwen2), a .gguf "
         "file or a checkpoint dir (default: smollm2=smollm2-135m)",
     )  # fmt: skip
-    s.add_argument("--memory", default="1GiB", help="the shared pool budget (default 1GiB)")
+    s.add_argument(
+        "--memory", default=None,
+        help="the shared pool budget (default 1GiB; with --group: the group's budget, or "
+        "the device's default share when this process creates the group)",
+    )  # fmt: skip
+    s.add_argument(
+        "--group", default=None, metavar="NAME",
+        help="share the device budget with other processes of this group (a ledger in "
+        "POSIX shared memory; default: $KVCACHED_IPC_NAME); see `jax-kvcached ctl`",
+    )  # fmt: skip
     s.add_argument("--limit", action="append", default=[], metavar="NAME=BYTES")
     s.add_argument("--guarantee", action="append", default=[], metavar="NAME=BYTES")
     s.add_argument("--host", default="127.0.0.1")
@@ -100,6 +110,22 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--api-key", default=None, help="sent as a Bearer key ($KVCACHED_API_KEY)")
     t.add_argument("--interval", type=float, default=1.0)
     t.add_argument("--once", action="store_true", help="print one frame and exit")
+    c = sub.add_parser("ctl", help="list and change the tenants of a process group (kvctl)")
+    c.add_argument(
+        "--group", default=None, metavar="NAME",
+        help="the group (default: $KVCACHED_IPC_NAME)",
+    )  # fmt: skip
+    cs = c.add_subparsers(dest="action", required=True)
+    cs.add_parser("list", help="every tenant: pid, mapped, reserved, limit, guarantee, hit rate")
+    for what in ("limit", "guarantee"):
+        a = cs.add_parser(what, help=f"set a tenant's memory {what} (a running process's)")
+        a.add_argument("name", help="the tenant (a served model's name)")
+        a.add_argument(
+            "size", help="e.g. 2GiB, 512MiB" + (", or none (the budget)" if what == "limit" else "")
+        )
+    w = cs.add_parser("watch", help="list every --interval seconds")
+    w.add_argument("--interval", type=float, default=1.0)
+    w.add_argument("--count", type=int, default=None, help="frames, then exit (default: forever)")
     return p
 
 
@@ -197,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             serve(
                 specs, memory=args.memory, host=args.host, port=args.port, backend=args.backend,
-                page_size=args.page_size, max_batch=args.max_batch, max_queue=args.max_queue,
+                group=args.group, page_size=args.page_size, max_batch=args.max_batch,
+                max_queue=args.max_queue,
                 max_cached_tokens=args.max_cached_tokens, eviction=args.eviction, seed=args.seed,
                 warmup=not args.no_warmup, compile_cache=args.compile_cache, auth=auth,
                 shutdown_timeout=args.shutdown_timeout, tensor_parallel=args.tensor_parallel,
@@ -214,6 +241,24 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         key = args.api_key or os.environ.get("KVCACHED_API_KEY") or None
         return run_top(args.url, args.interval, args.once, api_key=key)
+    elif args.command == "ctl":
+        from jax_kvcached.memory.shm_segment import GroupMismatch
+        from jax_kvcached.serve.ctl import run_ctl
+
+        if args.action == "watch" and not args.interval > 0:
+            print("error: --interval must be > 0", file=sys.stderr)
+            return 2
+        try:
+            return run_ctl(
+                args.action, args.group, getattr(args, "name", None), getattr(args, "size", None),
+                interval=getattr(args, "interval", 1.0), count=getattr(args, "count", None),
+            )  # fmt: skip
+        except (ValueError, KeyError, GroupMismatch) as e:
+            msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+            print(f"error: {msg}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:
+            return 0
     return 0
 
 

@@ -351,6 +351,7 @@ class Engine:
         with self._lock:
             if len(self._inflight) > 1:
                 raise RuntimeError("complete() a dispatched step before dispatching another")
+            self.kv.poll()
             out = self.scheduler.schedule()
             for s in out.rejected:  # it can never fit: dropped, reported by step()
                 self._by_id.pop(s.request_id, None)

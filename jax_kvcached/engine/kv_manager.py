@@ -283,6 +283,13 @@ class KVManager:
         return True
 
     # -- other tenants -------------------------------------------------------------------
+    def poll(self) -> None:
+        """At each step: reports the prefix hits to the ledger and honours what other
+        processes of a group asked of this tenant (memory back, a lower limit)."""
+        pc, hc = self.prefix_cache, self.host_cache
+        hits = (pc.hits if pc else 0) + (hc.hits_tokens if hc else 0)
+        self.cache.ledger.poll(self.cache.name, hits, pc.queries if pc else 0)
+
     def reclaim(self, pages: int) -> int:
         """Another tenant needs memory: evicts idle cached prefixes (page-aware) until
         ``pages`` physical pages are unmapped or none are left. Returns pages freed."""

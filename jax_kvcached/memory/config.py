@@ -101,6 +101,10 @@ class Config:
     # a bound is set and positive; with both set it holds the smaller.
     host_cache_tokens: int | None = None
     host_cache_bytes: int | None = None
+    # The process group whose shared ledger a pool joins (None: this process alone), and
+    # how long a member waits for other processes to give memory back.
+    ipc_name: str | None = None
+    ipc_reclaim_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.min_reserved_pages > self.max_reserved_pages:
@@ -127,4 +131,8 @@ class Config:
             max_cached_tokens=_env_number(env, "KVCACHED_MAX_CACHED_TOKENS", 16000, int, lo=-1),
             host_cache_tokens=_env_number(env, "KVCACHED_HOST_CACHE_TOKENS", None, int, lo=0),
             host_cache_bytes=_env_bytes(env, "KVCACHED_HOST_CACHE_BYTES"),
+            ipc_name=(env.get("KVCACHED_IPC_NAME") or "").strip() or None,
+            ipc_reclaim_wait_s=_env_number(
+                env, "KVCACHED_IPC_RECLAIM_WAIT_S", 1.0, float, 0.0, 600.0
+            ),
         )

@@ -252,6 +252,8 @@ class KVCache:
                 pages = np.asarray(empty, dtype=np.int32)
                 self._buffer.unmap_pages(pages, synchronize=after is None)
                 self._allocator.pages_unmapped(empty)
+        if empty:
+            self.ledger.released(self.name)
 
     def check_writable(self, block_ids: Iterable[int]) -> None:
         """Raises ValueError unless every block is allocated (so its page is mapped):

@@ -10,8 +10,9 @@ pages each), so byte values are rounded to whole KV pages of that tenant.
 
 :class:`Ledger` is the narrow interface a :class:`~jax_kvcached.memory.kv_cache.KVCache`
 and a :class:`~jax_kvcached.memory.pool.Pool` use. :class:`LocalLedger` keeps it for the
-tenants of one process; a shared-memory ledger for several processes implements the
-same interface (mapping stays per process, the ledger only accounts). The one write that
+tenants of one process; :class:`~jax_kvcached.memory.shared_ledger.SharedLedger` keeps it
+in shared memory for the tenants of several processes (mapping stays per process, the
+ledger only accounts). The one write that
 needs atomicity is :meth:`Ledger.charge`: checking a tenant's room and mapping happen
 under the ledger's lock, so two tenants never both take the last pages.
 """
@@ -100,6 +101,13 @@ class Ledger(Protocol):
     def reclaim(self, name: str, pages: int) -> int:
         """Asks the other tenants for up to ``pages`` idle pages for ``name``; returns
         the pages freed."""
+
+    def released(self, name: str) -> None:
+        """``name`` unmapped pages (a shared ledger publishes it to the group)."""
+
+    def poll(self, name: str, hit_tokens: int = 0, query_tokens: int = 0) -> None:
+        """Called by ``name``'s engine at each step with its prefix-cache counters: a
+        shared ledger honours what other processes asked of it there."""
 
     def close(self) -> None:
         """No charge succeeds afterwards (KVCacheError)."""
@@ -291,6 +299,12 @@ class LocalLedger:
                 continue
             freed += reclaimer(min(pages - freed, above))
         return freed
+
+    def released(self, name: str) -> None:
+        """Nothing to publish: usage is read from the buffers."""
+
+    def poll(self, name: str, hit_tokens: int = 0, query_tokens: int = 0) -> None:
+        """Nothing to honour: in one process, reclaims are direct calls."""
 
     def close(self) -> None:
         with self._lock:

@@ -15,6 +15,8 @@ from jax_kvcached.memory.errors import KVCacheError
 from jax_kvcached.memory.kv_cache import KVCache, dtype_code
 from jax_kvcached.memory.ledger import Ledger, LocalLedger, MemoryLimit, Reclaimer
 from jax_kvcached.memory.shards import ShardedBuffer
+from jax_kvcached.memory.shared_ledger import SharedLedger, TenantRecord
+from jax_kvcached.memory.shm_segment import check_group
 
 BACKENDS = ("auto", "host", "cuda")
 
@@ -113,6 +115,14 @@ class Pool:
         heads in its own buffer, with the budget ``memory_limit`` on each device; blocks
         are mapped on all of them in lockstep. Over several processes
         (``jax.distributed``) each process maps its own devices' pages.
+      group: share the device budget with other processes of this group (default
+        ``KVCACHED_IPC_NAME``): a ledger in POSIX shared memory accounts every member's
+        pages (:class:`~jax_kvcached.memory.shared_ledger.SharedLedger`). The first
+        member creates the group with its ``memory_limit`` (the budget of the whole
+        group); later members join with the group's budget (giving another limit is an
+        error while the group has live tenants). One device per pool; a member keeps no
+        pre-created pages (``min_reserved_pages`` 0), and what it reserves counts against
+        the group.
       min_reserved_pages / max_reserved_pages: created-but-unmapped pages kept for fast
         reuse, counted in KV pages of the widest cache (one page per layer plane, as
         kvcached counts). Defaults: ``KVCACHED_MIN_RESERVED_PAGES`` / ``..._MAX_...``.
@@ -130,6 +140,7 @@ class Pool:
         kv_axis: str | None = None,
         min_reserved_pages: int | None = None,
         max_reserved_pages: int | None = None,
+        group: str | None = None,
         config: Config | None = None,
     ) -> None:
         cfg = config or Config.from_env()
@@ -148,22 +159,35 @@ class Pool:
         self.max_reserved_pages = (
             cfg.max_reserved_pages if max_reserved_pages is None else int(max_reserved_pages)
         )
+        group = group if group is not None else cfg.ipc_name
+        if group is not None:
+            check_group(group)
+            if len(self.devices) > 1:
+                raise ValueError("a pool in a process group has one device (no mesh)")
+            if min_reserved_pages:
+                raise ValueError(
+                    "a pool in a process group keeps no pre-created pages: "
+                    "min_reserved_pages must be 0"
+                )
+            self.min_reserved_pages = 0
         if not 0 <= self.min_reserved_pages <= self.max_reserved_pages:
             raise ValueError("need 0 <= min_reserved_pages <= max_reserved_pages")
         if memory_limit is None:
-            if self.backend == "cuda":
-                free = min(_C.cuda_mem_info(d.local_hardware_id)[0] for d in self.local_devices)
-                limit = int(free * cfg.gpu_utilization)
-            else:
-                # The host's RAM backs every (forced host) device's pages.
-                share = cfg.host_memory_fraction / len(self.local_devices)
-                limit = int(_host_available_bytes() * share)
+            limit = self._default_limit(cfg)
         else:
             limit = parse_bytes(memory_limit, "memory_limit")
         if limit < page:
             raise ValueError(
                 f"memory_limit ({limit} bytes) is smaller than one page ({page} bytes)"
             )
+        self.group = group
+        self._pools: list[Any] = []
+        if group is not None:
+            ledger = SharedLedger(
+                group, page, limit // page, fixed=memory_limit is not None,
+                reserved=self._reserved_pages, trim=self.trim, wait_s=cfg.ipc_reclaim_wait_s,
+            )  # fmt: skip
+            limit = ledger.budget_pages * page
         # One page pool per local device, each with the whole per-device budget.
         cuda = self.backend == "cuda"
         self._pools = [
@@ -174,10 +198,23 @@ class Pool:
         self.page_size: int = self._pool.page_size
         self._caches: dict[str, KVCache] = {}
         # Who may map how much: the tenants' limits, guarantees and reclaimers.
-        self.ledger: Ledger = LocalLedger(self.page_size, self._budget_pages, self._in_use_pages)
+        if group is None:
+            ledger = LocalLedger(self.page_size, self._budget_pages, self._in_use_pages)
+        self.ledger: Ledger = ledger
         self._lock = threading.RLock()  # cache creation and removal
         self._closed = False
         self._apply_reserve()
+
+    def _default_limit(self, cfg: Config) -> int:
+        if self.backend == "cuda":
+            free = min(_C.cuda_mem_info(d.local_hardware_id)[0] for d in self.local_devices)
+            return int(free * cfg.gpu_utilization)
+        # The host's RAM backs every (forced host) device's pages.
+        share = cfg.host_memory_fraction / len(self.local_devices)
+        return int(_host_available_bytes() * share)
+
+    def _reserved_pages(self) -> int:
+        return max((p.stats()["reserved_pages"] for p in self._pools), default=0)
 
     # -- caches ----------------------------------------------------------------------
     def create_kv_cache(
@@ -333,6 +370,10 @@ class Pool:
         for p in self._pools:
             p.trim()
 
+    def group_records(self) -> list[TenantRecord] | None:
+        """Every tenant of the process group (all its processes), or None outside one."""
+        return self.ledger.records() if isinstance(self.ledger, SharedLedger) else None
+
     def stats(self) -> dict[str, Any]:
         """Pool-wide and per-cache page and byte counts (on a mesh: per device, and
         ``mapped_pages_per_device`` / ``committed_bytes`` for each local device)."""
@@ -354,6 +395,7 @@ class Pool:
             "max_reserved_pages": s["max_reserved_pages"],
             "free_pages": s["budget_pages"] - s["in_use_pages"],
             "committed_bytes": sum(p.committed_bytes for p in self._pools),
+            "group": self.group,
             "creates": s["creates"],
             "releases": s["releases"],
             "reuses": s["reuses"],
@@ -373,12 +415,15 @@ class Pool:
         """Closes every cache and gives all physical memory back. The pool cannot be used
         afterwards (creating a cache or allocating raises KVCacheError)."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-        self.ledger.close()
         for cache in list(self._caches.values()):
             cache.close()
         for p in self._pools:
             p.set_reserve(0, 0)
+        # Last: a group's ledger counts the pages until they are unmapped.
+        self.ledger.close()
 
     def __enter__(self) -> Pool:
         return self

@@ -178,7 +178,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 def serve(
     specs: list[ModelSpec],
     *,
-    memory: str,
+    memory: str | None,
     host: str = "127.0.0.1",
     port: int = 8000,
     backend: str = "auto",
@@ -197,6 +197,7 @@ def serve(
     devices: str | None = None,
     host_cache_tokens: int | None = None,
     host_cache_bytes: int | None = None,
+    group: str | None = None,
 ) -> None:
     """Builds the engines and serves until SIGINT / SIGTERM. On the signal it stops
     accepting connections and requests, lets in-flight requests finish for up to
@@ -224,7 +225,10 @@ def serve(
     cache_dir = enable_compile_cache(compile_cache)
     log.info("compilation cache: %s", cache_dir or "off")
     picked = pick_devices(tensor_parallel, devices, backend)  # None: the default device
-    pool = Pool(memory, page_size=page_size, backend=backend, devices=picked)
+    group = group or os.environ.get("KVCACHED_IPC_NAME") or None
+    if memory is None and group is None:
+        memory = "1GiB"
+    pool = Pool(memory, page_size=page_size, backend=backend, devices=picked, group=group)
     # Trained weights: bf16 on a GPU; fp32 on the CPU, where XLA emulates bf16 matmuls.
     dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
     models: dict[str, ServedModel] = {}
@@ -245,8 +249,9 @@ def serve(
         loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
         app = create_app(loop, models, auth=auth, max_body_bytes=max_body_bytes)
         log.info(
-            "serving %s on http://%s:%d (pool %s on %s%s)",
-            ", ".join(models), host, port, memory, pool.backend,
+            "serving %s on http://%s:%d (pool %.0f MiB on %s%s%s)",
+            ", ".join(models), host, port, pool.memory_limit / 2**20, pool.backend,
+            f", shared with process group {group!r}" if group else "",
             f", per device, tensor parallel over {pool.tensor_parallel}"
             if pool.tensor_parallel > 1 else "",
         )  # fmt: skip

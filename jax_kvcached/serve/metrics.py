@@ -111,6 +111,38 @@ class _LoopCollector:
         for i, pool in enumerate(pools):
             g.add_metric([f"{i}:{pool['device']}"], float(pool["tensor_parallel"]))
         yield g
+        yield from self._group()
+
+    def _group(self) -> Iterator[Metric]:
+        """Every tenant of the process groups the server's pools are in (all processes)."""
+        rows = []
+        for pool in self.loop.pools():
+            records = pool.group_records()
+            if records is not None:
+                rows += [(pool.group, pool.page_size, r) for r in records]
+        if not rows:
+            return
+        labels = ["group", "tenant", "pid"]
+        for key, doc in (
+            ("mapped", "Pages mapped by each tenant of the group (every process)."),
+            ("reserved", "The tenant's pool's reserved pages (shared by its tenants)."),
+            ("limit", "The tenant's limit (NaN: the group budget)."),
+            ("guarantee", "The tenant's guarantee."),
+        ):
+            g = GaugeMetricFamily(f"kvcached_group_{key}_bytes", doc, labels=labels)
+            for group, ps, r in rows:
+                pages = getattr(r, f"{key}_pages")
+                value = float("nan") if pages is None else float(pages * ps)
+                g.add_metric([group, r.name, str(r.pid)], value)
+            yield g
+        g = GaugeMetricFamily(
+            "kvcached_group_hit_rate", "The tenant's prefix hit rate (NaN: no lookups yet).",
+            labels=labels,
+        )  # fmt: skip
+        for group, _, r in rows:
+            rate = float("nan") if r.hit_rate is None else r.hit_rate
+            g.add_metric([group, r.name, str(r.pid)], rate)
+        yield g
 
 
 class ServerMetrics:

@@ -108,7 +108,36 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
             f"{'      -' if math.isnan(rate) else f'{rate:7.1f}'} {pre.get(model, 0):7.0f} "
             f"{ms(p50):>9} {ms(p99):>8}"
         )
+    lines += _group_lines(m)
     return "\n".join(lines)
+
+
+def _group_lines(m: dict[str, Any]) -> list[str]:
+    """Every process of the server's group (if it is in one), a row per tenant."""
+    mapped = m.get("kvcached_group_mapped_bytes", {})
+    if not mapped:
+        return []
+    col = {
+        k: {key: v for key, v in m.get(f"kvcached_group_{k}_bytes", {}).items()}
+        for k in ("reserved", "limit", "guarantee")
+    }
+    hit = m.get("kvcached_group_hit_rate", {})
+    group = dict(next(iter(mapped))).get("group", "")
+    lines = [
+        "",
+        f"group {group}: every process",
+        f"{'TENANT':<16}{'PID':>8}{'MAPPED':>8}{'RESERVE':>8}{'LIMIT':>8}{'GUAR':>8} {'HIT%':>5}",
+    ]
+    for key in sorted(mapped, key=lambda k: (dict(k)["tenant"], dict(k)["pid"])):
+        lab = dict(key)
+        h = hit.get(key, math.nan)
+        lines.append(
+            f"{lab['tenant'][:16]:<16}{lab['pid']:>8}{_mib(mapped[key]):>8}"
+            f"{_mib(col['reserved'].get(key)):>8}{_mib(col['limit'].get(key)):>8}"
+            f"{_mib(col['guarantee'].get(key)):>8} "
+            f"{'    -' if math.isnan(h) else f'{100 * h:5.1f}'}"
+        )
+    return lines
 
 
 def run_top(url: str, interval: float = 1.0, once: bool = False, api_key: str | None = None) -> int:

@@ -43,10 +43,17 @@ def routes(ctx: AppContext) -> list[Route]:
                 "budget_bytes": p.memory_limit,  # on each device of a tensor-parallel pool
                 "mapped_pages_per_device": p.mapped_pages_per_device(),
                 "models": sorted(p.caches),
+                "group": p.group,
             }
             for p in ctx.loop.pools()
         ]
         budget = sum(p["budget_bytes"] for p in pools)
-        return JSONResponse({"budget_bytes": budget, "pools": pools, "models": limits})
+        groups = {
+            p.group: [dataclasses.asdict(r) for r in p.group_records() or []]
+            for p in ctx.loop.pools()
+            if p.group is not None
+        }
+        body = {"budget_bytes": budget, "pools": pools, "models": limits, "groups": groups}
+        return JSONResponse(body)
 
     return [Route("/admin/memory", memory, methods=["GET", "POST"])]

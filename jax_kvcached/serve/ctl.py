@@ -1,0 +1,110 @@
+"""``jax-kvcached ctl``: a process group's tenants, live (like kvcached's ``kvctl``).
+
+``list`` shows every tenant of the group (pid, mapped, reserved, limit, guarantee, hit
+rate); ``limit NAME SIZE`` / ``guarantee NAME SIZE`` change a running process's tenant
+(it shrinks to a lower limit at its next steps); ``watch`` repeats ``list``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import TextIO
+
+from jax_kvcached.memory.shared_ledger import SharedLedger, TenantRecord
+from jax_kvcached.memory.shm_segment import groups
+
+MiB = 1 << 20
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def table(ledger: SharedLedger, records: list[TenantRecord]) -> str:
+    """The group's summary line and one row per tenant."""
+    ps = ledger.page_size
+    mapped = sum(r.mapped_pages for r in records)
+    reserves = {r.member: r.reserved_pages for r in records}  # one reserve per pool
+    reserved = sum(reserves.values())
+    budget = ledger.budget_pages
+    lines = [
+        f"group {ledger.group}: budget {fmt_bytes(budget * ps)}, mapped {fmt_bytes(mapped * ps)}"
+        f", reserved {fmt_bytes(reserved * ps)}, free "
+        f"{fmt_bytes((budget - mapped - reserved) * ps)}, {len(records)} tenants",
+        f"{'NAME':<16} {'PID':>7} {'MAPPED':>10} {'RESERVED':>10} {'LIMIT':>10} "
+        f"{'GUARANTEE':>10} {'HIT%':>5} {'GIVEN':>10}",
+    ]
+    for r in records:
+        hit = "-" if r.hit_rate is None else f"{100 * r.hit_rate:.0f}"
+        limit = None if r.limit_pages is None else r.limit_pages * ps
+        lines.append(
+            f"{r.name[:16]:<16} {r.pid:>7} {fmt_bytes(r.mapped_pages * ps):>10} "
+            f"{fmt_bytes(r.reserved_pages * ps):>10} {fmt_bytes(limit):>10} "
+            f"{fmt_bytes(r.guarantee_pages * ps):>10} {hit:>5} {fmt_bytes(r.given_pages * ps):>10}"
+        )
+    return "\n".join(lines)
+
+
+def _group(group: str | None) -> str:
+    group = group or os.environ.get("KVCACHED_IPC_NAME") or None
+    if group is None:
+        have = groups()
+        raise ValueError(
+            "give --group NAME or set KVCACHED_IPC_NAME"
+            + (f"; groups on this machine: {', '.join(have)}" if have else "; no group exists")
+        )
+    return group
+
+
+def run_ctl(
+    action: str,
+    group: str | None,
+    name: str | None = None,
+    size: str | None = None,
+    *,
+    interval: float = 1.0,
+    count: int | None = None,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Runs one ``ctl`` action; ValueError / KeyError for bad groups, names and sizes."""
+    ledger = SharedLedger.attach(_group(group))
+    try:
+        if action == "list":
+            print(table(ledger, ledger.records()), file=out)
+        elif action in ("limit", "guarantee"):
+            assert name is not None and size is not None
+            if action == "limit":
+                value = None if size.lower() in ("none", "unlimited") else size
+                res = ledger.set_limit(name, value)
+                what = f"limit of {name!r}: {fmt_bytes(res.limit_bytes) if value else 'none'}"
+                if res.over_limit_bytes:
+                    what += (
+                        f" ({fmt_bytes(res.over_limit_bytes)} above it: given back at its "
+                        "next steps)"
+                    )
+            else:
+                res = ledger.set_guarantee(name, size)
+                what = f"guarantee of {name!r}: {fmt_bytes(res.guarantee_bytes)}"
+                if res.guarantee_shortfall_bytes:
+                    what += f" ({fmt_bytes(res.guarantee_shortfall_bytes)} held by others now)"
+            print(f"{what}; mapped {fmt_bytes(res.mapped_bytes)}", file=out)
+        elif action == "watch":
+            n = 0
+            while count is None or n < count:
+                if n:
+                    time.sleep(interval)
+                frame = table(ledger, ledger.records())
+                print(("\x1b[H\x1b[2J" if out.isatty() else "") + frame, file=out, flush=True)
+                n += 1
+        else:
+            raise ValueError(f"unknown ctl action {action!r}")
+    finally:
+        ledger.close()
+    return 0

@@ -1,0 +1,323 @@
+"""Several processes share one budget through a process group's shared-memory ledger.
+
+Real processes on the host backend: random allocation under contention, kill -9 (of a
+tenant, and of a process holding the group's lock), cross-process pressure and ``ctl``
+against a running server, groups apart, stale and foreign segments refused.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvcached as kv
+from jax_kvcached.cli import main
+from jax_kvcached.memory import shm_segment
+from jax_kvcached.memory.shared_ledger import SharedLedger
+from jax_kvcached.memory.shm_segment import GroupMismatch
+
+PAGE = "64KiB"
+ENV = {k: v for k, v in os.environ.items() if k != "KVCACHED_IPC_NAME"}
+
+
+@pytest.fixture
+def group():
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    yield name
+    shm_segment.remove(name)
+
+
+def spawn(code: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env={**ENV, **(env or {})}, cwd="/",
+    )  # fmt: skip
+
+
+def wait_line(proc: subprocess.Popen, want: str, timeout: float = 120) -> str:
+    """The first stdout line starting with ``want`` (the process must still run)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(want):
+            return line
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}: {proc.stderr.read()}")
+    raise AssertionError(f"no {want!r} line")
+
+
+def physical(records) -> int:
+    """Pages the group holds: every tenant's mapped pages and every pool's reserve."""
+    reserves = {r.member: r.reserved_pages for r in records}
+    return sum(r.mapped_pages for r in records) + sum(reserves.values())
+
+
+RANDOM_WORKER = r"""
+import json, random, sys, time
+import jax.numpy as jnp
+import jax_kvcached as kv
+group, seed, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+pool = kv.Pool(None, page_size="64KiB", backend="host", group=group, max_reserved_pages=2)
+cache = pool.create_kv_cache(f"w{seed}", 1, 1, 64, jnp.float32)  # 2 pages a KV page
+seg, row = pool.ledger.segment, pool.ledger.segment.find(f"w{seed}")
+rng, held, ok, exhausted, worst = random.Random(seed), [], 0, 0, 0
+print("ready", flush=True)
+end = time.monotonic() + secs
+while time.monotonic() < end:
+    if held and rng.random() < 0.45:
+        cache.free(held.pop(rng.randrange(len(held))))
+    else:
+        n = rng.randint(1, 40)
+        try:
+            held.append(cache.alloc(n)); ok += 1
+        except kv.PoolExhausted:
+            exhausted += 1
+            pool.reclaim(cache.name, 2 * -(-n // 16))  # the others give their reserve back
+    recs = pool.group_records()
+    reserves = {r.member: r.reserved_pages for r in recs}
+    worst = max(worst, sum(r.mapped_pages for r in recs) + sum(reserves.values()))
+    # what the group sees of this process is what it has mapped
+    assert seg.get(row, "mapped_pages") == cache.mapped_pages == pool.stats()["mapped_pages"]
+for h in held:
+    cache.free(h)
+left = pool.stats()["mapped_pages"]
+pool.close()
+print(json.dumps({"ok": ok, "exhausted": exhausted, "worst": worst, "left": left}), flush=True)
+"""
+
+
+def test_three_processes_share_one_budget_exactly(group):
+    import json
+
+    budget = 48  # pages of 64 KiB
+    creator = kv.Pool(budget * 65536, page_size=PAGE, backend="host", group=group)
+    procs = [spawn(RANDOM_WORKER, group, str(seed), "4") for seed in (1, 2, 3)]
+    observer = SharedLedger.attach(group)
+    try:
+        for p in procs:
+            wait_line(p, "ready")
+        samples, worst = 0, 0
+        while any(p.poll() is None for p in procs):
+            worst = max(worst, physical(observer.records()))
+            samples += 1
+            time.sleep(0.005)
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err
+            results.append(json.loads(out.splitlines()[-1]))
+        assert samples > 20 and worst <= budget
+        assert all(r["worst"] <= budget for r in results)
+        assert all(r["left"] == 0 for r in results)  # every page unmapped before leaving
+        assert sum(r["ok"] for r in results) > 30
+        assert sum(r["exhausted"] for r in results) > 0  # they really contended
+        assert observer.records() == []  # nothing left behind in the group
+    finally:
+        for p in procs:
+            p.kill()
+        observer.close()
+        creator.close()
+
+
+HOLDER = r"""
+import sys, time
+import jax.numpy as jnp
+import jax_kvcached as kv
+pool = kv.Pool(None, page_size="64KiB", backend="host", group=sys.argv[1])
+cache = pool.create_kv_cache("holder", 1, 1, 64, jnp.float32)
+cache.alloc(16 * 10 - 1)  # 10 KV pages = 20 pages (block 0 is never used)
+print("ready", cache.mapped_pages, flush=True)
+time.sleep(600)
+"""
+
+LOCKER = r"""
+import sys, time
+from jax_kvcached.memory.shared_ledger import SharedLedger
+led = SharedLedger.attach(sys.argv[1])
+with led.segment.locked():
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_process_returns_its_pages_and_never_deadlocks_the_group(group):
+    pool = kv.Pool(32 * 65536, page_size=PAGE, backend="host", group=group)
+    cache = pool.create_kv_cache("survivor", 1, 1, 64, jnp.float32)
+    holder = spawn(HOLDER, group)
+    try:
+        assert wait_line(holder, "ready").split()[1] == "20"
+        assert cache.num_free_blocks == 16 * 6 - 1  # 12 of 32 pages left
+        with pytest.raises(kv.PoolExhausted):
+            cache.alloc(16 * 7)
+        os.kill(holder.pid, signal.SIGKILL)  # not reaped yet: a zombie until we wait
+        t0 = time.monotonic()
+        while any(r.name == "holder" for r in pool.ledger.records()):
+            assert time.monotonic() - t0 < 5, "the dead process's pages were not returned"
+            time.sleep(0.02)
+        returned_s = time.monotonic() - t0
+        assert returned_s < 2  # the watcher sweeps every 0.5 s
+        ids = cache.alloc(16 * 16 - 1)  # the whole budget
+        assert cache.mapped_pages == 32
+        cache.free(ids)
+    finally:
+        holder.kill()
+        holder.wait()
+    # A process killed while it holds the group's lock: the kernel drops the lock.
+    locker = spawn(LOCKER, group)
+    try:
+        wait_line(locker, "locked")
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (pool.ledger.records(), done.set()), daemon=True)
+        t.start()
+        assert not done.wait(0.5)  # really held
+        os.kill(locker.pid, signal.SIGKILL)
+        assert done.wait(5)
+        assert cache.alloc(3).size == 3  # charges go on
+    finally:
+        locker.kill()
+        locker.wait()
+    assert [r.name for r in pool.ledger.records()] == ["survivor"]
+    pool.close()
+
+
+RECLAIMABLE = r"""
+import sys, time
+import jax.numpy as jnp
+import jax_kvcached as kv
+pool = kv.Pool(None, page_size="64KiB", backend="host", group=sys.argv[1])
+cache = pool.create_kv_cache("idle", 1, 1, 64, jnp.float32)
+pool.set_memory_guarantee("idle", 4 * 65536)
+held = [cache.alloc(15)] + [cache.alloc(16) for _ in range(11)]  # 12 KV pages: 24 pages
+def give_back(pages):  # an engine evicts idle cached prefixes; here: whole KV pages
+    freed = 0
+    while held and freed < pages:
+        cache.free(held.pop()); freed += 2
+    return freed
+pool.set_reclaimer("idle", give_back)
+print("ready", cache.mapped_pages, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_tenant_short_of_memory_gets_other_processes_idle_memory(group):
+    pool = kv.Pool(32 * 65536, page_size=PAGE, backend="host", group=group)
+    cache = pool.create_kv_cache("busy", 1, 1, 64, jnp.float32)
+    idle = spawn(RECLAIMABLE, group)
+    try:
+        assert wait_line(idle, "ready").split()[1] == "24"
+        assert cache.num_free_blocks == 16 * 4 - 1
+        t0 = time.monotonic()
+        freed = pool.reclaim("busy", 40)  # more than it may take: its guarantee stays
+        waited = time.monotonic() - t0
+        assert freed == 20 and waited < pool.ledger.wait_s
+        (other,) = [r for r in pool.ledger.records() if r.name == "idle"]
+        assert other.mapped_pages == 4 and other.request_pages == 0
+        assert other.given_pages == 20
+        ids = cache.alloc(16 * 14 - 1)  # 28 pages: all but the other's guarantee
+        assert cache.mapped_pages == 28 and physical(pool.ledger.records()) == 32
+        with pytest.raises(kv.PoolExhausted):
+            cache.alloc(16)
+        cache.free(ids)
+    finally:
+        idle.kill()
+        idle.wait()
+    pool.close()
+
+
+def test_groups_never_see_each_other_and_names_are_unique_in_a_group(group):
+    other = group + "-b"
+    try:
+        a = kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group)
+        b = kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=other)
+        ca = a.create_kv_cache("m", 1, 1, 64, jnp.float32)
+        cb = b.create_kv_cache("m", 1, 1, 64, jnp.float32)  # same name, other group
+        ia, ib = ca.alloc(16 * 4 - 1), cb.alloc(16 * 4 - 1)  # each has its whole budget
+        assert ca.mapped_pages == cb.mapped_pages == 8
+        assert [r.mapped_pages for r in a.group_records()] == [8]
+        assert [r.mapped_pages for r in b.group_records()] == [8]
+        a2 = kv.Pool(None, page_size=PAGE, backend="host", group=group)
+        with pytest.raises(ValueError, match="already registered in group"):
+            a2.create_kv_cache("m", 1, 1, 64, jnp.float32)
+        assert a2.budget_pages == 8 and a2.group_records()[0].name == "m"
+        with pytest.raises(ValueError, match="live tenants"):
+            kv.Pool(16 * 65536, page_size=PAGE, backend="host", group=group)
+        ca.free(ia)
+        cb.free(ib)
+        for p in (a2, a, b):
+            p.close()
+        # without live tenants a group takes its next creator's budget
+        c = kv.Pool(16 * 65536, page_size=PAGE, backend="host", group=group)
+        assert c.budget_pages == 16
+        c.close()
+    finally:
+        shm_segment.remove(other)
+
+
+def test_stale_foreign_and_mismatched_segments_are_refused(group):
+    path = shm_segment.segment_path(group)
+    with open(path, "wb") as f:
+        f.write(b"somebody else's data" * 100)
+    with pytest.raises(GroupMismatch, match="not a jax-kvcached group"):
+        kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group)
+    with pytest.raises(GroupMismatch, match="not a jax-kvcached group"):
+        SharedLedger.attach(group)
+    # an older layout: our magic, another version
+    head = np.zeros((), shm_segment.HEADER)
+    head["magic"], head["version"], head["initialized"] = shm_segment.MAGIC, 0, 1
+    head["max_tenants"] = shm_segment.MAX_TENANTS
+    with open(path, "wb") as f:
+        f.write(head.tobytes() + bytes(shm_segment.SIZE - head.nbytes))
+    with pytest.raises(GroupMismatch, match="layout version 0"):
+        kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group)
+    assert open(path, "rb").read(8) == shm_segment.MAGIC  # left as it was
+    shm_segment.remove(group)
+    pool = kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group)
+    with pytest.raises(GroupMismatch, match="same page size"):
+        kv.Pool(None, page_size="128KiB", backend="host", group=group)
+    with pytest.raises(ValueError, match="group name"):
+        kv.Pool(8 * 65536, backend="host", group="../etc")
+    with pytest.raises(ValueError, match="min_reserved_pages must be 0"):
+        kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group, min_reserved_pages=1)
+    with pytest.raises(KeyError, match="no group"):
+        SharedLedger.attach(group + "-none")
+    pool.close()
+
+
+def test_ctl_lists_and_changes_tenants_with_clear_errors(group, capsys):
+    pool = kv.Pool(32 * 65536, page_size=PAGE, backend="host", group=group)
+    cache = pool.create_kv_cache("model-a", 2, 1, 64, jnp.float32)  # 4 pages a KV page
+    ids = cache.alloc(16 * 3 - 1)
+    assert main(["ctl", "--group", group, "list"]) == 0
+    out = capsys.readouterr().out
+    assert f"group {group}: budget 2.0 MiB, mapped 768.0 KiB" in out
+    (row,) = [ln.split() for ln in out.splitlines() if ln.startswith("model-a")]
+    assert row[1] == str(os.getpid()) and row[2:4] == ["768.0", "KiB"]
+    assert main(["ctl", "--group", group, "limit", "model-a", "300KiB"]) == 0
+    out = capsys.readouterr().out
+    assert "limit of 'model-a': 256.0 KiB" in out and "512.0 KiB above it" in out
+    assert cache.over_limit_pages == 8
+    assert main(["ctl", "--group", group, "guarantee", "model-a", "100KiB"]) == 0
+    assert "guarantee of 'model-a': 256.0 KiB" in capsys.readouterr().out
+    assert main(["ctl", "--group", group, "limit", "model-a", "none"]) == 0
+    assert cache.over_limit_pages == 0
+    for argv, msg in (
+        (["limit", "nobody", "1MiB"], "no tenant named 'nobody'"),
+        (["limit", "model-a", "lots"], "cannot parse 'lots'"),
+        (["limit", "model-a", "100KiB"], "below its guarantee"),
+        (["guarantee", "model-a", "4MiB"], "exceeds its limit"),
+    ):
+        assert main(["ctl", "--group", group, *argv]) == 2
+        assert msg in capsys.readouterr().err
+    assert main(["ctl", "--group", group + "-none", "list"]) == 2
+    assert "no group" in capsys.readouterr().err
+    assert main(["ctl", "--group", group, "watch", "--count", "2", "--interval", "0.01"]) == 0
+    assert capsys.readouterr().out.count(f"group {group}:") == 2
+    cache.free(ids)
+    pool.close()
