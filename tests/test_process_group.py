@@ -321,3 +321,72 @@ def test_ctl_lists_and_changes_tenants_with_clear_errors(group, capsys):
     assert capsys.readouterr().out.count(f"group {group}:") == 2
     cache.free(ids)
     pool.close()
+
+
+def test_a_server_in_a_group_gives_memory_back_and_obeys_ctl(group, tmp_path):
+    """`serve --group` (tiny-llama: 8 pages a KV page of 16 blocks) holds idle cached
+    prefixes; an engine in this process needs them; `ctl limit` shrinks the server."""
+    import httpx
+    from test_cli import start_serve
+
+    from jax_kvcached.engine.engine import Engine
+    from jax_kvcached.engine.sampling import SamplingParams
+    from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+
+    proc, url = start_serve(
+        ["--model", "a=tiny-llama", "--memory", "4MiB", "--page-size", PAGE, "--group", group,
+         "--no-warmup", "--backend", "host", "--max-batch", "2", "--max-queue", "4"],
+        tmp_path,
+    )  # fmt: skip
+    try:
+        rng = np.random.default_rng(0)
+        for _ in range(3):  # three 600-byte prompts: their prefixes stay cached, idle
+            prompt = bytes(rng.integers(97, 123, 600).tolist()).decode()
+            body = {"model": "a", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+        pool = kv.Pool(None, page_size=PAGE, backend="host", group=group)
+        assert pool.memory_limit == 4 << 20  # the group's budget
+        (a,) = pool.group_records()
+        assert a.pid == proc.pid and a.mapped_pages >= 6 * 8  # most of the budget, idle
+        eng = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1), pool, name="p",
+                     max_batch=1, prefill_chunk=128)  # fmt: skip
+        (out,) = eng.generate([rng.integers(0, 256, 700).tolist()], SamplingParams(max_tokens=2))
+        assert len(out.token_ids) == 2  # 3 KV pages the server gave back on request
+        a, p = pool.group_records()
+        assert a.given_pages >= 8 and p.mapped_pages >= 3 * 8
+        assert physical(pool.group_records()) <= pool.budget_pages
+        metrics = httpx.get(f"{url}/metrics").text
+        assert f'kvcached_group_mapped_bytes{{group="{group}",pid="{os.getpid()}",tenant="p"}}' in (
+            metrics
+        )
+        cmd = [sys.executable, "-m", "jax_kvcached.cli"]
+        top = subprocess.run([*cmd, "top", "--url", url, "--once"], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+        assert f"group {group}: every process" in top.stdout, top.stderr
+        assert {ln.split()[0] for ln in top.stdout.split("every process")[1].splitlines()[2:]} == {
+            "a",
+            "p",
+        }
+        # ctl, from another process, lowers the running server's limit: it shrinks
+        r = subprocess.run([*cmd, "ctl", "--group", group, "limit", "a", "1MiB"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)  # fmt: skip
+        assert r.returncode == 0 and "limit of 'a': 1.0 MiB" in r.stdout, r.stderr
+        t0 = time.monotonic()
+        while pool.ledger.mapped_pages("a") > 16:
+            assert time.monotonic() - t0 < 5, "the server did not shrink to its new limit"
+            time.sleep(0.05)
+        body = {"model": "a", "prompt": "hello", "max_tokens": 2, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+        assert pool.ledger.mapped_pages("a") <= 16
+        listing = subprocess.run([*cmd, "ctl", "--group", group, "list"], capture_output=True,
+                                 text=True, timeout=60, cwd=tmp_path).stdout  # fmt: skip
+        rows = {ln.split()[0]: ln.split() for ln in listing.splitlines()[2:]}
+        assert set(rows) == {"a", "p"} and rows["a"][1] == str(proc.pid)
+        assert rows["a"][6:8] == ["1.0", "MiB"]  # its limit
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert [r.name for r in pool.group_records()] == ["p"]  # the server left the group
+    eng.close()
+    assert pool.group_records() == [] and pool.stats()["mapped_pages"] == 0
+    pool.close()
