@@ -8,6 +8,10 @@ after compiling the step shapes the trace can hit. Prints a table of TTFT p50/p9
 throughput, peak mapped memory and preemptions with static/elastic ratios, writes JSON
 and a PNG timeline of per-model memory to benchmarks/results/.
 
+The process section (``--processes``): the same bursts served by three ``jax-kvcached
+serve`` processes (one model each) over HTTP: sharing one budget through a process group
+(``--group``) vs. static per-process partitions of the same total.
+
 The host-tier section (``--host-tier``, also part of the default run): two tenants with
 cached prefixes take turns bursting; each burst reclaims the idle tenant's idle cached
 prefixes. The idle tenant's next requests (same prefixes) then find them on the device,
@@ -54,17 +58,17 @@ def rate(t: float, i: int, n: int, duration: float, hi: float, lo: float) -> flo
     return lo + (hi - lo) * max(0.0, 1.0 - abs(2 * x - 1)) if 0 <= x <= 1 else lo
 
 
-def make_trace(duration, hi, lo, prompt_len, seed) -> list[Arrival]:
+def make_trace(duration, hi, lo, prompt_len, seed, names=tuple(MODELS)) -> list[Arrival]:
     """Non-homogeneous Poisson arrivals (by thinning), seeded."""
     rng = np.random.default_rng(seed)
     out = []
-    for i, name in enumerate(MODELS):
+    for i, name in enumerate(names):
         t = 0.0
         while True:
             t += rng.exponential(1.0 / hi)
             if t >= duration:
                 break
-            if rng.random() < rate(t, i, len(MODELS), duration, hi, lo) / hi:
+            if rng.random() < rate(t, i, len(names), duration, hi, lo) / hi:
                 n = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
                 out.append(Arrival(t, name, rng.integers(1, 250, size=n).tolist()))
     return sorted(out, key=lambda a: a.t)
@@ -301,6 +305,196 @@ def plot(path, runs, budget, args) -> None:
     fig.savefig(path, dpi=100)
 
 
+# --processes: three `serve` processes, one model each (the presets serve can build).
+PROC_MODELS = {"llama": "tiny-llama", "qwen": "tiny-qwen2", "llama-b": "tiny-llama"}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_servers(config: str, budget: int, page: int, max_batch: int, group: str) -> dict:
+    """name -> (process, url) of three servers, up and warmed (every step shape compiled;
+    the persistent compilation cache makes the second configuration's start fast)."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    share = budget // len(PROC_MODELS) // page * page
+    servers = {}
+    for i, (name, preset) in enumerate(PROC_MODELS.items()):
+        port = _free_port()
+        cmd = [
+            sys.executable, "-m", "jax_kvcached.cli", "serve", "--model", f"{name}={preset}",
+            "--memory", str(budget if config == "elastic" else share), "--page-size", str(page),
+            "--backend", "host", "--max-batch", str(max_batch), "--max-queue", "10000",
+            "--max-cached-tokens", "0", "--seed", str(i), "--port", str(port),
+        ]  # fmt: skip
+        if config == "elastic":
+            cmd += ["--group", group]
+        env = {k: v for k, v in os.environ.items() if k != "KVCACHED_IPC_NAME"}
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd="/"
+        )
+        servers[name] = (proc, f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 900
+    for name, (proc, url) in servers.items():
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server {name} exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server {name} did not come up")
+            time.sleep(0.5)
+    return servers
+
+
+def stop_servers(servers: dict) -> None:
+    import signal
+
+    for proc, _ in servers.values():
+        proc.send_signal(signal.SIGINT)
+    for proc, _ in servers.values():
+        try:
+            proc.wait(timeout=60)
+        except Exception:
+            proc.kill()
+
+
+def run_http_trace(servers: dict, trace: list[Arrival], max_tokens: int) -> dict:
+    """Streams every request of the trace at its arrival time; TTFT is the first token's
+    chunk, client-side. Samples each server's mapped bytes from /metrics."""
+    import httpx
+
+    recs = [{"model": a.model, "t": a.t, "first": None, "end": None, "n": 0} for a in trace]
+    timeline, done = [], threading.Event()
+    t0 = time.perf_counter()
+
+    def one(a: Arrival, rec: dict) -> None:
+        body = {
+            "model": a.model, "prompt": a.prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0,
+        }  # fmt: skip
+        try:
+            with httpx.stream("POST", servers[a.model][1] + "/v1/completions", json=body,
+                              timeout=600) as r:  # fmt: skip
+                if r.status_code != 200:
+                    rec["error"] = f"HTTP {r.status_code}"
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and rec["first"] is None:
+                        rec["first"] = time.perf_counter() - t0
+                    if line == "data: [DONE]" and r.status_code == 200:
+                        rec["n"] = max_tokens  # ignore_eos: every request runs to the end
+        except httpx.HTTPError as e:
+            rec["error"] = repr(e)
+        rec["end"] = time.perf_counter() - t0
+        if rec["first"] is None and "error" not in rec:
+            rec["error"] = "no token"
+
+    def monitor() -> None:
+        with httpx.Client(timeout=5) as client:
+            while not done.is_set():
+                row = {"t": time.perf_counter() - t0}
+                for name, (_, url) in servers.items():
+                    for ln in client.get(url + "/metrics").text.splitlines():
+                        if ln.startswith(f'kvcached_mapped_bytes{{model="{name}"}}'):
+                            row[name] = float(ln.split()[-1])
+                timeline.append(row)
+                time.sleep(0.25)
+
+    mon = threading.Thread(target=monitor, daemon=True)
+    mon.start()
+    threads = []
+    for a, rec in zip(trace, recs, strict=True):
+        delay = a.t - (time.perf_counter() - t0)
+        if delay > 0:
+            time.sleep(delay)
+        th = threading.Thread(target=one, args=(a, rec), daemon=True)
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+    done.set()
+    mon.join()
+    return {"requests": recs, "timeline": timeline}
+
+
+def summarize_http(res: dict) -> dict:
+    recs = res["requests"]
+    ok = [r for r in recs if "error" not in r]
+    ttft = np.array([r["first"] - r["t"] for r in ok])
+    end = max(r["end"] for r in recs)
+    peak = max((sum(v for k, v in row.items() if k != "t") for row in res["timeline"]), default=0)
+    return {
+        "requests": len(recs),
+        "errors": len(recs) - len(ok),
+        "ttft_p50_ms": float(np.percentile(ttft, 50) * 1e3),
+        "ttft_p99_ms": float(np.percentile(ttft, 99) * 1e3),
+        "ttft_mean_ms": float(ttft.mean() * 1e3),
+        "throughput_tok_s": sum(r["n"] for r in ok) / end,
+        "peak_mapped_mib": peak / MiB,
+        "per_model_p99_ms": {
+            n: float(np.percentile([r["first"] - r["t"] for r in ok if r["model"] == n], 99) * 1e3)
+            for n in PROC_MODELS
+        },
+    }
+
+
+def run_processes(args, budget: int, page: int) -> dict:
+    trace = make_trace(
+        args.duration, args.hi, args.lo, args.prompt_len, args.seed, names=tuple(PROC_MODELS)
+    )
+    print(
+        f"processes: {len(trace)} requests over {args.duration:.0f} s to 3 serve processes, "
+        f"budget {budget / MiB:.0f} MiB, pages {page // 1024} KiB"
+    )
+    group = f"bench-{os.getpid()}"
+    runs = {}
+    try:
+        for config in ("elastic", "static"):
+            t0 = time.perf_counter()
+            servers = start_servers(config, budget, page, args.max_batch, group)
+            print(f"  {config}: 3 servers up in {time.perf_counter() - t0:.0f} s")
+            try:
+                res = run_http_trace(servers, trace, args.max_tokens)
+            finally:
+                stop_servers(servers)
+            runs[config] = summarize_http(res)
+    finally:
+        from jax_kvcached.memory import shm_segment
+
+        shm_segment.remove(group)
+    e, s = runs["elastic"], runs["static"]
+    print(f"\n{'processes':24}{'group':>10}{'static':>10}{'static/group':>14}")
+    for label, key, fmt in (
+        ("TTFT p50 (ms)", "ttft_p50_ms", "{:.0f}"),
+        ("TTFT p99 (ms)", "ttft_p99_ms", "{:.0f}"),
+        ("TTFT mean (ms)", "ttft_mean_ms", "{:.0f}"),
+        ("throughput (tok/s)", "throughput_tok_s", "{:.0f}"),
+        ("peak mapped (MiB)", "peak_mapped_mib", "{:.1f}"),
+        ("errors", "errors", "{:d}"),
+    ):
+        ratio = s[key] / e[key] if e[key] else float("nan")
+        print(f"{label:24}{fmt.format(e[key]):>10}{fmt.format(s[key]):>10}{ratio:>14.2f}")
+    goal = s["ttft_p99_ms"] / e["ttft_p99_ms"]
+    tput = e["throughput_tok_s"] / s["throughput_tok_s"]
+    print(
+        f"\np99 TTFT static/group = {goal:.2f}x (goal >= 2x: {'met' if goal >= 2 else 'NOT met'})"
+        f"; throughput group/static = {tput:.2f}"
+    )
+    return {"requests": len(trace), "group": e, "static": s, "p99_ttft_ratio": goal,
+            "throughput_ratio": tput}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     here = os.path.join(os.path.dirname(__file__), "results")
@@ -320,11 +514,24 @@ def main() -> None:
         help="only the host-tier section (alternating bursts with prefix caching)",
     )  # fmt: skip
     p.add_argument("--rounds", type=int, default=6, help="bursts in the host-tier section")
+    p.add_argument(
+        "--processes", action="store_true",
+        help="only the process section: three serve processes, one group vs static partitions",
+    )  # fmt: skip
     args = p.parse_args()
     if args.quick:
         args.duration = 12.0
     budget = kv.parse_bytes(args.budget)
     page = kv.parse_bytes(args.page_size)
+    if args.processes:
+        res = run_processes(args, budget, page)
+        out = os.path.join(os.path.dirname(args.out), "bench_multitenant_processes.json")
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        with open(out, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "out"}, **res}, f,
+                      indent=1)  # fmt: skip
+        print(f"wrote {out}")
+        return
     models = {n: build_model(c, seed=i) for i, (n, c) in enumerate(MODELS.items())}
     if args.host_tier:
         tier = run_host_tier(models, args.rounds)

@@ -286,9 +286,15 @@ class KVManager:
     def poll(self) -> None:
         """At each step: reports the prefix hits to the ledger and honours what other
         processes of a group asked of this tenant (memory back, a lower limit)."""
-        pc, hc = self.prefix_cache, self.host_cache
+        pc, hc, cache = self.prefix_cache, self.host_cache, self.cache
         hits = (pc.hits if pc else 0) + (hc.hits_tokens if hc else 0)
-        self.cache.ledger.poll(self.cache.name, hits, pc.queries if pc else 0)
+        # Pages its idle cached blocks could free at most (page-aware eviction frees
+        # whole pages): what other processes may ask of it.
+        idle = pc.num_evictable_blocks if pc else 0
+        idle_pages = min(-(-idle // cache.min_blocks_per_page), cache.num_mapped_pages)
+        cache.ledger.poll(
+            cache.name, hits, pc.queries if pc else 0, idle_pages * cache.pages_per_kv_page
+        )
 
     def reclaim(self, pages: int) -> int:
         """Another tenant needs memory: evicts idle cached prefixes (page-aware) until

@@ -105,9 +105,12 @@ class Ledger(Protocol):
     def released(self, name: str) -> None:
         """``name`` unmapped pages (a shared ledger publishes it to the group)."""
 
-    def poll(self, name: str, hit_tokens: int = 0, query_tokens: int = 0) -> None:
-        """Called by ``name``'s engine at each step with its prefix-cache counters: a
-        shared ledger honours what other processes asked of it there."""
+    def poll(
+        self, name: str, hit_tokens: int = 0, query_tokens: int = 0, idle_pages: int = -1
+    ) -> None:
+        """Called by ``name``'s engine at each step with its prefix-cache counters and
+        the pages it could give back now: a shared ledger publishes them and honours
+        what other processes asked of it there."""
 
     def close(self) -> None:
         """No charge succeeds afterwards (KVCacheError)."""
@@ -303,7 +306,9 @@ class LocalLedger:
     def released(self, name: str) -> None:
         """Nothing to publish: usage is read from the buffers."""
 
-    def poll(self, name: str, hit_tokens: int = 0, query_tokens: int = 0) -> None:
+    def poll(
+        self, name: str, hit_tokens: int = 0, query_tokens: int = 0, idle_pages: int = -1
+    ) -> None:
         """Nothing to honour: in one process, reclaims are direct calls."""
 
     def close(self) -> None:

@@ -58,6 +58,7 @@ class TenantRecord:
     guarantee_pages: int
     request_pages: int
     given_pages: int
+    idle_pages: int  # what its engine could give back at its last step (-1: unknown)
     hit_tokens: int
     query_tokens: int
     updated_ns: int
@@ -219,6 +220,7 @@ class SharedLedger:
                     "member": self._member,
                     "pages_per_kv_page": pages_per_kv_page,
                     "limit_pages": -1,
+                    "idle_pages": -1,  # until its engine says
                     "updated_ns": time.time_ns(),
                 },
             )
@@ -378,6 +380,7 @@ class SharedLedger:
                         guarantee_pages=seg.get(i, "guarantee_pages"),
                         request_pages=seg.get(i, "request_pages"),
                         given_pages=seg.get(i, "given_pages"),
+                        idle_pages=seg.get(i, "idle_pages"),
                         hit_tokens=seg.get(i, "hit_tokens"),
                         query_tokens=seg.get(i, "query_tokens"),
                         updated_ns=seg.get(i, "updated_ns"),
@@ -441,11 +444,11 @@ class SharedLedger:
             for i in seg.used_rows():
                 if seg.get(i, "member") == self._member:
                     continue
-                above = (
-                    seg.get(i, "mapped_pages")
-                    + seg.get(i, "reserved_pages")
-                    - seg.get(i, "guarantee_pages")
-                )
+                reserved = seg.get(i, "reserved_pages")
+                above = seg.get(i, "mapped_pages") + reserved - seg.get(i, "guarantee_pages")
+                idle = seg.get(i, "idle_pages")
+                if idle >= 0:  # its engine said what it could give: ask no more
+                    above = min(above, idle + reserved)
                 if above > 0:
                     rows.append((above, i))
             asked, left = [], pages
@@ -458,16 +461,20 @@ class SharedLedger:
                 left -= ask
             return asked
 
-    def poll(self, name: str, hit_tokens: int = 0, query_tokens: int = 0) -> None:
+    def poll(
+        self, name: str, hit_tokens: int = 0, query_tokens: int = 0, idle_pages: int = -1
+    ) -> None:
         """Called by ``name``'s engine at each step: publishes its prefix-cache counters
-        and honours what the group asked of it (a request to give memory back, a limit
-        below its use). Cheap when there is nothing to do: a few shared-memory reads."""
+        and the pages it could give back now (others ask it for no more), and honours
+        what the group asked of it (memory back, a limit below its use). Cheap when there
+        is nothing to do: a few shared-memory reads and writes."""
         own = self._own.get(name)
         if own is None or self._closed:
             return
         seg = self.segment
         seg.set(own.row, "hit_tokens", hit_tokens)
         seg.set(own.row, "query_tokens", query_tokens)
+        seg.set(own.row, "idle_pages", idle_pages)
         if seg.get(own.row, "request_pages") > 0 or self.over_limit_pages(name) > 0:
             self._serve(name, own, busy_ok=False)
 

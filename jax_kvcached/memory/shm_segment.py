@@ -55,6 +55,7 @@ FIELDS = (
     "given_pages",  # pages given back on request (counter)
     "hit_tokens",  # prefix-cache tokens found / looked up (counters)
     "query_tokens",
+    "idle_pages",  # pages its engine could give back now (idle cached prefixes); -1 unknown
     "updated_ns",  # when the owner last published (time.time_ns)
 )
 F = {name: i for i, name in enumerate(FIELDS)}

@@ -216,3 +216,54 @@ def test_host_tier_copies_are_asynchronous_byte_identical_and_outlive_no_page(gp
     for i in range(4):
         assert store.read_slot(i) == np.ascontiguousarray(before[:, :, i]).tobytes()
     store.close()
+
+
+GROUP_MEMBER = r"""
+import sys, time
+import jax.numpy as jnp
+import jax_kvcached as kv
+pool = kv.Pool(None, backend="cuda", group=sys.argv[1], max_reserved_pages=0)
+cache = pool.create_kv_cache("child", 2, 8, 128, jnp.bfloat16)
+ids = cache.alloc(cache.num_free_blocks)  # everything the group leaves it
+print("mapped", cache.mapped_pages, pool.stats()["mapped_pages"], flush=True)
+sys.stdin.readline()
+cache.free(ids)
+pool.close()
+"""
+
+
+def test_a_process_group_on_cuda_accounts_each_process_own_pages():
+    """Two processes on one GPU: each maps its own cuMemCreate pages, the shared ledger
+    keeps their sum within the group's budget; a process's exit returns its pages."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    from jax_kvcached.memory import shm_segment
+
+    group = f"gpu-{uuid.uuid4().hex[:8]}"
+    pool = kv.Pool("256MiB", backend="cuda", group=group, max_reserved_pages=0)
+    try:
+        cache = pool.create_kv_cache("parent", 2, 8, 128, jnp.bfloat16)
+        ids = cache.alloc(cache.num_free_blocks // 2)
+        env = {k: v for k, v in os.environ.items() if k != "KVCACHED_IPC_NAME"}
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        child = subprocess.Popen(
+            [sys.executable, "-c", GROUP_MEMBER, group], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, env=env,
+        )  # fmt: skip
+        line = child.stdout.readline().split()
+        assert line[0] == "mapped", line
+        recs = {r.name: r.mapped_pages for r in pool.group_records()}
+        assert recs["child"] == int(line[1]) == int(line[2]) > 0
+        assert recs["parent"] + recs["child"] <= pool.budget_pages
+        assert pool.ledger.room_pages("parent") == 0  # the child took the rest
+        child.communicate("\n", timeout=120)
+        assert child.returncode == 0
+        assert [r.name for r in pool.group_records()] == ["parent"]
+        assert pool.ledger.room_pages("parent") > 0
+        cache.free(ids)
+    finally:
+        pool.close()
+        shm_segment.remove(group)
