@@ -3,7 +3,8 @@
 # to finish in under 8 minutes: builds with the preinstalled toolchain, runs the GPU
 # tests (CUDA backend, engine on CUDA, the Pallas paged-attention kernel compiled for the
 # GPU, the tensor-parallel path over the GPUs present, the host tier's page-locked
-# asynchronous copies and an engine restoring from it), the attention benchmark (Pallas vs
+# asynchronous copies and an engine restoring from it, two processes of one process group
+# each mapping its own cuMemCreate pages under the shared ledger), the attention benchmark (Pallas vs
 # XLA vs jax's decode kernel vs dense), the VMM benchmark (with the host tier's copy
 # bandwidth) and the step's K/V write with and without the host sync; copies logs and
 # JSON to $OUT when it is set.
