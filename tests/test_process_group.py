@@ -390,3 +390,17 @@ def test_a_server_in_a_group_gives_memory_back_and_obeys_ctl(group, tmp_path):
     eng.close()
     assert pool.group_records() == [] and pool.stats()["mapped_pages"] == 0
     pool.close()
+
+
+def test_the_group_and_its_wait_come_from_the_environment(group):
+    from jax_kvcached.memory.config import Config
+
+    cfg = Config.from_env({"KVCACHED_IPC_NAME": group, "KVCACHED_IPC_RECLAIM_WAIT_S": "0.25"})
+    assert (cfg.ipc_name, cfg.ipc_reclaim_wait_s) == (group, 0.25)
+    assert Config.from_env({}).ipc_name is None
+    with pytest.raises(ValueError, match="KVCACHED_IPC_RECLAIM_WAIT_S"):
+        Config.from_env({"KVCACHED_IPC_RECLAIM_WAIT_S": "soon"})
+    pool = kv.Pool(8 * 65536, page_size=PAGE, backend="host", config=cfg)
+    assert pool.group == group and pool.ledger.wait_s == 0.25
+    assert pool.stats()["group"] == group
+    pool.close()
