@@ -404,3 +404,17 @@ def test_the_group_and_its_wait_come_from_the_environment(group):
     assert pool.group == group and pool.ledger.wait_s == 0.25
     assert pool.stats()["group"] == group
     pool.close()
+
+
+@pytest.mark.parametrize("in_group", [False, True])
+def test_an_engine_closes_cleanly_after_its_pool(group, in_group):
+    from jax_kvcached.engine.engine import Engine
+    from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+
+    pool = kv.Pool("8MiB", page_size=PAGE, backend="host", group=group if in_group else None)
+    eng = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"]), pool, name="m")
+    pool.close()
+    eng.close()  # before: KeyError (its tenant was gone)
+    assert eng.cache.closed
+    with pytest.raises(KeyError):
+        pool.set_reclaimer("m", lambda pages: 0)  # setting one for nobody is still an error

@@ -280,7 +280,10 @@ class LocalLedger:
 
     # -- reclaim -------------------------------------------------------------------------
     def set_reclaimer(self, name: str, reclaim: Reclaimer | None) -> None:
+        """``None`` for a tenant already gone (its pool closed first) is a no-op."""
         with self._lock:
+            if reclaim is None and name not in self._tenants:
+                return
             self._tenant(name).reclaimer = reclaim
 
     def reclaim(self, name: str, pages: int) -> int:

@@ -396,9 +396,12 @@ class SharedLedger:
 
     # -- reclaim ---------------------------------------------------------------------------
     def set_reclaimer(self, name: str, reclaim: Reclaimer | None) -> None:
+        """``None`` for a tenant already gone (its pool closed first) is a no-op."""
         with self._lock:
             own = self._own.get(name)
             if own is None:
+                if reclaim is None:
+                    return
                 raise KeyError(f"no KV cache named {name!r} in this process")
             own.reclaimer = reclaim
 
