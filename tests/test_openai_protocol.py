@@ -56,6 +56,33 @@ def test_parse_completion_defaults_and_errors():
         assert e.value.status == 400 and e.value.param == param
 
 
+def test_harmless_fields_are_accepted_and_output_changing_ones_refused():
+    ok = {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "metadata": {"k": "v"}, "store": False, "user": "u", "service_tier": "auto",
+        "parallel_tool_calls": True, "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"},
+    }  # fmt: skip
+    plain = parse_chat({"model": "m", "messages": ok["messages"]})
+    assert parse_chat(ok) == plain  # accepted, and they change nothing
+    assert parse_completion({"model": "m", "prompt": "x", "store": True}).prompt == "x"
+    for extra, param, msg in [
+        ({"response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
+         "not supported yet"),
+        ({"response_format": "text"}, "response_format", "must be"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+        ({"tool_choice": "required"}, "tool_choice", "'none' or 'auto'"),
+        ({"metadata": "x"}, "metadata", "must be a dict"),
+        ({"store": "yes"}, "store", "must be a bool"),
+        ({"service_tier": ""}, "service_tier", "must be a str"),
+        ({"frobnicate": 1}, "frobnicate", "unrecognized"),
+    ]:  # fmt: skip
+        with pytest.raises(APIError) as e:
+            parse_chat({"model": "m", "messages": ok["messages"], **extra})
+        assert e.value.status == 400 and e.value.param == param and msg in e.value.message
+
+
 def test_parse_chat_flattens_text_parts():
     r = parse_chat({"model": "m", "messages": [
         {"role": "system", "content": "be brief"},

@@ -103,6 +103,10 @@ def test_health_and_models(server):
     assert h.status_code == 200 and h.json()["models"] == {"llama": "ok", "qwen": "ok"}
     m = httpx.get(f"{server.url}/v1/models").json()
     assert m["object"] == "list" and [d["id"] for d in m["data"]] == ["llama", "qwen"]
+    one = httpx.get(f"{server.url}/v1/models/qwen")  # the SDK's models.retrieve
+    assert one.status_code == 200 and one.json() == m["data"][1]
+    r = httpx.get(f"{server.url}/v1/models/gpt-9")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_concurrent_clients_streaming_and_not_match_each_engine_alone(server):

@@ -12,7 +12,17 @@ _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
     "ignore_eos", "cache_salt",
+    # accepted and ignored (they change nothing here): see _HARMLESS
+    "metadata", "store", "service_tier", "parallel_tool_calls", "tools", "tool_choice",
+    "response_format",
 }  # fmt: skip
+# Field -> what it must be to be ignored safely (anything else is a 400).
+_HARMLESS: dict[str, tuple[type, ...]] = {
+    "metadata": (dict,),
+    "store": (bool,),
+    "service_tier": (str,),
+    "parallel_tool_calls": (bool,),
+}
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 _ROLES = ("system", "user", "assistant", "developer")
@@ -121,6 +131,30 @@ def _unsupported(body: dict, key: str, allowed: tuple) -> None:
         raise _bad(f"'{key}'={body[key]!r} is not supported by this server", key)
 
 
+def _check_ignored(body: dict) -> None:
+    """Fields clients send by default that change nothing here are accepted (and
+    ignored) when well-formed; ones that would change the output are refused."""
+    for key, types in _HARMLESS.items():
+        v = body.get(key)
+        if v is not None and (not isinstance(v, types) or (types == (str,) and not v)):
+            raise _bad(f"'{key}' must be a {types[0].__name__}, got {v!r}", key)
+    if body.get("tools") not in (None, []):
+        raise _bad("'tools' (function calling) is not supported by this server", "tools")
+    if body.get("tool_choice") not in (None, "none", "auto"):
+        raise _bad("'tool_choice' must be 'none' or 'auto' (no tools are supported)", "tool_choice")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind in ("json_object", "json_schema"):
+            raise _bad(
+                f"response_format {kind!r} (constrained decoding) is not supported yet; "
+                "use {'type': 'text'}",
+                "response_format",
+            )
+        if kind != "text" or set(fmt) != {"type"}:
+            raise _bad("'response_format' must be {'type': 'text'}", "response_format")
+
+
 def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
@@ -143,6 +177,7 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
     ):
         if key in body:
             _unsupported(body, key, ok)
+    _check_ignored(body)
     stop = body.get("stop")
     if stop is None:
         stop = []

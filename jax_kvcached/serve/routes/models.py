@@ -1,4 +1,4 @@
-"""``GET /v1/models``: the served models."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the served models."""
 
 from __future__ import annotations
 
@@ -10,18 +10,27 @@ from jax_kvcached.serve.context import AppContext
 
 
 def routes(ctx: AppContext) -> list[Route]:
+    def card(name: str) -> dict:
+        m = ctx.models[name]
+        return {
+            "id": name,
+            "object": "model",
+            "created": m.created,
+            "owned_by": "jax-kvcached",
+            "max_model_len": m.engine.max_model_len,
+        }
+
     async def list_models(request: Request) -> Response:
         ctx.auth.check(request, admin=False)
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": m.created,
-                "owned_by": "jax-kvcached",
-                "max_model_len": m.engine.max_model_len,
-            }  # fmt: skip
-            for name, m in ctx.models.items()
-        ]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": [card(n) for n in ctx.models]})
 
-    return [Route("/v1/models", list_models, methods=["GET"])]
+    async def get_model(request: Request) -> Response:
+        ctx.auth.check(request, admin=False)
+        name = request.path_params["model"]
+        ctx.served(name)  # 404 model_not_found for an unknown one
+        return JSONResponse(card(name))
+
+    return [
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+    ]
