@@ -10,18 +10,19 @@ OpenAI server, launch, top). ``models`` holds the Flax models behind one interfa
 
 from typing import Any
 
-from jax_kvcached.memory import ops
-from jax_kvcached.memory.config import Config, parse_bytes
-from jax_kvcached.memory.errors import BackendError, KVCacheError, PoolExhausted
-from jax_kvcached.memory.kv_cache import KVCache
-from jax_kvcached.memory.ledger import MemoryLimit
-from jax_kvcached.memory.pool import Pool
-
 __version__ = "0.1.0"
 
-# The engine and serving layers import Flax and the model code: loaded on first use, so
-# ``import jax_kvcached`` stays as light as the memory layer.
+# Loaded on first use, so ``import jax_kvcached`` (and tools such as ``top`` and ``ctl``)
+# start without importing JAX, Flax or the model code.
 _LAZY = {
+    "BackendError": "jax_kvcached.memory.errors",
+    "KVCacheError": "jax_kvcached.memory.errors",
+    "PoolExhausted": "jax_kvcached.memory.errors",
+    "Config": "jax_kvcached.memory.config",
+    "parse_bytes": "jax_kvcached.memory.config",
+    "MemoryLimit": "jax_kvcached.memory.ledger",
+    "KVCache": "jax_kvcached.memory.kv_cache",
+    "Pool": "jax_kvcached.memory.pool",
     "Engine": "jax_kvcached.engine.engine",
     "RequestOutput": "jax_kvcached.engine.engine",
     "SamplingParams": "jax_kvcached.engine.sampling",
@@ -30,9 +31,11 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name == "ops":
+        return importlib.import_module("jax_kvcached.memory.ops")
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'jax_kvcached' has no attribute {name!r}")
 

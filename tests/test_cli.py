@@ -166,3 +166,16 @@ def test_cli_serve_rejects_bad_arguments(tmp_path):
     ]:
         r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
+
+
+def test_top_and_ctl_start_without_jax(tmp_path):
+    """The tools import neither JAX nor Flax (the package root is lazy)."""
+    code = (
+        "import sys, jax_kvcached, jax_kvcached.cli, jax_kvcached.serve.top, "
+        "jax_kvcached.serve.ctl; print(sorted(m for m in ('jax', 'flax', 'jax_kvcached.memory"
+        ".pool') if m in sys.modules)); print(jax_kvcached.Pool.__name__)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["[]", "Pool"]  # nothing heavy until first use
