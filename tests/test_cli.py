@@ -86,7 +86,7 @@ def complete_three_tokens(url: str, model: str) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
-def test_cli_serve_and_top(tmp_path):
+def test_cli_serve_and_top(tmp_path, capsys):
     import signal
 
     import httpx
@@ -121,6 +121,11 @@ def test_cli_serve_and_top(tmp_path):
         cwd=tmp_path,
     )  # fmt: skip
     assert bad.returncode == 1 and "cannot read" in bad.stderr
+    # without --once it keeps retrying, showing the server as disconnected
+    from jax_kvcached.serve.top import run_top
+
+    assert run_top(url, 0.01, frames=3) == 0
+    assert capsys.readouterr().out.count("disconnected: ") == 3
 
 
 def test_cli_serve_tensor_parallel(tmp_path):

@@ -140,21 +140,42 @@ def _group_lines(m: dict[str, Any]) -> list[str]:
     return lines
 
 
-def run_top(url: str, interval: float = 1.0, once: bool = False, api_key: str | None = None) -> int:
+def run_top(
+    url: str,
+    interval: float = 1.0,
+    once: bool = False,
+    api_key: str | None = None,
+    frames: int | None = None,
+) -> int:
+    """Draws the server's frames until Ctrl-C (``frames``: that many, then returns)."""
     try:
-        return _loop(url, interval, once, api_key)
+        return _loop(url, interval, once, api_key, frames)
     except KeyboardInterrupt:
         return 0
 
 
-def _loop(url: str, interval: float, once: bool, api_key: str | None) -> int:
-    prev, t_prev = None, time.monotonic()
-    while True:
+def _loop(
+    url: str, interval: float, once: bool, api_key: str | None, frames: int | None = None
+) -> int:
+    """Redraws every ``interval`` s; a server that is away (not started yet, restarting)
+    shows as "disconnected" and is retried. ``--once`` fails instead (exit 1)."""
+    prev, t_prev, drawn = None, time.monotonic(), 0
+    while frames is None or drawn < frames:
+        drawn += 1
         try:
             m = scrape(url, api_key=api_key)
         except OSError as e:
-            print(f"error: cannot read {url}/metrics: {e}", file=sys.stderr)
-            return 1
+            if once:
+                print(f"error: cannot read {url}/metrics: {e}", file=sys.stderr)
+                return 1
+            sys.stdout.write(
+                "\x1b[H\x1b[2J" + f"jax-kvcached top  {url}  (Ctrl-C quits)\n\n"
+                f"disconnected: {e}; retrying every {interval:g} s\n"
+            )
+            sys.stdout.flush()
+            prev = None
+            time.sleep(interval)
+            continue
         now = time.monotonic()
         frame = render(m, prev, now - t_prev)
         if once:
@@ -166,3 +187,4 @@ def _loop(url: str, interval: float, once: bool, api_key: str | None) -> int:
         sys.stdout.flush()
         prev, t_prev = m, now
         time.sleep(interval)
+    return 0
