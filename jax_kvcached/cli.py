@@ -8,6 +8,18 @@ import os
 import sys
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help unless the help already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        if action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jax-kvcached", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -29,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=96, help="tokens per sequence")
     d.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
     d.add_argument("--seed", type=int, default=0)
-    s = sub.add_parser("serve", help="OpenAI-compatible server for several models on one pool")
+    s = sub.add_parser(
+        "serve", help="OpenAI-compatible server for several models on one pool",
+        formatter_class=_HelpWithDefaults,
+    )  # fmt: skip
     s.add_argument(
         "--model", action="append", default=None, metavar="NAME=MODEL",
         help="a served model: smollm2-135m, a random preset (tiny-llama, tiny-qwen2), a .gguf "
@@ -45,12 +60,24 @@ def _parser() -> argparse.ArgumentParser:
         help="share the device budget with other processes of this group (a ledger in "
         "POSIX shared memory; default: $KVCACHED_IPC_NAME); see `jax-kvcached ctl`",
     )  # fmt: skip
-    s.add_argument("--limit", action="append", default=[], metavar="NAME=BYTES")
-    s.add_argument("--guarantee", action="append", default=[], metavar="NAME=BYTES")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
-    s.add_argument("--page-size", default=None, help="physical page size (default 2MiB)")
+    s.add_argument(
+        "--limit", action="append", default=[], metavar="NAME=BYTES",
+        help="a model's memory limit, e.g. llama=2GiB (repeatable; default: none, the budget)",
+    )  # fmt: skip
+    s.add_argument(
+        "--guarantee", action="append", default=[], metavar="NAME=BYTES",
+        help="memory no other model may take from it (repeatable; default: none)",
+    )  # fmt: skip
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on")
+    s.add_argument(
+        "--backend", default="auto", choices=["auto", "host", "cuda"],
+        help="physical memory: cuda (driver VMM), host (Linux VM) or auto",
+    )  # fmt: skip
+    s.add_argument(
+        "--page-size", default=None,
+        help="physical page size (default: $KVCACHED_PAGE_SIZE_MB, else 2MiB)",
+    )  # fmt: skip
     s.add_argument(
         "--tensor-parallel", type=int, default=1, metavar="N",
         help="split every model's heads and KV heads over N devices (default 1); --memory is "
@@ -62,7 +89,11 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     s.add_argument("--max-batch", type=int, default=8, help="requests run at once per model")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
-    s.add_argument("--max-cached-tokens", type=int, default=None, help="prefix-cache bound")
+    s.add_argument(
+        "--max-cached-tokens", type=int, default=None, metavar="N",
+        help="idle tokens the prefix cache keeps per model (default: "
+        "$KVCACHED_MAX_CACHED_TOKENS, else 16000; -1 unlimited, 0 off)",
+    )  # fmt: skip
     s.add_argument(
         "--eviction", default="lru", choices=["lru", "lfu"],
         help="which idle cached prefix goes first: least recently or least frequently used",
@@ -91,7 +122,10 @@ def _parser() -> argparse.ArgumentParser:
         "--api-key", default=None,
         help="required as 'Authorization: Bearer KEY' on /v1/* (default: $KVCACHED_API_KEY)",
     )  # fmt: skip
-    s.add_argument("--api-key-file", default=None, help="read the API key from this file")
+    s.add_argument(
+        "--api-key-file", default=None, metavar="FILE",
+        help="read the API key from this file (default: none)",
+    )  # fmt: skip
     s.add_argument(
         "--admin-key", default=None,
         help="required on /admin/* (default: $KVCACHED_ADMIN_KEY); without one the admin "

@@ -184,3 +184,27 @@ def test_top_and_ctl_start_without_jax(tmp_path):
                        timeout=120, cwd=tmp_path)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["[]", "Pool"]  # nothing heavy until first use
+
+
+def test_every_serve_flag_has_help_and_a_default(capsys):
+    import argparse
+
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    text = " ".join(out[out.index("options:") :].split())
+    serve = next(
+        a for a in __import__("jax_kvcached.cli").cli._parser()._actions
+        if isinstance(a, argparse._SubParsersAction)
+    ).choices["serve"]  # fmt: skip
+    for action in serve._actions:
+        flag = action.option_strings[-1]
+        if flag == "--help":
+            continue
+        assert action.help, f"{flag} has no help"
+        if not isinstance(action, argparse._StoreTrueAction):
+            # its help says its default (stated, or appended by the formatter)
+            start = text.index(flag + " ")
+            assert "default" in text[start : start + 400].split(" --")[0], flag
