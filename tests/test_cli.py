@@ -208,3 +208,23 @@ def test_every_serve_flag_has_help_and_a_default(capsys):
             # its help says its default (stated, or appended by the formatter)
             start = text.index(flag + " ")
             assert "default" in text[start : start + 400].split(" --")[0], flag
+
+
+def test_serve_memory_errors_name_the_flag(capsys):
+    import pytest
+
+    import jax_kvcached as kv
+
+    base = ["serve", "--model", "a=tiny-llama", "--backend", "host", "--no-warmup",
+            "--port", "0", "--compile-cache", "off"]  # fmt: skip
+    for memory, msg in (
+        ("lots", "--memory: cannot parse 'lots'"),
+        ("0", "--memory must be positive"),
+        ("1KiB", "--memory (1024 bytes) is smaller than one page"),
+        ("100TiB", "--memory (102400.0 GiB) exceeds the memory of the device"),
+    ):
+        assert main([*base, "--memory", memory]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("error: " + msg), err
+    with pytest.raises(ValueError, match="exceeds the memory of the device"):
+        kv.Pool("100TiB", backend="host")

@@ -21,12 +21,16 @@ from jax_kvcached.memory.shm_segment import check_group
 BACKENDS = ("auto", "host", "cuda")
 
 
-def _host_available_bytes() -> int:
+def _meminfo(key: str) -> int:
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+    raise RuntimeError(f"{key} not found in /proc/meminfo")
+
+
+def _host_available_bytes() -> int:
+    return _meminfo("MemAvailable")
 
 
 def _is_gpu(device: Any) -> bool:
@@ -176,6 +180,13 @@ class Pool:
             limit = self._default_limit(cfg)
         else:
             limit = parse_bytes(memory_limit, "memory_limit")
+            device = self._device_bytes()
+            if limit > device:
+                what = " of RAM" if self.backend == "host" else ""
+                raise ValueError(
+                    f"memory_limit ({limit / 2**30:.1f} GiB) exceeds the memory of the "
+                    f"device ({device / 2**30:.1f} GiB{what})"
+                )
         if limit < page:
             raise ValueError(
                 f"memory_limit ({limit} bytes) is smaller than one page ({page} bytes)"
@@ -212,6 +223,13 @@ class Pool:
         # The host's RAM backs every (forced host) device's pages.
         share = cfg.host_memory_fraction / len(self.local_devices)
         return int(_host_available_bytes() * share)
+
+    def _device_bytes(self) -> int:
+        """The memory of each device: a GPU's total, or the machine's RAM for the host
+        backend (which backs every forced host device)."""
+        if self.backend == "cuda":
+            return min(_C.cuda_mem_info(d.local_hardware_id)[1] for d in self.local_devices)
+        return _meminfo("MemTotal") // len(self.local_devices)
 
     def _reserved_pages(self) -> int:
         return max((p.stats()["reserved_pages"] for p in self._pools), default=0)

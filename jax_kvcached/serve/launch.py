@@ -228,7 +228,13 @@ def serve(
     group = group or os.environ.get("KVCACHED_IPC_NAME") or None
     if memory is None and group is None:
         memory = "1GiB"
-    pool = Pool(memory, page_size=page_size, backend=backend, devices=picked, group=group)
+    if memory is not None:
+        parse_bytes(memory, "--memory")
+    try:
+        pool = Pool(memory, page_size=page_size, backend=backend, devices=picked, group=group)
+    except ValueError as e:  # name the flags, not the library's arguments
+        flags = str(e).replace("memory_limit", "--memory").replace("page_size", "--page-size")
+        raise ValueError(flags) from None
     # Trained weights: bf16 on a GPU; fp32 on the CPU, where XLA emulates bf16 matmuls.
     dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
     models: dict[str, ServedModel] = {}
