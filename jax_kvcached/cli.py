@@ -196,6 +196,13 @@ def _host_cache_args(args: argparse.Namespace) -> dict[str, int | None]:
     return {"host_cache_tokens": tokens, "host_cache_bytes": nbytes}
 
 
+def _fail(err: BaseException) -> int:
+    """One line on stderr naming the flag (``--memory``, not the library's argument)."""
+    msg = str(err).replace("memory_limit", "--memory")
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
@@ -204,15 +211,18 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from jax_kvcached.demo import run_demo
 
-        out = run_demo(
-            args.model,
-            args.memory,
-            args.max_tokens,
-            args.batch,
-            args.temperature,
-            args.backend,
-            args.seed,
-        )
+        try:
+            out = run_demo(
+                args.model,
+                args.memory,
+                args.max_tokens,
+                args.batch,
+                args.temperature,
+                args.backend,
+                args.seed,
+            )
+        except (ValueError, FileNotFoundError) as e:  # a bad model, size or setting
+            return _fail(e)
         if out["mapped_after_reset_mib"] != 0:
             print("error: pages still mapped after every request finished", file=sys.stderr)
             return 1
@@ -222,7 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from jax_kvcached.kv_demo import run_kv_demo
 
-        out = run_kv_demo(args.memory, args.batch, args.steps, args.backend, args.seed)
+        try:
+            out = run_kv_demo(args.memory, args.batch, args.steps, args.backend, args.seed)
+        except (ValueError, FileNotFoundError) as e:
+            return _fail(e)
         if not all(r["verified"] for r in out["results"]):
             print("error: data read back differs from what was written", file=sys.stderr)
             return 1

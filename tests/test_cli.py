@@ -42,6 +42,14 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "--max-tokens" in capsys.readouterr().err
     assert main(["kv-demo", "--steps", "1"]) == 2
     assert "--steps" in capsys.readouterr().err
+    for argv, msg in (
+        (["demo", "--model", "tiny-llama", "--memory", "lots"], "--memory: cannot parse"),
+        (["demo", "--model", "nope"], "unknown model 'nope'"),
+        (["kv-demo", "--memory", "1KiB", "--backend", "host"], "--memory (1024 bytes)"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: " + msg) and err.count("\n") == 1, err
 
 
 def _free_port():
