@@ -62,6 +62,17 @@ def _resolve(backend: str, device: Any) -> tuple[str, Any]:
     return backend, device
 
 
+def device_memory_bytes(backend: str = "auto", devices: Any = None) -> int:
+    """The memory of each device a pool on ``devices`` (default: the default device)
+    would use: a GPU's total, or the machine's RAM shared by the host devices. A pool's
+    budget may exceed it (pages are mapped on demand); ``serve`` refuses that."""
+    devs = list(devices) if devices else [None]
+    backend, device = _resolve(backend, devs[0])
+    if backend == "cuda":
+        return _C.cuda_mem_info(device.local_hardware_id)[1]
+    return _meminfo("MemTotal") // len(devs)
+
+
 def ffi_ordinal(device: Any) -> int:
     """The device ordinal XLA passes an FFI handler running on ``device``: the global
     device id on the CPU (several processes: 0, 1, 2048, 2049...), the local ordinal on a
@@ -180,13 +191,6 @@ class Pool:
             limit = self._default_limit(cfg)
         else:
             limit = parse_bytes(memory_limit, "memory_limit")
-            device = self._device_bytes()
-            if limit > device:
-                what = " of RAM" if self.backend == "host" else ""
-                raise ValueError(
-                    f"memory_limit ({limit / 2**30:.1f} GiB) exceeds the memory of the "
-                    f"device ({device / 2**30:.1f} GiB{what})"
-                )
         if limit < page:
             raise ValueError(
                 f"memory_limit ({limit} bytes) is smaller than one page ({page} bytes)"
@@ -223,13 +227,6 @@ class Pool:
         # The host's RAM backs every (forced host) device's pages.
         share = cfg.host_memory_fraction / len(self.local_devices)
         return int(_host_available_bytes() * share)
-
-    def _device_bytes(self) -> int:
-        """The memory of each device: a GPU's total, or the machine's RAM for the host
-        backend (which backs every forced host device)."""
-        if self.backend == "cuda":
-            return min(_C.cuda_mem_info(d.local_hardware_id)[1] for d in self.local_devices)
-        return _meminfo("MemTotal") // len(self.local_devices)
 
     def _reserved_pages(self) -> int:
         return max((p.stats()["reserved_pages"] for p in self._pools), default=0)

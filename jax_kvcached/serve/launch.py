@@ -11,7 +11,7 @@ import threading
 
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.memory.config import parse_bytes
-from jax_kvcached.memory.pool import Pool
+from jax_kvcached.memory.pool import Pool, device_memory_bytes
 from jax_kvcached.progress import Log
 from jax_kvcached.serve.auth import AuthConfig
 from jax_kvcached.serve.chat_template import ChatTemplate
@@ -229,7 +229,12 @@ def serve(
     if memory is None and group is None:
         memory = "1GiB"
     if memory is not None:
-        parse_bytes(memory, "--memory")
+        nbytes, device = parse_bytes(memory, "--memory"), device_memory_bytes(backend, picked)
+        if nbytes > device:
+            raise ValueError(
+                f"--memory ({nbytes / 2**30:.1f} GiB) exceeds the memory of the device "
+                f"({device / 2**30:.1f} GiB)"
+            )
     try:
         pool = Pool(memory, page_size=page_size, backend=backend, devices=picked, group=group)
     except ValueError as e:  # name the flags, not the library's arguments
