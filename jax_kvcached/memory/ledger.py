@@ -58,6 +58,90 @@ class MemoryLimit:
         return self.over_limit_bytes == 0 and self.guarantee_shortfall_bytes == 0
 
 
+def limit_to_pages(
+    name: str, limit: int | str | None, page_size: int, pages_per_kv_page: int, guarantee: int
+) -> int | None:
+    """A tenant's limit in physical pages, rounded down to whole KV pages (None: the
+    budget); ValueError below its guarantee (pages)."""
+    if limit is None:
+        return None
+    nbytes = parse_bytes(limit, "memory limit", allow_zero=True)
+    pages = nbytes // page_size
+    pages -= pages % pages_per_kv_page
+    if pages < guarantee:
+        raise ValueError(
+            f"memory limit of {name!r} ({pages * page_size} bytes in whole KV pages) is "
+            f"below its guarantee ({guarantee * page_size})"
+        )
+    return pages
+
+
+def guarantee_to_pages(
+    name: str,
+    guarantee: int | str,
+    page_size: int,
+    pages_per_kv_page: int,
+    limit: int,
+    others: int,
+    budget: int,
+    budget_what: str,
+) -> int:
+    """A tenant's guarantee in physical pages, rounded up to whole KV pages; ValueError
+    above its ``limit`` or when it and the ``others``' guarantees exceed ``budget`` (all
+    in pages; ``budget_what`` names the budget in the message)."""
+    nbytes = parse_bytes(guarantee, "memory guarantee", allow_zero=True)
+    pages = -(-nbytes // page_size)
+    pages = -(-pages // pages_per_kv_page) * pages_per_kv_page
+    if pages > limit:
+        raise ValueError(
+            f"memory guarantee of {name!r} ({pages * page_size} bytes) exceeds its limit "
+            f"({limit * page_size})"
+        )
+    if others + pages > budget:
+        raise ValueError(
+            f"guarantees would total {(others + pages) * page_size} bytes, more than "
+            f"{budget_what} ({budget * page_size})"
+        )
+    return pages
+
+
+def limit_result(
+    name: str,
+    page_size: int,
+    mapped: int,
+    limit: int | None,
+    budget: int,
+    guarantee: int,
+    free: int,
+    held: int,
+) -> MemoryLimit:
+    """A tenant's :class:`MemoryLimit` from its pages: ``limit`` None means the
+    ``budget``; ``free`` is the budget's unmapped pages, of which ``held`` are other
+    tenants' unmet guarantees (held back from this tenant first)."""
+    effective = budget if limit is None else limit
+    shortfall = max(0, (guarantee - mapped) - max(0, free - held))
+    return MemoryLimit(
+        name=name,
+        limit_bytes=None if limit is None else limit * page_size,
+        guarantee_bytes=guarantee * page_size,
+        mapped_bytes=mapped * page_size,
+        over_limit_bytes=max(0, mapped - effective) * page_size,
+        guarantee_shortfall_bytes=shortfall * page_size,
+    )
+
+
+def reclaim_in_order(candidates: list[tuple[int, str, Reclaimer | None]], pages: int) -> int:
+    """Asks ``(pages above guarantee, name, reclaimer)`` candidates for up to ``pages``
+    pages, those furthest above their guarantee first (ties by name); only memory above
+    a guarantee is asked for. Returns the pages freed."""
+    freed = 0
+    for above, _, reclaimer in sorted(candidates, key=lambda x: (x[0], x[1]), reverse=True):
+        if freed >= pages or above <= 0 or reclaimer is None:
+            continue
+        freed += reclaimer(min(pages - freed, above))
+    return freed
+
+
 class Ledger(Protocol):
     """The accounting interface of one device budget shared by named tenants."""
 
@@ -123,9 +207,6 @@ class _Tenant:
     limit_pages: int | None = None
     guarantee_pages: int = 0
     reclaimer: Reclaimer | None = None
-
-    def round_down(self, pages: int) -> int:
-        return pages - pages % self.pages_per_kv_page
 
 
 class LocalLedger:
@@ -218,37 +299,20 @@ class LocalLedger:
 
     # -- limits and guarantees -------------------------------------------------------
     def _result(self, name: str) -> MemoryLimit:
-        t, ps = self._tenants[name], self.page_size
-        mapped = t.usage()
-        free = self.budget_pages - self._in_use()
-        # Other tenants' unmet guarantees are held back from the free pages first.
-        held = self._held_for_others(name)
-        shortfall = max(0, (t.guarantee_pages - mapped) - max(0, free - held))
-        return MemoryLimit(
-            name=name,
-            limit_bytes=None if t.limit_pages is None else t.limit_pages * ps,
-            guarantee_bytes=t.guarantee_pages * ps,
-            mapped_bytes=mapped * ps,
-            over_limit_bytes=max(0, mapped - self._limit_pages(t)) * ps,
-            guarantee_shortfall_bytes=shortfall * ps,
-        )
+        t = self._tenants[name]
+        return limit_result(
+            name, self.page_size, t.usage(), t.limit_pages, self.budget_pages,
+            t.guarantee_pages, self.budget_pages - self._in_use(), self._held_for_others(name),
+        )  # fmt: skip
 
     def set_limit(self, name: str, limit: int | str | None) -> MemoryLimit:
         """``None``: the whole budget. Rounded down to whole KV pages; ValueError below
         the guarantee."""
         with self._lock:
             t = self._tenant(name)
-            if limit is None:
-                pages = None
-            else:
-                nbytes = parse_bytes(limit, "memory limit", allow_zero=True)
-                pages = t.round_down(nbytes // self.page_size)
-                if pages < t.guarantee_pages:
-                    raise ValueError(
-                        f"memory limit of {name!r} ({pages * self.page_size} bytes in whole "
-                        f"KV pages) is below its guarantee ({t.guarantee_pages * self.page_size})"
-                    )
-            t.limit_pages = pages
+            t.limit_pages = limit_to_pages(
+                name, limit, self.page_size, t.pages_per_kv_page, t.guarantee_pages
+            )
             return self._result(name)
 
     def set_guarantee(self, name: str, guarantee: int | str) -> MemoryLimit:
@@ -256,21 +320,10 @@ class LocalLedger:
         guarantees together exceed the budget."""
         with self._lock:
             t = self._tenant(name)
-            nbytes = parse_bytes(guarantee, "memory guarantee", allow_zero=True)
-            pages = -(-nbytes // self.page_size)
-            pages = -(-pages // t.pages_per_kv_page) * t.pages_per_kv_page
-            if pages > self._limit_pages(t):
-                raise ValueError(
-                    f"memory guarantee of {name!r} ({pages * self.page_size} bytes) exceeds "
-                    f"its limit ({self._limit_pages(t) * self.page_size})"
-                )
-            others = self._guaranteed_to_others(name)
-            if others + pages > self.budget_pages:
-                raise ValueError(
-                    f"guarantees would total {(others + pages) * self.page_size} bytes, more "
-                    f"than the pool budget ({self.budget_pages * self.page_size})"
-                )
-            t.guarantee_pages = pages
+            t.guarantee_pages = guarantee_to_pages(
+                name, guarantee, self.page_size, t.pages_per_kv_page, self._limit_pages(t),
+                self._guaranteed_to_others(name), self.budget_pages, "the pool budget",
+            )  # fmt: skip
             return self._result(name)
 
     def limit_of(self, name: str) -> MemoryLimit:
@@ -290,21 +343,12 @@ class LocalLedger:
         """Those furthest above their guarantee are asked first; only memory above a
         guarantee is asked for."""
         with self._lock:
-            order = sorted(
-                (
-                    (t.usage() - t.guarantee_pages, n, t.reclaimer)
-                    for n, t in self._tenants.items()
-                    if n != name
-                ),
-                key=lambda x: (x[0], x[1]),
-                reverse=True,
-            )
-        freed = 0
-        for above, _, reclaimer in order:  # outside the lock: reclaimers take their own
-            if freed >= pages or above <= 0 or reclaimer is None:
-                continue
-            freed += reclaimer(min(pages - freed, above))
-        return freed
+            candidates = [
+                (t.usage() - t.guarantee_pages, n, t.reclaimer)
+                for n, t in self._tenants.items()
+                if n != name
+            ]
+        return reclaim_in_order(candidates, pages)  # outside the lock: reclaimers take theirs
 
     def released(self, name: str) -> None:
         """Nothing to publish: usage is read from the buffers."""

@@ -32,9 +32,16 @@ import threading
 import time
 from collections.abc import Callable
 
-from jax_kvcached.memory.config import parse_bytes
 from jax_kvcached.memory.errors import KVCacheError, PoolExhausted
-from jax_kvcached.memory.ledger import MemoryLimit, Reclaimer, Usage
+from jax_kvcached.memory.ledger import (
+    MemoryLimit,
+    Reclaimer,
+    Usage,
+    guarantee_to_pages,
+    limit_result,
+    limit_to_pages,
+    reclaim_in_order,
+)
 from jax_kvcached.memory.shm_segment import Segment, start_time
 
 log = logging.getLogger("jax_kvcached.memory.shared_ledger")
@@ -73,7 +80,6 @@ class _Own:
     """A tenant of this process."""
 
     row: int
-    pages_per_kv_page: int
     usage: Usage
     reclaimer: Reclaimer | None = None
 
@@ -173,6 +179,10 @@ class SharedLedger:
         lim = self.segment.get(row, "limit_pages")
         return self.budget_pages if lim < 0 else lim
 
+    def _guaranteed_to_others(self, row: int) -> int:
+        seg = self.segment
+        return sum(seg.get(i, "guarantee_pages") for i in seg.used_rows() if i != row)
+
     def _publish(self) -> None:
         """Writes this process's tenants' mapped pages and reserve (under the lock): the
         reserve first, so a reader never sees fewer physical pages than there are."""
@@ -224,7 +234,7 @@ class SharedLedger:
                     "updated_ns": time.time_ns(),
                 },
             )
-            self._own[name] = _Own(row, pages_per_kv_page, usage)
+            self._own[name] = _Own(row, usage)
             self._publish()
         if self._watch and self._watcher is None:
             self._watcher = threading.Thread(
@@ -263,9 +273,10 @@ class SharedLedger:
 
     def capacity_pages(self, name: str) -> int:
         with self._lock, self.segment.locked():
-            row, seg = self._row(name), self.segment
-            others = sum(seg.get(i, "guarantee_pages") for i in seg.used_rows() if i != row)
-            return max(0, min(self._limit(row), self.budget_pages - others))
+            row = self._row(name)
+            return max(
+                0, min(self._limit(row), self.budget_pages - self._guaranteed_to_others(row))
+            )
 
     def over_limit_pages(self, name: str) -> int:
         with self._lock:
@@ -299,41 +310,25 @@ class SharedLedger:
 
     # -- limits and guarantees ---------------------------------------------------------
     def _result(self, name: str) -> MemoryLimit:
-        row, seg, ps = self._row(name), self.segment, self.page_size
-        mapped = self._mapped(name, row)
+        row, seg = self._row(name), self.segment
         all_mapped, reserves, held = self._totals(name)
-        free = self.budget_pages - all_mapped - reserves
-        guarantee = seg.get(row, "guarantee_pages")
         lim = seg.get(row, "limit_pages")
-        shortfall = max(0, (guarantee - mapped) - max(0, free - held))
-        return MemoryLimit(
-            name=name,
-            limit_bytes=None if lim < 0 else lim * ps,
-            guarantee_bytes=guarantee * ps,
-            mapped_bytes=mapped * ps,
-            over_limit_bytes=max(0, mapped - self._limit(row)) * ps,
-            guarantee_shortfall_bytes=shortfall * ps,
-        )
+        return limit_result(
+            name, self.page_size, self._mapped(name, row), None if lim < 0 else lim,
+            self.budget_pages, seg.get(row, "guarantee_pages"),
+            self.budget_pages - all_mapped - reserves, held,
+        )  # fmt: skip
 
     def set_limit(self, name: str, limit: int | str | None) -> MemoryLimit:
         """Any tenant of the group (``ctl`` sets other processes'); ``None``: the budget.
         Rounded down to whole KV pages; ValueError below the guarantee."""
         with self._lock, self.segment.locked():
             row, seg = self._row(name), self.segment
-            if limit is None:
-                pages = -1
-            else:
-                nbytes = parse_bytes(limit, "memory limit", allow_zero=True)
-                ppk = seg.get(row, "pages_per_kv_page")
-                pages = nbytes // self.page_size
-                pages -= pages % ppk
-                guarantee = seg.get(row, "guarantee_pages")
-                if pages < guarantee:
-                    raise ValueError(
-                        f"memory limit of {name!r} ({pages * self.page_size} bytes in whole "
-                        f"KV pages) is below its guarantee ({guarantee * self.page_size})"
-                    )
-            seg.set(row, "limit_pages", pages)
+            pages = limit_to_pages(
+                name, limit, self.page_size, seg.get(row, "pages_per_kv_page"),
+                seg.get(row, "guarantee_pages"),
+            )  # fmt: skip
+            seg.set(row, "limit_pages", -1 if pages is None else pages)
             return self._result(name)
 
     def set_guarantee(self, name: str, guarantee: int | str) -> MemoryLimit:
@@ -341,21 +336,11 @@ class SharedLedger:
         group's guarantees together exceed its budget."""
         with self._lock, self.segment.locked():
             row, seg = self._row(name), self.segment
-            nbytes = parse_bytes(guarantee, "memory guarantee", allow_zero=True)
-            ppk = seg.get(row, "pages_per_kv_page")
-            pages = -(-nbytes // self.page_size)
-            pages = -(-pages // ppk) * ppk
-            if pages > self._limit(row):
-                raise ValueError(
-                    f"memory guarantee of {name!r} ({pages * self.page_size} bytes) exceeds "
-                    f"its limit ({self._limit(row) * self.page_size})"
-                )
-            others = sum(seg.get(i, "guarantee_pages") for i in seg.used_rows() if i != row)
-            if others + pages > self.budget_pages:
-                raise ValueError(
-                    f"guarantees would total {(others + pages) * self.page_size} bytes, more "
-                    f"than group {self.group!r}'s budget ({self.budget_pages * self.page_size})"
-                )
+            pages = guarantee_to_pages(
+                name, guarantee, self.page_size, seg.get(row, "pages_per_kv_page"),
+                self._limit(row), self._guaranteed_to_others(row), self.budget_pages,
+                f"group {self.group!r}'s budget",
+            )  # fmt: skip
             seg.set(row, "guarantee_pages", pages)
             return self._result(name)
 
@@ -416,11 +401,7 @@ class SharedLedger:
                 for n, o in self._own.items()
                 if n != name
             ]
-        freed = 0
-        for above, _, reclaimer in sorted(local, key=lambda x: (x[0], x[1]), reverse=True):
-            if freed >= pages or above <= 0 or reclaimer is None:
-                continue
-            freed += reclaimer(min(pages - freed, above))
+        freed = reclaim_in_order(local, pages)
         if freed >= pages:
             return freed
         asked = self._ask(pages - freed)
