@@ -197,8 +197,8 @@ def _host_cache_args(args: argparse.Namespace) -> dict[str, int | None]:
 
 
 def _fail(err: BaseException) -> int:
-    """One line on stderr naming the flag (``--memory``, not the library's argument)."""
-    msg = str(err).replace("memory_limit", "--memory")
+    """One line on stderr naming the flags (``--memory``, not the library's argument)."""
+    msg = str(err).replace("memory_limit", "--memory").replace("page_size", "--page-size")
     print(f"error: {msg}", file=sys.stderr)
     return 2
 
@@ -265,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
             auth = _auth(args)
             host_cache = _host_cache_args(args)
         except (ValueError, OSError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return _fail(e)
         try:
             serve(
                 specs, memory=args.memory, host=args.host, port=args.port, backend=args.backend,
@@ -278,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                 devices=args.devices, **host_cache,
             )  # fmt: skip
         except (ValueError, FileNotFoundError) as e:  # a bad model, size or limit
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+            return _fail(e)
     elif args.command == "top":
         from jax_kvcached.serve.top import run_top
 

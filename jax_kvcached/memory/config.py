@@ -71,6 +71,12 @@ def _env_bytes(env: Mapping[str, str], name: str) -> int | None:
     return parse_bytes(raw, name, allow_zero=True)
 
 
+def ipc_name_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """``KVCACHED_IPC_NAME``: the process group to join (None: unset or blank)."""
+    env = os.environ if env is None else env
+    return (env.get("KVCACHED_IPC_NAME") or "").strip() or None
+
+
 def host_cache_blocks(
     tokens: int | None, nbytes: int | None, block_size: int, block_bytes: int
 ) -> int:
@@ -131,7 +137,7 @@ class Config:
             max_cached_tokens=_env_number(env, "KVCACHED_MAX_CACHED_TOKENS", 16000, int, lo=-1),
             host_cache_tokens=_env_number(env, "KVCACHED_HOST_CACHE_TOKENS", None, int, lo=0),
             host_cache_bytes=_env_bytes(env, "KVCACHED_HOST_CACHE_BYTES"),
-            ipc_name=(env.get("KVCACHED_IPC_NAME") or "").strip() or None,
+            ipc_name=ipc_name_from_env(env),
             ipc_reclaim_wait_s=_env_number(
                 env, "KVCACHED_IPC_RECLAIM_WAIT_S", 1.0, float, 0.0, 600.0
             ),

@@ -7,11 +7,11 @@ rate); ``limit NAME SIZE`` / ``guarantee NAME SIZE`` change a running process's 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import TextIO
 
+from jax_kvcached.memory.config import ipc_name_from_env
 from jax_kvcached.memory.shared_ledger import SharedLedger, TenantRecord
 from jax_kvcached.memory.shm_segment import groups
 
@@ -53,7 +53,7 @@ def table(ledger: SharedLedger, records: list[TenantRecord]) -> str:
 
 
 def _group(group: str | None) -> str:
-    group = group or os.environ.get("KVCACHED_IPC_NAME") or None
+    group = group or ipc_name_from_env()
     if group is None:
         have = groups()
         raise ValueError(

@@ -10,7 +10,7 @@ import socket
 import threading
 
 from jax_kvcached.engine.engine import Engine
-from jax_kvcached.memory.config import parse_bytes
+from jax_kvcached.memory.config import ipc_name_from_env, parse_bytes
 from jax_kvcached.memory.pool import Pool, device_memory_bytes
 from jax_kvcached.progress import Log
 from jax_kvcached.serve.auth import AuthConfig
@@ -225,7 +225,7 @@ def serve(
     cache_dir = enable_compile_cache(compile_cache)
     log.info("compilation cache: %s", cache_dir or "off")
     picked = pick_devices(tensor_parallel, devices, backend)  # None: the default device
-    group = group or os.environ.get("KVCACHED_IPC_NAME") or None
+    group = group or ipc_name_from_env()
     if memory is None and group is None:
         memory = "1GiB"
     if memory is not None:
@@ -235,11 +235,7 @@ def serve(
                 f"--memory ({nbytes / 2**30:.1f} GiB) exceeds the memory of the device "
                 f"({device / 2**30:.1f} GiB)"
             )
-    try:
-        pool = Pool(memory, page_size=page_size, backend=backend, devices=picked, group=group)
-    except ValueError as e:  # name the flags, not the library's arguments
-        flags = str(e).replace("memory_limit", "--memory").replace("page_size", "--page-size")
-        raise ValueError(flags) from None
+    pool = Pool(memory, page_size=page_size, backend=backend, devices=picked, group=group)
     # Trained weights: bf16 on a GPU; fp32 on the CPU, where XLA emulates bf16 matmuls.
     dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
     models: dict[str, ServedModel] = {}
