@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -117,10 +118,7 @@ def _group_lines(m: dict[str, Any]) -> list[str]:
     mapped = m.get("kvcached_group_mapped_bytes", {})
     if not mapped:
         return []
-    col = {
-        k: {key: v for key, v in m.get(f"kvcached_group_{k}_bytes", {}).items()}
-        for k in ("reserved", "limit", "guarantee")
-    }
+    col = {k: m.get(f"kvcached_group_{k}_bytes", {}) for k in ("reserved", "limit", "guarantee")}
     hit = m.get("kvcached_group_hit_rate", {})
     group = dict(next(iter(mapped))).get("group", "")
     lines = [
@@ -154,25 +152,26 @@ def run_top(
         return 0
 
 
+def _draw(url: str, body: str) -> None:
+    """Clears the terminal and writes one screen."""
+    sys.stdout.write("\x1b[H\x1b[2J" + f"jax-kvcached top  {url}  (Ctrl-C quits)\n\n{body}\n")
+    sys.stdout.flush()
+
+
 def _loop(
     url: str, interval: float, once: bool, api_key: str | None, frames: int | None = None
 ) -> int:
     """Redraws every ``interval`` s; a server that is away (not started yet, restarting)
     shows as "disconnected" and is retried. ``--once`` fails instead (exit 1)."""
-    prev, t_prev, drawn = None, time.monotonic(), 0
-    while frames is None or drawn < frames:
-        drawn += 1
+    prev, t_prev = None, time.monotonic()
+    for _ in itertools.count() if frames is None else range(frames):
         try:
             m = scrape(url, api_key=api_key)
         except OSError as e:
             if once:
                 print(f"error: cannot read {url}/metrics: {e}", file=sys.stderr)
                 return 1
-            sys.stdout.write(
-                "\x1b[H\x1b[2J" + f"jax-kvcached top  {url}  (Ctrl-C quits)\n\n"
-                f"disconnected: {e}; retrying every {interval:g} s\n"
-            )
-            sys.stdout.flush()
+            _draw(url, f"disconnected: {e}; retrying every {interval:g} s")
             prev = None
             time.sleep(interval)
             continue
@@ -181,10 +180,7 @@ def _loop(
         if once:
             print(frame)
             return 0
-        sys.stdout.write(
-            "\x1b[H\x1b[2J" + f"jax-kvcached top  {url}  (Ctrl-C quits)\n\n" + frame + "\n"
-        )
-        sys.stdout.flush()
+        _draw(url, frame)
         prev, t_prev = m, now
         time.sleep(interval)
     return 0
