@@ -152,15 +152,16 @@ class Segment:
             fd = self._open(create)
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                if not self._same_file(fd):
-                    continue
-                self._init_or_check(fd, create, page_size, budget_pages)
+                same = self._same_file(fd)
+                if same:
+                    self._init_or_check(fd, create, page_size, budget_pages)
             except BaseException:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
+                os.close(fd)  # drops the lock too
                 raise
             fcntl.flock(fd, fcntl.LOCK_UN)
-            break
+            if same:
+                break
+            os.close(fd)  # a stale file: neither its lock nor its descriptor is kept
         else:
             raise KVCacheError(f"group {group!r}: its segment keeps being replaced")
         self._fd = fd
