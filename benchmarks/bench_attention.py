@@ -73,7 +73,7 @@ def point(b: int, ctx: int, dtype: str, iters: int, rounds: int, gpu: bool) -> d
         from jax.experimental.pallas.ops.gpu.decode_attention import gqa
 
         ks, vs = k, v  # (B, S, Hkv, D)
-        qg = q.reshape(b, KVH * G, D)
+        qg = q.reshape(b, KVH * G, D).astype(k.dtype)  # the kernel wants one element type
         f = jax.jit(gqa)
         calls["jax_decode"] = lambda: jax.block_until_ready(f(qg, ks, vs))
     src = np.ones(kv_bytes // 4, np.float32)

@@ -68,7 +68,9 @@ def bench_kv_page(pool: kv.Pool, layers: int, iters: int) -> dict:
     return {"layers": layers, "map": _summary(maps), "unmap": _summary(unmaps)}
 
 
-def bench_write(batch: int, layers: int, heads: int, dim: int, max_len: int, iters: int) -> dict:
+def bench_write(
+    batch: int, layers: int, heads: int, dim: int, max_len: int, iters: int, backend: str = "host"
+) -> dict:
     # float32: XLA CPU updates a donated f32 cache in place, while for bf16 it converts
     # the whole cache to f32 and back on every dynamic_update_slice (measured: 25 ms for a
     # 256 MiB cache), which would make the dense baseline meaningless.
@@ -81,7 +83,7 @@ def bench_write(batch: int, layers: int, heads: int, dim: int, max_len: int, ite
     block = 16
     kv_bytes = layers * 2 * batch * max_len * heads * dim * jnp.dtype(dtype).itemsize
     pool = kv.Pool(
-        max(2 * kv_bytes, 64 << 20), backend="host", min_reserved_pages=0, max_reserved_pages=0
+        max(2 * kv_bytes, 64 << 20), backend=backend, min_reserved_pages=0, max_reserved_pages=0
     )
     cache = pool.create_kv_cache("bench", layers, heads, dim, dtype, block_size=block)
     per_seq = max_len // block
@@ -163,6 +165,7 @@ def bench_write(batch: int, layers: int, heads: int, dim: int, max_len: int, ite
     pool.close()
     med = {k: float(np.median(v)) * 1e6 for k, v in times.items()}
     return {
+        "backend": backend,
         "batch": batch,
         "layers": layers,
         "kv_heads": heads,
@@ -225,18 +228,23 @@ def main() -> None:
     if gpu and _C.cuda_compiled():
         result["backends"]["cuda"] = bench_backend("cuda", args.iters, args.repeats)
 
-    pool = kv.Pool("4GiB", backend="host", min_reserved_pages=0, max_reserved_pages=64)
-    result["kv_page"] = [bench_kv_page(pool, layers, 200) for layers in (1, 8, 32)]
-    pool.close()
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):  # host-backend handles run on the CPU device
+        pool = kv.Pool("4GiB", backend="host", min_reserved_pages=0, max_reserved_pages=64)
+        result["kv_page"] = [bench_kv_page(pool, layers, 200) for layers in (1, 8, 32)]
+        pool.close()
 
     result["host_tier"] = [bench_host_tier("host", 8, 20)]
     if gpu and _C.cuda_compiled():
         result["host_tier"].append(bench_host_tier("cuda", 8, 20))
 
-    result["write"] = [
-        bench_write(b, layers=8, heads=8, dim=128, max_len=1024, iters=args.write_iters)
-        for b in (1, 8, 32)
-    ]
+    # The step's K/V write (FFI vs a donated dense cache) on the platform's own backend.
+    on_gpu = bool(gpu) and _C.cuda_compiled()
+    with jax.default_device(gpu[0] if on_gpu else cpu):
+        result["write"] = [
+            bench_write(b, 8, 8, 128, 1024, args.write_iters, backend="cuda" if on_gpu else "host")
+            for b in (1, 8, 32)
+        ]
 
     print("\nVMM primitives, 2 MiB pages (median / p99 us; kvcached A100 median for reference)")
     print(
@@ -265,8 +273,8 @@ def main() -> None:
         )
 
     print(
-        "\nDecode write path: 8 layers x 8 KV heads x 128, f32, one token per sequence, "
-        "ctx 1024 (median us per jitted step)"
+        f"\nDecode write path ({result['write'][0]['backend']} backend): 8 layers x 8 KV heads "
+        "x 128, f32, one token per sequence, ctx 1024 (median us per jitted step)"
     )
     print("per layer: one write_kv / two dynamic_update_slice per layer; one call: all layers")
     print(

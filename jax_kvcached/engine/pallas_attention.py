@@ -27,6 +27,9 @@ def _kernel(tables_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bl
     q = q_ref[...].astype(jnp.float32)  # (R, D): the T x G query rows of this KV head
     rows, dim = q.shape
     n_blocks = pl.cdiv(ctx, block_size)
+    # An f32 cache gets f32 dots: Triton's default for f32 operands is TF32 (~1e-3 error,
+    # seen on an H200); bf16/f16 caches keep the tensor-core default.
+    prec = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, n_blocks)
     steps = pl.cdiv(jnp.maximum(last - first, 0), blocks_per_step)
@@ -38,15 +41,27 @@ def _kernel(tables_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, bl
         ids = tables_ref[pl.ds(start, blocks_per_step)]
         k = k_ref[ids].reshape(width, dim)  # (blocks, bs, D) in place from the plane
         v = v_ref[ids].reshape(width, dim)
-        s = jax.lax.dot_general(q, k.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * scale  # fmt: skip
+        s = (
+            jax.lax.dot_general(
+                q,
+                k.astype(jnp.float32),
+                (((1,), (1,)), ((), ())),
+                precision=prec,
+                preferred_element_type=jnp.float32,
+            )
+            * scale
+        )
         pos = (first + start) * block_size + jnp.arange(width)
         s = jnp.where((pos < ctx)[None, :], s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         acc = acc * corr[:, None] + jax.lax.dot_general(
-            p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32
+            p.astype(v.dtype),
+            v,
+            (((1,), (0,)), ((), ())),
+            precision=prec,
+            preferred_element_type=jnp.float32,
         )
         return m_new, den * corr + p.sum(axis=1), acc
 
