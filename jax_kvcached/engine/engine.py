@@ -11,6 +11,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import numpy as np
+
 from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.prefix_cache import PrefixCache, extra_key_bytes
@@ -50,6 +52,10 @@ class RequestOutput:
     cached_tokens: int = 0
     seed: int | None = None  # the request's sampling seed (drawn if it gave none)
     text: str | None = None
+    # params.logprobs: per token (logprob, [(id, logprob)]); params.prompt_logprobs: per
+    # prompt position (None, then (logprob, most likely id, its logprob)).
+    logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,10 @@ class PendingStep:
     sequences: list[Sequence]  # the sequences that sample a token, in order
     tokens: Any  # device array of the step's sampled tokens, or None
     rows: list[int] = dataclasses.field(default_factory=list)  # their rows in ``tokens``
+    logprobs: Any = None  # device arrays of the sampled tokens' log-probabilities
+    # Prompt log-probabilities: device array (3, b, t) and (sequence, row, start, n).
+    scores: Any = None
+    scored: list[tuple[Sequence, int, int, int]] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -204,6 +214,10 @@ class Engine:
         self._lock = threading.RLock()  # steps vs. another tenant's reclaim
         self._finished: list[Sequence] = []  # until drain_finished()
         self._rejected: list[Sequence] = []  # rejected while dispatching, for step()
+        # Requests that fork a running request's prompt once it is computed (n samples).
+        self._forks: dict[int, list[Sequence]] = {}
+        self.forks = 0  # children that took their parent's prompt blocks
+        self.fork_fallbacks = 0  # children admitted on their own (batch or memory full)
         self.steps = 0
         pool.set_reclaimer(name, self._reclaim)
 
@@ -251,24 +265,47 @@ class Engine:
         *,
         cache_salt: str | None = None,
         adapter_id: str | None = None,
+        fork_of: int | None = None,
+        on_logprobs: Callable[[int, Any], None] | None = None,
     ) -> int:
         """Queues a request; ``on_token(request_id, token, finished)`` streams its output.
 
         Requests share cached prefixes only with the same model, ``cache_salt`` and
-        ``adapter_id``.
+        ``adapter_id``. ``fork_of``: an active request with the same prompt (and keys)
+        whose prompt is not computed yet; this one then shares its prompt's KV blocks
+        instead of computing them (``n`` samples of one prompt: one prefill).
+        ``on_logprobs(request_id, (logprob, [(id, logprob)...]))`` streams each token's
+        log-probabilities (``params.logprobs``) just before its ``on_token``.
         """
         ids = list(self.prompt(prompt).token_ids)
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.top_k >= self.config.vocab_size:  # keeps the whole vocabulary: off
+        vocab = self.config.vocab_size
+        bad = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+        if any(t >= vocab for t in bad):
+            raise ValueError(
+                f"logit_bias / stop_token_ids name token ids outside the vocabulary "
+                f"[0, {vocab}): {[t for t in bad if t >= vocab][:5]}"
+            )
+        if params.top_k >= vocab:  # keeps the whole vocabulary: off
             params = dataclasses.replace(params, top_k=0)
         params = params.seeded()  # an unseeded request gets a fresh seed (reported)
         with self._lock:
             rid = next(self._ids)
-            seq = Sequence(rid, ids, params, on_token)
+            seq = Sequence(rid, ids, params, on_token, on_logprobs=on_logprobs)
             seq.extra = extra_key_bytes(self.name, cache_salt, adapter_id)
-            self.scheduler.add(seq)
+            parent = self._by_id.get(fork_of) if fork_of is not None else None
+            if (
+                parent is not None
+                and parent.finish_reason is None
+                and parent.num_computed < parent.num_prompt
+                and parent.prompt == ids
+                and parent.extra == seq.extra
+            ):
+                self._forks.setdefault(parent.request_id, []).append(seq)
+            else:
+                self.scheduler.add(seq)
             self._by_id[rid] = seq
         return rid
 
@@ -277,7 +314,60 @@ class Engine:
         active. Its ``on_token`` is not called again."""
         with self._lock:
             seq = self._by_id.pop(request_id, None)
-            return seq is not None and self.scheduler.abort(seq)
+            if seq is None:
+                return False
+            for kids in self._forks.values():  # a fork still waiting for its parent
+                if seq in kids:
+                    kids.remove(seq)
+                    seq.finish_reason = "abort"
+                    return True
+            self._unfork(request_id)
+            return self.scheduler.abort(seq)
+
+    def _unfork(self, parent_id: int) -> None:
+        """The forks waiting for a parent that will not compute its prompt (aborted or
+        rejected) are admitted on their own."""
+        for kid in self._forks.pop(parent_id, []):
+            self.scheduler.add(kid)
+            self.fork_fallbacks += 1
+
+    def _fork(self, parent: Sequence) -> None:
+        """The parent's prompt is computed (by the step just dispatched): its forks
+        share its blocks and copy the partial one, ordered after that step."""
+        for kid in self._forks.pop(parent.request_id, []):
+            copies = None
+            if len(self.scheduler.running) < self.max_batch:
+                copies = self.kv.fork(parent, kid)
+            if copies is None:  # no room in the batch or memory: on its own, later
+                self.scheduler.add(kid)
+                self.fork_fallbacks += 1
+                continue
+            for src, dst in copies:
+                self.runner.copy_block(src, dst)
+            self.kv.set_fence(self.runner.token)
+            self.scheduler.add_running(kid)
+            self.forks += 1
+
+    def _entries(self, seq: Sequence, sample_step: int) -> tuple[np.ndarray, np.ndarray]:
+        """A row's logit-processing token list (see ``process_logits``): generated
+        tokens with their counts, prompt tokens (repetition penalty), biases, and the
+        EOS / stop tokens banned before ``min_tokens``."""
+        p = seq.params
+        w: dict[int, list[float]] = {}
+        out, counts = np.unique(np.asarray(seq.output, np.int64), return_counts=True)
+        for t, c in zip(out.tolist(), counts.tolist(), strict=True):
+            w[t] = [float(c), 0.0, 0.0]
+        if p.repetition_penalty != 1.0:
+            for t in set(seq.prompt):
+                w.setdefault(t, [0.0, 0.0, 0.0])[1] = 1.0
+        for t, bias in p.logit_bias:
+            w.setdefault(t, [0.0, 0.0, 0.0])[2] += bias
+        if sample_step < p.min_tokens:
+            eos = () if p.ignore_eos else self.config.eos_ids
+            for t in (*eos, *p.stop_token_ids):
+                w.setdefault(t, [0.0, 0.0, 0.0])[2] = -np.inf
+        ids = np.fromiter(w, np.int32, len(w))
+        return ids, np.asarray(list(w.values()), np.float32).reshape(-1, 3).T
 
     @property
     def num_inflight(self) -> int:
@@ -356,28 +446,42 @@ class Engine:
             for s in out.rejected:  # it can never fit: dropped, reported by step()
                 self._by_id.pop(s.request_id, None)
                 self._finished.append(s)
+                self._unfork(s.request_id)
             self._rejected += out.rejected
             seqs, inputs = out.sequences, out.inputs
             if not seqs:
                 return None
             # Rows whose new tokens reach the end of their sequence sample a next token.
-            sampling, rows = [], []
+            sampling, rows, scored = [], [], []
             for i, (s, x) in enumerate(zip(seqs, inputs, strict=True)):
                 if x.start + len(x.tokens) == s.num_tokens:
                     x.params, x.sample_step = s.params, s.num_output
+                    if s.params.processes_logits:
+                        x.entries = self._entries(s, s.num_output)
                     sampling.append(s)
                     rows.append(i)
+                if s.params.prompt_logprobs and x.start < s.num_prompt and len(x.tokens) > 1:
+                    after = s.token_ids[x.start + 1 : x.start + len(x.tokens) + 1]
+                    x.targets = [
+                        t if x.start + 1 + j < s.num_prompt else -1 for j, t in enumerate(after)
+                    ] + [-1] * (len(x.tokens) - len(after))
+                    scored.append((s, i, x.start, len(x.tokens)))
             _, tokens = self.runner.run_padded(inputs)
             self.kv.set_fence(self.runner.token)  # frees wait for this step from now on
             self.steps += 1
             for s, x in zip(seqs, inputs, strict=True):
                 self.kv.computed(s, x.start + len(x.tokens))
+                if s.request_id in self._forks and s.num_computed >= s.num_prompt:
+                    self._fork(s)
             for s, i in zip(sampling, rows, strict=True):
                 s.num_pending += 1
                 s.last_row = i
             if self.prefix_cache and self.steps % self.log_every == 0:
                 self.prefix_cache.log_stats()
             step = PendingStep(sampling, tokens if sampling else None, rows)
+            step.logprobs = self.runner.last_logprobs
+            if scored and self.runner.last_scores is not None:
+                step.scores, step.scored = self.runner.last_scores, scored
             self._inflight.append(step)
             return step
 
@@ -390,9 +494,14 @@ class Engine:
             if not self._inflight or step is not self._inflight[0]:
                 raise RuntimeError("this step is not the engine's oldest dispatched step")
             self._inflight.popleft()
+            if step.scores is not None:
+                self._take_scores(step)
             if step.tokens is None:
                 return []
             host = self.runner.fetch(step.tokens)
+            lps = None
+            if step.logprobs is not None:
+                lps = [self.runner.fetch(a) for a in step.logprobs]
             ops.raise_device_errors(self.cache)  # (a host sync point: cheap here)
             now = time.perf_counter()
             done = []
@@ -403,6 +512,13 @@ class Engine:
                     continue
                 tok = int(host[row])
                 s.token_ids.append(tok)
+                k = s.params.logprobs
+                if k is not None and lps is not None:
+                    alt = zip(lps[1][row, :k], lps[2][row, :k], strict=True)
+                    top = [(int(i), float(v)) for i, v in alt]
+                    s.logprobs.append((float(lps[0][row]), top))
+                    if s.on_logprobs is not None:
+                        s.on_logprobs(s.request_id, s.logprobs[-1])
                 if s.first_token_time is None:
                     s.first_token_time = now
                 if s.blocks:  # a block that held this pending token can be cached now
@@ -422,6 +538,19 @@ class Engine:
                     s.on_token(s.request_id, tok, reason is not None)
             self._finished.extend(done)
             return done
+
+    def _take_scores(self, step: PendingStep) -> None:
+        """Stores the prompt log-probabilities a step computed (by position: a
+        recomputation after preemption writes the same entries)."""
+        scores = self.runner.fetch(step.scores)
+        for s, row, start, n in step.scored:
+            if len(s.prompt_logprobs) < s.num_prompt:
+                s.prompt_logprobs = [None] * s.num_prompt
+            for j in range(n):
+                pos = start + 1 + j  # the token this position's logits predict
+                if pos < s.num_prompt:
+                    lp, best, top = scores[:, row, j]
+                    s.prompt_logprobs[pos] = (float(lp), int(best), float(top))
 
     def _reclaim(self, pages: int) -> int:
         """Another tenant needs memory: the KV manager evicts idle cached prefixes.
@@ -490,6 +619,8 @@ class Engine:
                     cached_tokens=s.cached_tokens,
                     seed=s.params.seed,
                     text=self.tokenizer.decode(s.output) if self.tokenizer else None,
+                    logprobs=s.logprobs if s.params.logprobs is not None else None,
+                    prompt_logprobs=s.prompt_logprobs if s.params.prompt_logprobs else None,
                 )
             )
         return out

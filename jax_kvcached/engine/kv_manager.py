@@ -80,6 +80,9 @@ class KVManager:
         # With a host tier: each cached block's writer, the fence of the step that wrote
         # it (None: restored on the host), so a spill waits only for steps still running.
         self._writer: dict[int, Any] = {}
+        # Blocks shared by forked sequences (n samples of one prompt): holders beyond the
+        # first. Only the last holder releases a block (to the prefix cache, or frees it).
+        self._shared: dict[int, int] = {}
         if host_cache_blocks and self.caching:
             self.host_cache = HostCache(HostStore(cache, host_cache_blocks), self.block_size)
 
@@ -214,7 +217,8 @@ class KVManager:
         Raises PoolExhausted if it could never fit under the current limits."""
         bs = self.block_size
         hashes: list[bytes] = []
-        if self.caching:
+        # Prompt log-probabilities need every prompt position computed: no reuse.
+        if self.caching and not seq.params.prompt_logprobs:
             # The last token is always recomputed: it yields the next token's logits.
             hashes = self._hashes(seq, (seq.num_tokens - 1) // bs)
         prefix, hit = self._prefix(hashes) if self.caching else (0, 0)
@@ -249,13 +253,53 @@ class KVManager:
         return True
 
     def release(self, seq: Sequence) -> None:
-        """Lets go of seq's blocks: cached ones stay cached (idle), the rest are freed."""
+        """Lets go of seq's blocks: cached ones stay cached (idle), the rest are freed;
+        blocks another forked sequence still holds stay with it."""
+        held = [b for b in seq.blocks if not self._unshare(b)]
         if self.prefix_cache:
-            self.prefix_cache.release(seq.blocks)
-        elif seq.blocks:
-            self._free(seq.blocks)
+            self.prefix_cache.release(held)
+        elif held:
+            self._free(held)
         seq.blocks = []
         seq.num_inserted = 0
+
+    def _unshare(self, block: int) -> bool:
+        """Drops one extra holder of a shared block; False when none is left (the
+        caller holds it alone)."""
+        n = self._shared.get(block, 0)
+        if n == 0:
+            return False
+        if n == 1:
+            del self._shared[block]
+        else:
+            self._shared[block] = n - 1
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Gives ``child`` (the same prompt, not started) ``parent``'s prompt KV: it
+        shares every block holding only computed prompt tokens before the last one, and
+        gets a new block for the block of the last prompt token, which it recomputes
+        (its own first sample). Returns the (parent block, new block) copies to make on
+        the device before the child's first step (copy-on-write of that partial block);
+        None when no memory can be had for it now (nothing changed)."""
+        n, bs = parent.num_prompt, self.block_size
+        if parent.num_computed < n or child.token_ids != parent.prompt or child.blocks:
+            raise ValueError("fork needs a parent whose prompt is computed and a fresh child")
+        shared = parent.blocks[: (n - 1) // bs]
+        copies: list[tuple[int, int]] = []
+        if (n - 1) % bs:  # the last token's block also holds computed prompt tokens
+            new = self._alloc(1)
+            if new is None:
+                return None
+            copies.append((parent.blocks[len(shared)], new[0]))
+        for b in shared:
+            self._shared[b] = self._shared.get(b, 0) + 1
+        child.blocks = list(shared) + [dst for _, dst in copies]
+        child.num_computed = child.cached_tokens = n - 1
+        child.hashes = list(parent.hashes[: n // bs])
+        child.num_inserted = len(shared) if self.caching else 0
+        child.forked_from = parent.request_id
+        return copies
 
     def computed(self, seq: Sequence, num_computed: int) -> None:
         """Records a step's progress; full blocks of known tokens join the prefix cache

@@ -37,8 +37,16 @@ import numpy as np
 from flax import nnx
 
 from jax_kvcached.engine.attention import host_paged_attention, paged_attention
-from jax_kvcached.engine.sampling import NUM_CANDIDATES, SamplingParams, sample
+from jax_kvcached.engine.sampling import (
+    MAX_LOGPROBS,
+    NUM_CANDIDATES,
+    SamplingParams,
+    process_logits,
+    sample,
+    token_logprobs,
+)
 from jax_kvcached.memory import ops
+from jax_kvcached.memory.errors import PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
 from jax_kvcached.models.sharding import shard_model
 
@@ -99,8 +107,18 @@ TOKEN_MULTIPLE = 16  # prefill chunks are padded to a multiple of this many toke
 
 def packed_sizes(b: int, t: int, nb: int) -> tuple[int, ...]:
     """The segments of a step's packed int32 input, in order: tokens, positions (b x t),
-    block tables (b x nb), context lengths, new lengths (b), slots (b x t), src rows (b)."""
-    return (b * t, b * t, b * nb, b, b, b * t, b)
+    block tables (b x nb), context lengths, new lengths (b), slots (b x t), src rows (b),
+    and for prefill steps (t > 1) the targets of prompt log-probabilities (b x t: the
+    token after each position, -1 where not wanted)."""
+    return (b * t, b * t, b * nb, b, b, b * t, b) + ((b * t,) if t > 1 else ())
+
+
+def entry_sizes(max_entries: int) -> tuple[int, ...]:
+    """Widths of the per-row token lists of logit processing: 64, then x4."""
+    sizes = [64]
+    while sizes[-1] < max_entries:
+        sizes.append(sizes[-1] * 4)
+    return tuple(sizes)
 
 
 @dataclasses.dataclass
@@ -112,10 +130,22 @@ class StepInput:
     src: int = -1
     params: SamplingParams | None = None  # this row samples its next token (None: not)
     sample_step: int = 0  # tokens the request generated before this one (its draw's key)
+    # Logit processing of this row (params.processes_logits): token ids (P,) and their
+    # weights (3, P): times generated, in the prompt, additive bias (see process_logits).
+    entries: tuple[np.ndarray, np.ndarray] | None = None
+    # Prompt log-probabilities: the token after each new token (-1: none wanted).
+    targets: list[int] | None = None
 
 
 _GREEDY = SamplingParams(seed=0)
 _WALKS_CONTEXT = ("host", "pallas", "pallas-interpret")  # cost independent of the width
+
+
+def src_rows(src: np.ndarray, rows: int) -> np.ndarray:
+    """``src`` padded to the sampler's rows (-1: the row's input was not fed)."""
+    out = np.full(rows, -1, np.int32)
+    out[: len(src)] = src
+    return out
 
 
 class ModelRunner:
@@ -186,16 +216,27 @@ class ModelRunner:
         # Samplers come in powers of two (the step pads its logits to one): fewer compiles.
         self.sampler_sizes = tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
         self.max_rows = self.sampler_sizes[-1]
-        step, sample_rows = self._make_step()
+        # Logit processing: token lists of these widths (prompt + output + biases).
+        self.entry_sizes = entry_sizes(max_len + 64)
+        step, sample_rows, process_rows, logprob_rows = self._make_step()
         self._jitted = jax.jit(step, static_argnums=(4, 5, 6))
         self._jitted_sample = jax.jit(sample_rows)
+        self._jitted_process = jax.jit(process_rows)
+        self._jitted_logprobs = jax.jit(logprob_rows)
+        copy = self._per_device(
+            lambda src, dst, token: ops.copy_blocks(cache, src, dst, token), (None,) * 3, None
+        )
+        self._jitted_copy = jax.jit(copy)
         self._compiled: set[tuple[int, int, int]] = set()  # step shapes compiled
         self._samplers: set[int] = set()  # sampler row counts compiled (powers of two)
+        self._extras: set[tuple] = set()  # logit processing / log-probability functions
         self.warm = False  # set by compile(): a shape compiled later is counted and logged
         self.compiles_after_warmup = 0
         # Committed to the cache's device, like every later step's output: the jit cache
         # keys on placement, so warm-up and serving must pass alike-placed arguments.
         self.last_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._device)
+        self.last_logprobs: tuple | None = None  # of the newest step (run_padded)
+        self.last_scores: jax.Array | None = None
 
     def _make_step(self):
         graphdef, cache = self.graphdef, self.cache
@@ -214,6 +255,7 @@ class ModelRunner:
             tokens, positions = parts[0].reshape(b, t), parts[1].reshape(b, t)
             tables, ctx_lens, new_lens = parts[2].reshape(b, nb), parts[3], parts[4]
             slots, src = parts[5], parts[6]
+            targets = parts[7].reshape(b, t) if t > 1 else None
             # Rows fed by the previous step's samples (still on the device).
             fed = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)], tokens[:, 0])
             tokens = tokens.at[:, 0].set(fed)
@@ -235,6 +277,7 @@ class ModelRunner:
 
             logits = model(tokens, positions, attend)
             last = logits[jnp.arange(b), jnp.maximum(new_lens - 1, 0)]
+            scores = prompt_scores(logits, targets)
             kvh, d = cache.num_kv_heads, cache.head_dim
             k_all = jnp.stack(new_k).reshape(layers, -1, kvh, d).astype(cache.dtype)
             v_all = jnp.stack(new_v).reshape(layers, -1, kvh, d).astype(cache.dtype)
@@ -252,7 +295,36 @@ class ModelRunner:
                 (heads, heads, None, None, None),
                 None,
             )
-            return out, write(k_all, v_all, slots, token, out)
+            return (out, scores), write(k_all, v_all, slots, token, out)
+
+        def prompt_scores(logits, targets):
+            """Prompt log-probabilities of a prefill step: per position, the target's
+            log-probability, the most likely id and its log-probability ``(3, b, t)``
+            (as f32; ids exact below 2^24). Computed only when a row wants them."""
+            if targets is None:
+                return jnp.zeros((3, 1, 1), jnp.float32)
+
+            def score(_):
+                lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+                want = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], -1)[..., 0]
+                best = jnp.argmax(lp, axis=-1)
+                top = jnp.take_along_axis(lp, best[..., None], -1)[..., 0]
+                return jnp.stack([want, best.astype(jnp.float32), top])
+
+            shape = (3, *targets.shape)
+            return jax.lax.cond(
+                jnp.any(targets >= 0), score, lambda _: jnp.zeros(shape, jnp.float32), None
+            )
+
+        def process_rows(logits, ids, counts, row_params, prev, src):
+            """Logits after each row's penalties and biases; ``prev``/``src``: the
+            previous step's samples and the row each row's input token came from."""
+            prev_token = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)], -1)
+            return process_logits(logits, ids, counts, row_params, prev_token)
+
+        def logprob_rows(logits, tokens):
+            """Each row's sampled token's log-probability and its top alternatives."""
+            return token_logprobs(logits, tokens[: logits.shape[0]], MAX_LOGPROBS)
 
         def sample_rows(logits, params):
             """Next tokens of every row, padded to ``(max_rows,)``; ``params`` ``(5, b)``:
@@ -268,7 +340,12 @@ class ModelRunner:
 
         # On a mesh every device samples the same rows from the replicated logits (one
         # program per device: XLA's partitioner then never sees the sampler's barriers).
-        return step, per_device(sample_rows, (None, None), None)
+        return (
+            step,
+            per_device(sample_rows, (None, None), None),
+            per_device(process_rows, (None,) * 6, None),
+            per_device(logprob_rows, (None, None), None),
+        )
 
     @property
     def _head_spec(self):
@@ -358,10 +435,22 @@ class ModelRunner:
         return set(self._samplers)
 
     @property
-    def jit_cache_sizes(self) -> tuple[int, int]:
-        """Executables in the step's and the sampler's jit caches: the ground truth for
-        "nothing compiled after warm-up" (a retrace for any reason shows here)."""
-        return self._jitted._cache_size(), self._jitted_sample._cache_size()
+    def jit_cache_sizes(self) -> tuple[int, int, int, int]:
+        """Executables in the step's, the sampler's, the logit processing's and the
+        log-probabilities' jit caches: the ground truth for "nothing compiled after
+        warm-up" (a retrace for any reason shows here)."""
+        return (
+            self._jitted._cache_size(), self._jitted_sample._cache_size(),
+            self._jitted_process._cache_size(), self._jitted_logprobs._cache_size(),
+        )  # fmt: skip
+
+    def extra_keys(self) -> list[tuple]:
+        """The logit-processing (rows, token-list width) and log-probability (rows)
+        functions a step may call, compiled by :meth:`compile` with the samplers."""
+        keys: list[tuple] = [("copy", 1)]
+        keys += [("logprobs", r) for r in self.sampler_sizes]
+        keys += [("process", r, p) for r in self.sampler_sizes for p in self.entry_sizes]
+        return keys
 
     def lower(self, key: tuple[int, int, int] | int):
         """The lowered step of a shape, or sampler of ``key`` rows (for inspection)."""
@@ -375,27 +464,56 @@ class ModelRunner:
         with self._context():
             return self._jitted.lower(*args)
 
-    def _seen(self, key: tuple[int, int, int] | int) -> None:
+    def _seen(self, key: tuple | int) -> None:
         """Records a shape about to run; one first seen after warm-up is counted."""
-        table = self._samplers if isinstance(key, int) else self._compiled
+        if isinstance(key, int):
+            table = self._samplers
+        elif isinstance(key[0], str):
+            table = self._extras
+        else:
+            table = self._compiled
         if key not in table:
             table.add(key)
             if self.warm:
                 self.compiles_after_warmup += 1
                 log.warning("compiling %s after warm-up", key)
 
-    def _compile_by_running(self, key: tuple[int, int, int] | int) -> None:
+    def _compile_by_running(self, key: tuple | int) -> bool | None:
         """Compiles a shape into the jitted functions' own cache (their C++ dispatch is
         far cheaper per call than an AOT executable's) by running it on inputs that
         read and write nothing: no context, every slot -1."""
         with self._context():
-            self._compile_in_context(key)
+            return self._compile_in_context(key)
 
-    def _compile_in_context(self, key: tuple[int, int, int] | int) -> None:
-        if isinstance(key, int):
-            logits = jnp.zeros((key, self.config.vocab_size), jnp.float32)
+    def _compile_in_context(self, key: tuple | int) -> bool | None:
+        if key == ("copy", 1):  # between two blocks borrowed for the purpose
+            try:
+                blocks = self.cache.alloc(2)
+            except PoolExhausted:  # no memory to spare now: compiled at the first fork
+                return False
+            try:
+                ids = np.asarray(blocks[:1], np.int32), np.asarray(blocks[1:], np.int32)
+                done = self._jitted_copy(*ids, self.token)
+                jax.block_until_ready(done)
+            finally:
+                self.cache.free(blocks)
+            return
+        rows = key if isinstance(key, int) else key[1]
+        if isinstance(key, int) or isinstance(key[0], str):
+            logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
             logits = jax.device_put(logits, self._device)  # placed like a step's output
+        if isinstance(key, int):
             jax.block_until_ready(self._jitted_sample(logits, np.zeros((5, key), np.int32)))
+            return
+        if key[0] == "logprobs":
+            jax.block_until_ready(self._jitted_logprobs(logits, self.last_tokens))
+            return
+        if key[0] == "process":
+            p = key[2]
+            args = (np.zeros((rows, p), np.int32), np.zeros((3, rows, p), np.float32),
+                    np.ones((3, rows), np.float32), self.last_tokens,
+                    np.full(rows, -1, np.int32))  # fmt: skip
+            jax.block_until_ready(self._jitted_process(logits, *args))
             return
         b, t, nb = key
         sizes = packed_sizes(b, t, nb)
@@ -422,14 +540,19 @@ class ModelRunner:
         shapes = shapes or self.step_shapes()
         rows = {bucket(s[0], self.sampler_sizes) for s in shapes}
         todo: list = [r for r in sorted(rows) if r not in self._samplers]
+        todo += [
+            k
+            for k in self.extra_keys()
+            if (k[0] == "copy" or k[1] in rows) and k not in self._extras
+        ]
         todo += [s for s in shapes if s not in self._compiled]
         threads = threads or min(8, os.cpu_count() or 1)
         done = 0
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
             futures = {pool.submit(self._compile_by_running, key): key for key in todo}
             for f in concurrent.futures.as_completed(futures):
-                f.result()
-                self._seen(futures[f])  # (not warm yet: recorded, not counted)
+                if f.result() is not False:
+                    self._seen(futures[f])  # (not warm yet: recorded, not counted)
                 done += 1
                 if progress:
                     progress(done, len(todo))
@@ -452,7 +575,9 @@ class ModelRunner:
     def run_padded(self, batch: list[StepInput]) -> tuple[jax.Array, jax.Array]:
         """Runs one step; returns the logits of the bucketed batch padded to its sampler
         ``(rows, vocab)`` and the sampled next tokens ``(max_rows,)`` (rows past
-        ``len(batch)`` and rows without ``params`` are padding), both on the device."""
+        ``len(batch)`` and rows without ``params`` are padding), both on the device.
+        :attr:`last_logprobs` and :attr:`last_scores` hold the step's log-probabilities
+        (None when no row asked for them)."""
         if not batch:
             raise ValueError("empty batch")
         bsz = self.cache.block_size
@@ -470,6 +595,7 @@ class ModelRunner:
         top_p = np.ones(rows, np.float32)
         seeds = np.zeros(rows, np.uint32)
         steps = np.zeros(rows, np.int32)
+        targets = np.full((b, t), -1, np.int32) if t > 1 else None
         written: set[int] = set()
         for i, x in enumerate(batch):
             n = len(x.tokens)
@@ -489,19 +615,70 @@ class ModelRunner:
             p = x.params or _GREEDY
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             seeds[i], steps[i] = p.seed or 0, x.sample_step
+            if x.targets is not None and targets is not None:
+                targets[i, :n] = x.targets
         self.cache.check_writable(written)
-        packed = np.concatenate(
-            [tokens.ravel(), positions.ravel(), tables.ravel(), ctx, new, slots.ravel(), src]
-        )
+        segments = [tokens, positions, tables, ctx, new, slots, src]
+        if targets is not None:
+            segments.append(targets)
+        packed = np.concatenate([a.ravel() for a in segments])
         params = np.stack(
             [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]
         )
+        processing = self._processing(batch, rows, src)
+        want_logprobs = any(x.params is not None and x.params.logprobs is not None for x in batch)
         self._seen(shape)
         self._seen(rows)
+        if processing is not None:
+            self._seen(("process", rows, processing[0].shape[1]))
+        if want_logprobs:
+            self._seen(("logprobs", rows))
         with self._context():
-            logits, self.token = self._jitted(
+            (logits, scores), self.token = self._jitted(
                 self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token
             )
             # Dispatched right behind the step: no host round trip in between.
-            self.last_tokens = self._jitted_sample(logits, params)  # (numpy in: one transfer)
+            sampled = logits
+            if processing is not None:
+                sampled = self._jitted_process(
+                    logits, *processing, self.last_tokens, src_rows(src, rows)
+                )
+            self.last_tokens = self._jitted_sample(sampled, params)  # (numpy in: one transfer)
+            self.last_logprobs = (
+                self._jitted_logprobs(logits, self.last_tokens) if want_logprobs else None
+            )
+        self.last_scores = scores if targets is not None and (targets >= 0).any() else None
         return logits, self.last_tokens
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copies block ``src`` into block ``dst`` (every layer, K and V) on the device,
+        after every step dispatched so far; later steps see the copy (a fork's
+        copy-on-write of its last partial block)."""
+        self.cache.check_writable({dst})
+        self._seen(("copy", 1))
+        ids = np.asarray([src], np.int32), np.asarray([dst], np.int32)
+        with self._context():
+            self.token = self._jitted_copy(*ids, self.token)
+
+    def _processing(self, batch: list[StepInput], rows: int, src: np.ndarray):
+        """The logit-processing inputs of a step (None when no row processes): token
+        ids ``(rows, P)``, weights ``(3, rows, P)``, penalties ``(3, rows)``."""
+        if not any(x.entries is not None for x in batch):
+            return None
+        width = max(len(x.entries[0]) for x in batch if x.entries is not None)
+        p = bucket(width, self.entry_sizes) if width <= self.entry_sizes[-1] else (
+            -(-width // 64) * 64
+        )  # fmt: skip
+        ids = np.zeros((rows, p), np.int32)
+        weights = np.zeros((3, rows, p), np.float32)
+        penalties = np.zeros((3, rows), np.float32)
+        penalties[2] = 1.0
+        for i, x in enumerate(batch):
+            if x.entries is None:
+                continue
+            e_ids, e_w = x.entries
+            ids[i, : len(e_ids)] = e_ids
+            weights[:, i, : len(e_ids)] = e_w
+            q = x.params
+            penalties[:, i] = (q.presence_penalty, q.frequency_penalty, q.repetition_penalty)
+        return ids, weights, penalties

@@ -45,21 +45,63 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logit processing, on the device, per row (see process_logits): OpenAI's presence /
+    # frequency penalties over the generated tokens, the multiplicative repetition
+    # penalty over prompt and generated tokens, additive biases per token id, and no EOS
+    # or stop token before ``min_tokens`` tokens.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    # Log-probabilities (the model's distribution: log-softmax of the raw logits) of each
+    # generated token and of its ``logprobs`` most likely alternatives (None: none).
+    logprobs: int | None = None
+    # Log-probability of every prompt token after the first (and the most likely token
+    # at each position); the prompt is then computed in full (no prefix-cache reuse).
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
         _check_int("top_k", self.top_k, 0, INT32_MAX)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
         if self.seed is not None:
             _check_int("seed", self.seed, 0, UINT32_MAX)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         for t in self.stop_token_ids:
             _check_int("stop_token_ids[i]", t, 0, INT32_MAX)
-        for name, v in (("temperature", self.temperature), ("top_p", self.top_p)):
+        for t, _ in self.logit_bias:
+            _check_int("logit_bias token id", t, 0, INT32_MAX)
+        reals = [
+            ("temperature", self.temperature), ("top_p", self.top_p),
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+            ("repetition_penalty", self.repetition_penalty),
+        ] + [(f"logit_bias[{t}]", b) for t, b in self.logit_bias]  # fmt: skip
+        for name, v in reals:
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token id twice")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the row's logits are processed before sampling (penalties, biases,
+        min_tokens)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias or self.min_tokens
+        )  # fmt: skip
 
     def seeded(self) -> SamplingParams:
         """These parameters with a seed: a fresh random one if none was given."""
@@ -70,6 +112,7 @@ class SamplingParams:
 
 INT32_MAX = (1 << 31) - 1
 UINT32_MAX = (1 << 32) - 1
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
 
 
 def _check_int(name: str, v: object, lo: int, hi: int) -> None:
@@ -163,6 +206,41 @@ def _draw(logits, temperature, top_k, top_p, seeds, steps, num_candidates, barri
     slow = lax.cond(jnp.all(covered), lambda _: fast, whole_vocabulary, None)
     # Greedy rows of a mixed batch: the first candidate is the argmax (lowest id on ties).
     return jnp.where(temperature > 0, jnp.where(covered, fast, slow), ids[:, 0])
+
+
+def process_logits(logits, ids, counts, row_params, prev_token):
+    """Penalties and biases of every row, batch-independent. ``logits`` ``(B, V)``;
+    ``ids`` ``(B, P)`` the token ids a row names (padding: id 0 with zero weights);
+    ``counts`` ``(3, B, P)`` f32: times generated, in the prompt (0/1), additive bias;
+    ``row_params`` ``(3, B)`` f32: presence, frequency and repetition penalties;
+    ``prev_token`` ``(B,)`` the row's generated token still on the device (-1: none),
+    counted as generated. Repetition (prompt or generated tokens): positive logits are
+    divided by it, negative ones multiplied; then ``- presence * [generated > 0] -
+    frequency * generated + bias``."""
+    b, v = logits.shape
+    logits = logits.astype(jnp.float32)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    zeros = jnp.zeros((b, v), jnp.float32)
+    gen = zeros.at[rows, ids].add(counts[0])
+    has_prev = prev_token >= 0
+    gen = gen.at[jnp.arange(b), jnp.maximum(prev_token, 0)].add(has_prev.astype(jnp.float32))
+    seen = (zeros.at[rows, ids].max(counts[1]) > 0) | (gen > 0)
+    bias = zeros.at[rows, ids].add(counts[2])
+    presence, frequency, repetition = (row_params[i][:, None] for i in range(3))
+    rep = jnp.where(logits > 0, logits / repetition, logits * repetition)
+    out = jnp.where(seen & (repetition != 1.0), rep, logits)
+    return out - presence * (gen > 0) - frequency * gen + bias
+
+
+def token_logprobs(logits, tokens, k: int = MAX_LOGPROBS):
+    """Log-probabilities (log-softmax of ``logits`` ``(B, V)``) of ``tokens`` ``(B,)``,
+    and the ``k`` most likely ids and their log-probabilities ``(B, k)`` (ties: lower
+    id first)."""
+    logits = logits.astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    chosen = jnp.take_along_axis(logits, tokens[:, None].astype(jnp.int32), -1)[:, 0] - lse
+    vals, ids = lax.top_k(logits, min(k, logits.shape[-1]))
+    return chosen, ids.astype(jnp.int32), vals - lse[:, None]
 
 
 CHUNK = 128  # top_candidates: vocabulary chunk of the first stage

@@ -51,6 +51,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def add_running(self, seq: Sequence) -> bool:
+        """Runs a sequence that already holds its blocks (a fork); False when the batch
+        is full."""
+        if len(self.running) >= self.max_batch:
+            return False
+        self.running.append(seq)
+        return True
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

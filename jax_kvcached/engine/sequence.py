@@ -35,6 +35,14 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     last_row: int = -1  # row of the newest dispatched step that samples for it
     error: Exception | None = None  # why it was rejected (finish_reason "error")
+    # Per generated token (params.logprobs): its log-probability and the top alternatives
+    # [(id, logprob)]; per prompt position (params.prompt_logprobs): None for the first,
+    # then (logprob, most likely id, its logprob).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[tuple[float, int, float] | None] = dataclasses.field(default_factory=list)
+    forked_from: int | None = None  # the request whose prompt blocks it shares
+    # Called with (request_id, (logprob, top alternatives)) before on_token, per token.
+    on_logprobs: Callable[[int, tuple[float, list[tuple[int, float]]]], None] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
