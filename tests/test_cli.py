@@ -113,10 +113,12 @@ def test_cli_serve_and_top(tmp_path, capsys):
             cwd=tmp_path,
         )  # fmt: skip
         assert top.returncode == 0, top.stderr
-        rows = {ln.split()[0]: ln.split() for ln in top.stdout.splitlines()[3:] if ln.strip()}
+        memory = top.stdout.split("HOSTHIT%")[1].split("\n\n")[0]  # the memory table
+        rows = {ln.split()[0]: ln.split() for ln in memory.splitlines() if ln.strip()}
         assert set(rows) == {"a", "b"}
-        assert rows["b"][2] == "3.0"  # the 4MiB limit in whole qwen KV pages (6 x 256KiB)
-        assert "HOST" in top.stdout and rows["b"][6] == "0.0"  # a host tier, empty so far
+        assert rows["b"][2] == "3.0MiB"  # the 4MiB limit in whole qwen KV pages (6 x 256KiB)
+        assert rows["b"][6] == "0.0KiB"  # a host tier, empty so far
+        assert max(len(ln) for ln in top.stdout.splitlines()) <= 80
         metrics = httpx.get(f"{url}/metrics").text
         # tiny-qwen2: 512 tokens = 32 blocks of 3 layers x 2 planes x 2 KiB
         assert 'kvcached_host_cache_capacity_bytes{model="b"} 393216.0' in metrics

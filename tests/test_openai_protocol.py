@@ -42,18 +42,62 @@ def test_parse_completion_defaults_and_errors():
     r = parse_completion({"model": "m", "prompt": "hi"})
     assert (r.max_tokens, r.temperature, r.top_p, r.stream, r.stop) == (16, 1.0, 1.0, False, [])
     r = parse_completion({"model": "m", "prompt": [[1, 2, 3]], "stop": "x", "seed": 7})
-    assert r.prompt == [1, 2, 3] and r.stop == ["x"] and r.sampling(4).seed == 7
+    assert r.prompts == [[1, 2, 3]] and r.stop == ["x"] and r.sampling(4).seed == 7
+    assert parse_completion({"model": "m", "prompt": [1, 2]}).prompts == [[1, 2]]
+    assert parse_completion({"model": "m", "prompt": ["a", [3]]}).prompts == ["a", [3]]
     for body, param in [
         ({"model": "m", "prompt": "x", "top_p": 0}, "top_p"),
         ({"model": "m", "prompt": "x", "stop": ["a"] * 5}, "stop"),
         ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
-        ({"model": "m", "prompt": "x", "echo": True}, "echo"),
-        ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        ({"model": "m", "prompt": "x", "echo": "yes"}, "echo"),
+        ({"model": "m", "prompt": ["a", ""]}, "prompt"),
+        ({"model": "m", "prompt": ["a", [1, "b"]]}, "prompt"),
+        ({"model": "m", "prompt": ["a"] * 65}, "prompt"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),  # only with echo
+        ({"model": "m", "prompt": "x", "n": 17}, "n"),
+        ({"model": "m", "prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        ({"model": "m", "prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+        ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"model": "m", "prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+        ({"model": "m", "prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+        ({"model": "m", "prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"model": "m", "prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"model": "m", "prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids"),
+        ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
         ({"model": "m", "prompt": "x", "stream_options": {"other": 1}}, "stream_options"),
     ]:
         with pytest.raises(APIError) as e:
             parse_completion(body)
         assert e.value.status == 400 and e.value.param == param
+
+
+def test_sampling_parameters_reach_the_samples():
+    r = parse_completion({
+        "model": "m", "prompt": "x", "n": 2, "best_of": 3, "seed": 10, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.2, "logit_bias": {"7": -3},
+        "min_tokens": 2, "stop_token_ids": [9], "echo": True, "logprobs": 2, "max_tokens": 0,
+    })  # fmt: skip
+    p = [r.sampling(r.max_tokens, i) for i in range(r.best_of)]
+    assert [q.seed for q in p] == [10, 11, 12]  # sample i: seed + i
+    q = p[0]
+    assert (q.presence_penalty, q.frequency_penalty, q.repetition_penalty) == (0.5, -0.5, 1.2)
+    assert q.logit_bias == ((7, -3.0),) and q.stop_token_ids == (9,) and q.min_tokens == 1
+    assert q.logprobs == 2 and q.prompt_logprobs and q.max_tokens == 1  # echo scoring
+    # best_of > n without logprobs still ranks by them (0 alternatives)
+    r = parse_completion({"model": "m", "prompt": "x", "best_of": 2})
+    assert r.sampling(4).logprobs == 0
+    assert parse_completion({"model": "m", "prompt": "x"}).sampling(4).logprobs is None
+    chat = [{"role": "user", "content": "hi"}]
+    r = parse_chat({"model": "m", "messages": chat, "logprobs": True, "top_logprobs": 3, "n": 2})
+    assert (r.logprobs, r.n, r.best_of) == (3, 2, 2)
+    assert parse_chat({"model": "m", "messages": chat, "logprobs": True}).logprobs == 0
+    for extra, param in [({"top_logprobs": 2}, "top_logprobs"), ({"echo": True}, "echo"),
+                         ({"best_of": 2}, "best_of")]:  # fmt: skip
+        with pytest.raises(APIError) as e:
+            parse_chat({"model": "m", "messages": chat, **extra})
+        assert e.value.param == param
 
 
 def test_harmless_fields_are_accepted_and_output_changing_ones_refused():
@@ -65,7 +109,7 @@ def test_harmless_fields_are_accepted_and_output_changing_ones_refused():
     }  # fmt: skip
     plain = parse_chat({"model": "m", "messages": ok["messages"]})
     assert parse_chat(ok) == plain  # accepted, and they change nothing
-    assert parse_completion({"model": "m", "prompt": "x", "store": True}).prompt == "x"
+    assert parse_completion({"model": "m", "prompt": "x", "store": True}).prompts == ["x"]
     for extra, param, msg in [
         ({"response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",

@@ -14,7 +14,7 @@ from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, ByteTokenizer, build_model
 from jax_kvcached.serve.app import AuthConfig, BackgroundServer, ServedModel, create_app
 from jax_kvcached.serve.loop import ServingLoop
-from jax_kvcached.serve.top import render, scrape
+from jax_kvcached.serve.top import render, scrape, size
 
 PAGE = 16384
 SEEDS = {"llama": ("tiny-llama", 1), "qwen": ("tiny-qwen2", 2)}
@@ -189,7 +189,8 @@ def test_stop_string_ends_the_request(server):
         (b"{not json", 400, None),
         ({"model": "gpt-9", "prompt": "x"}, 404, "model"),
         ({"model": "llama", "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
-        ({"model": "llama", "prompt": "x", "n": 2}, 400, "n"),
+        ({"model": "llama", "prompt": "x", "n": 0}, 400, "n"),
+        ({"model": "llama", "prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
         ({"model": "llama", "prompt": ""}, 400, "prompt"),
         ({"model": "llama", "prompt": [1, "a"]}, 400, "prompt"),
         ({"model": "llama", "prompt": [100000]}, 400, "prompt"),
@@ -237,7 +238,20 @@ def test_metrics_and_top(server):
     frame = render(m)
     assert "llama" in frame and "qwen" in frame and "pool [" in frame
     row = next(ln for ln in frame.splitlines() if ln.startswith("qwen"))
-    assert f"{by_model['qwen'] / 2**20:.1f}" in row
+    assert row.split()[1] == size(by_model["qwen"]) and row.split()[1].endswith("iB")
+    assert all(len(ln) <= 80 for ln in frame.splitlines())  # a classic terminal
+    # long names, big sizes, a failed model: still 80 columns
+    big = {
+        k: {((("model", "a-very-long-model-name-indeed"),)): 123.4 * 2**30}
+        for k in ("kvcached_mapped_bytes", "kvcached_memory_limit_bytes", "kvcached_model_failed")
+    }
+    assert all(len(ln) <= 80 for ln in render({**m, **big}).splitlines())
+    assert (size(512 * 1024), size(3 * 2**20), size(1.25 * 2**30), size(None)) == (
+        "512KiB",
+        "3.0MiB",
+        "1.2GiB",
+        "-",
+    )
 
 
 def test_limit_change_while_serving(server):
@@ -347,8 +361,38 @@ def test_one_server_over_engines_of_several_pools():
             m = scrape(http.url)
             budgets = m["kvcached_pool_budget_bytes"]
             assert sorted(budgets.values()) == [32 * PAGE, 64 * PAGE]
-            assert "pool [" in render(m) and f"{96 * PAGE / 2**20:.1f} MiB" in render(m)
+            assert "pool [" in render(m) and size(96 * PAGE) in render(m)
     finally:
         loop.stop()
         for p in pools.values():
             p.close()
+
+
+def test_warm_up_traffic_is_not_served_traffic():
+    """After the warm-up compile, /metrics reads as a fresh server: no steps, tokens,
+    requests, TTFT samples or prefix lookups, and nothing left mapped."""
+    from jax_kvcached.serve.launch import warm_up
+
+    pool = make_pool(64)
+    eng = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1), pool, name="w",
+                 max_batch=2, max_model_len=64, tokenizer=ByteTokenizer())  # fmt: skip
+    served = ServedModel(eng, ByteTokenizer())
+    assert warm_up(served, "w") > 0 and eng.runner.warm
+    loop = ServingLoop({"w": eng}).start()
+    http = BackgroundServer(create_app(loop, {"w": served})).start()
+    try:
+        m = scrape(http.url)
+
+        def one(name):
+            return sum(v for k, v in m.get(name, {}).items() if dict(k).get("model") == "w")
+
+        for name in ("kvcached_steps_total", "kvcached_generated_tokens_total",
+                     "kvcached_prefix_query_tokens_total", "kvcached_ttft_seconds_count",
+                     "kvcached_requests_total", "kvcached_mapped_bytes"):  # fmt: skip
+            assert one(name) == 0, name
+        complete(http.url, "w", "x", 2)
+        assert sum(scrape(http.url)["kvcached_steps_total"].values()) > 0  # counted from here
+    finally:
+        http.stop()
+        loop.stop()
+        pool.close()

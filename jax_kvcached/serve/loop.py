@@ -46,9 +46,12 @@ class Finished:
     cached_tokens: int
     preemptions: int
     seed: int | None = None  # the sampling seed it ran with (drawn if it gave none)
+    logprobs: list[Any] | None = None  # per token (params.logprobs)
+    prompt_logprobs: list[Any] | None = None  # per prompt position (params.prompt_logprobs)
 
 
-# on_event(kind, value): ("token", int), then ("done", Finished) or ("error", Exception).
+# on_event(kind, value): ("token", int) (each preceded by ("logprobs", (logprob, top))
+# when the request asked for them), then ("done", Finished) or ("error", Exception).
 EventCallback = Callable[[str, Any], None]
 
 
@@ -62,6 +65,7 @@ class Request:
     request_id: int | None = None  # the engine's, once added
     cancelled: bool = False
     closed: bool = False  # done, failed or cancelled: no more events
+    fork_of: Request | None = None  # shares this earlier request's prompt KV (n samples)
 
 
 class ServingLoop:
@@ -155,17 +159,19 @@ class ServingLoop:
         prompt: str | Sequence[int] | Prompt,
         params: SamplingParams,
         on_event: EventCallback,
+        fork_of: Request | None = None,
     ) -> Request:
         """Queues a request. Raises UnknownModel, ValueError (bad prompt), Overloaded or
         Unavailable; never blocks. A :class:`Prompt` of the model's engine is not
-        validated again."""
+        validated again. ``fork_of``: a request of the same model and prompt submitted
+        just before; this one shares its prompt's KV (one prefill for n samples)."""
         engine = self.engine(model)
         ids = engine.prompt(prompt)
         if not self.running:
             raise Unavailable("the serving loop is not running")
         if model in self.failed:
             raise Unavailable(f"model {model!r} is unavailable: {self.failed[model]}")
-        req = Request(model, ids, params, on_event)
+        req = Request(model, ids, params, on_event, fork_of=fork_of)
         with self._lock:
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
@@ -286,8 +292,13 @@ class ServingLoop:
                 if req.model in self.failed:
                     self._close(req, "error", Unavailable(self.failed[req.model]))
                     continue
+                parent = req.fork_of.request_id if req.fork_of is not None else None
+                on_lp = self._logprob_streamer(req) if req.params.logprobs is not None else None
                 try:
-                    rid = engine.add_request(req.prompt, req.params, self._streamer(req))
+                    rid = engine.add_request(
+                        req.prompt, req.params, self._streamer(req), fork_of=parent,
+                        on_logprobs=on_lp,
+                    )  # fmt: skip
                 except Exception as e:  # validated in submit(); never stop the loop for it
                     self._close(req, "error", e)
                     continue
@@ -311,6 +322,17 @@ class ServingLoop:
 
         return on_token
 
+    def _logprob_streamer(self, req: Request) -> Callable[[int, Any], None]:
+        def on_logprobs(rid: int, entry: Any) -> None:
+            if not req.closed:
+                try:
+                    req.on_event("logprobs", entry)
+                except Exception:
+                    log.exception("request event callback failed; cancelling the request")
+                    self.cancel(req)
+
+        return on_logprobs
+
     def _report(self, name: str, done: list[Seq]) -> None:
         for s in done:
             req = self._active[name].pop(s.request_id, None)
@@ -330,6 +352,8 @@ class ServingLoop:
                     cached_tokens=s.cached_tokens,
                     preemptions=s.preemptions,
                     seed=s.params.seed,
+                    logprobs=s.logprobs if s.params.logprobs is not None else None,
+                    prompt_logprobs=s.prompt_logprobs if s.params.prompt_logprobs else None,
                 ),
             )
 

@@ -11,7 +11,8 @@ from jax_kvcached.engine.sampling import SamplingParams
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
-    "ignore_eos", "cache_salt",
+    "ignore_eos", "cache_salt", "logit_bias", "repetition_penalty", "min_tokens",
+    "stop_token_ids",
     # accepted and ignored (they change nothing here): see _HARMLESS
     "metadata", "store", "service_tier", "parallel_tool_calls", "tools", "tool_choice",
     "response_format",
@@ -58,13 +59,17 @@ def _bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+MAX_N = 16  # samples per prompt (n, best_of)
+MAX_PROMPTS = 64  # prompts of one completions request
+
+
 @dataclasses.dataclass
 class GenerationRequest:
     model: str
     chat: bool
-    prompt: str | list[int] | None  # completions
+    prompts: list[str | list[int]] | None  # completions: one or a batch
     messages: list[dict[str, str]] | None  # chat, content flattened to text
-    max_tokens: int | None  # None: up to the model's length limit
+    max_tokens: int | None  # None: up to the model's length limit; 0: echo scoring only
     temperature: float
     top_p: float
     top_k: int
@@ -74,15 +79,38 @@ class GenerationRequest:
     include_usage: bool
     ignore_eos: bool
     cache_salt: str | None
+    n: int = 1
+    best_of: int = 1  # samples drawn per prompt; the n most likely are returned
+    logprobs: int | None = None  # alternatives per token (None: no logprobs)
+    echo: bool = False  # completions: the prompt (and its logprobs) comes first
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
-    def sampling(self, max_tokens: int) -> SamplingParams:
+    def sampling(self, max_tokens: int, index: int = 0) -> SamplingParams:
+        """The parameters of sample ``index`` of a prompt: seed ``seed + index`` (so
+        sample i equals a single request with that seed)."""
+        seed = None if self.seed is None else (self.seed + index) % (1 << 32)
+        scoring = self.echo and self.logprobs is not None
         return SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max(max_tokens, 1),  # 0 (echo scoring): one token, dropped
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            seed=self.seed,
+            seed=seed,
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            min_tokens=min(self.min_tokens, max(max_tokens, 1)),
+            stop_token_ids=self.stop_token_ids,
+            # best_of ranks the samples by their log-probability
+            logprobs=0 if self.logprobs is None and self.best_of > self.n else self.logprobs,
+            prompt_logprobs=scoring,
         ).seeded()
 
 
@@ -165,18 +193,8 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise _bad("'model' is required and must be a string", "model")
-    for key, ok in (
-        ("n", (None, 1)),
-        ("presence_penalty", (None, 0, 0.0)),
-        ("frequency_penalty", (None, 0, 0.0)),
-        ("logprobs", (None, False) if chat else (None,)),
-        ("top_logprobs", (None, 0)),
-        ("echo", (None, False)),
-        ("best_of", (None, 1)),
-        ("suffix", (None,)),
-    ):
-        if key in body:
-            _unsupported(body, key, ok)
+    if "suffix" in body:
+        _unsupported(body, "suffix", (None,))
     _check_ignored(body)
     stop = body.get("stop")
     if stop is None:
@@ -198,34 +216,97 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise _bad("'user' must be a string", "user")
     max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+    n = _int(body, "n", 1, 1, MAX_N)
+    stream = _flag(body, "stream")
+    echo = False if chat else _flag(body, "echo")
+    if chat:
+        top = _int(body, "top_logprobs", None, 0, 20)
+        if top is not None and not _flag(body, "logprobs"):
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs = (top or 0) if _flag(body, "logprobs") else None
+        best_of = n
+    else:
+        logprobs = _int(body, "logprobs", None, 0, 20)
+        best_of = _int(body, "best_of", n, 1, MAX_N)
+        if best_of < n:
+            raise _bad(f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
+        if stream and best_of > n:
+            raise _bad("'best_of' > 'n' cannot be streamed", "best_of")
+    # max_tokens 0: only the echoed prompt (scoring with logprobs), as OpenAI allows.
+    least = 0 if echo else 1
     return dict(
         model=model,
         chat=chat,
-        max_tokens=_int(body, max_key, None if chat else 16, 1),
+        max_tokens=_int(body, max_key, None if chat else 16, least),
+        n=n,
+        best_of=best_of,
+        logprobs=logprobs,
+        echo=echo,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-3, 100.0),
+        logit_bias=_logit_bias(body),
+        min_tokens=_int(body, "min_tokens", 0, 0),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
         temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
         top_k=_int(body, "top_k", 0, 0) if body.get("top_k") != -1 else 0,
         seed=_seed(body),
         stop=stop,
-        stream=_flag(body, "stream"),
+        stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
         ignore_eos=_flag(body, "ignore_eos"),
         cache_salt=salt,
     )
 
 
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """``{"token id": bias}`` with biases in [-100, 100] (OpenAI's form)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict) or len(v) > 1024:
+        raise _bad("'logit_bias' must be an object of up to 1024 token ids", "logit_bias")
+    out = []
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit()) or int(k) > INT32_MAX:
+            raise _bad(f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+            raise _bad(f"'logit_bias' values must be in [-100, 100], got {b!r}", "logit_bias")
+        out.append((int(k), float(b)))
+    return tuple(out)
+
+
+def _token_ids(body: dict, key: str) -> tuple[int, ...]:
+    v = body.get(key)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or len(v) > 256 or not all(_is_id(t) for t in v):
+        raise _bad(f"'{key}' must be a list of up to 256 token ids", key)
+    return tuple(v)
+
+
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
+
+
 def parse_completion(body: Any) -> GenerationRequest:
-    """Validates a ``/v1/completions`` body (one prompt: a string or token ids)."""
+    """Validates a ``/v1/completions`` body: one prompt (a string or token ids) or a
+    batch (a list of strings or of token-id lists)."""
     common = _parse_common(body, chat=False)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise _bad("'prompt' must be a string or a list of token ids (one prompt)", "prompt")
-    elif not isinstance(prompt, str) or not prompt:
-        raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
-    return GenerationRequest(prompt=prompt, messages=None, **common)
+    what = "'prompt' must be a non-empty string, a list of token ids, or a list of those"
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_id(prompt[0])):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPTS:
+        prompts = prompt
+    else:
+        raise _bad(f"{what} (at most {MAX_PROMPTS})", "prompt")
+    for p in prompts:
+        ok = (isinstance(p, str) and p) or (isinstance(p, list) and p and all(_is_id(t) for t in p))
+        if not ok:
+            raise _bad(what, "prompt")
+    return GenerationRequest(prompts=prompts, messages=None, **common)
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -246,7 +327,7 @@ def parse_chat(body: Any) -> GenerationRequest:
         if not isinstance(content, str):
             raise _bad(f"messages[{i}] needs a string 'content'", "messages")
         flat.append({"role": m["role"], "content": content})
-    return GenerationRequest(prompt=None, messages=flat, **common)
+    return GenerationRequest(prompts=None, messages=flat, **common)
 
 
 class TextStream:

@@ -61,24 +61,39 @@ def _ttft(m: dict[str, Any], model: str) -> tuple[float, float]:
     return quantile(rows, 0.5), quantile(rows, 0.99)
 
 
-def _mib(v: float) -> str:
-    return "  -" if v is None or math.isnan(v) else f"{v / MiB:7.1f}"
+WIDTH = 80  # every line of a frame fits a classic terminal
+
+
+def size(v: float | None) -> str:
+    """Bytes with a binary unit, at most 8 characters: ``512KiB``, ``3.0MiB``,
+    ``1.2GiB`` (``-``: unknown)."""
+    if v is None or math.isnan(v):
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+        if v >= scale or unit == "KiB":
+            x = v / scale
+            return f"{x:.1f}{unit}" if x < 100 else f"{x:.0f}{unit}"
+    return "-"
+
+
+def _ms(v: float) -> str:
+    return "-" if math.isnan(v) else f"{1e3 * v:.0f}ms"
 
 
 def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.0) -> str:
-    """One frame: the pool line, then a row per model."""
+    """One frame of at most 80 columns: the pool line, a memory table and a serving
+    table (a row per model in each), and the group's processes when in a group."""
     # Summed over the server's pools (one per device).
     pool = {k: sum(m.get(f"kvcached_pool_{k}_bytes", {}).values()) for k in
             ("budget", "mapped", "reserved")}  # fmt: skip
     used = pool["mapped"] / pool["budget"] if pool["budget"] else 0.0
-    bar = "#" * round(30 * used) + "." * (30 - round(30 * used))
+    bar = "#" * round(20 * used) + "." * (20 - round(20 * used))
     lines = [
-        f"pool [{bar}] {pool['mapped'] / MiB:.1f} / {pool['budget'] / MiB:.1f} MiB mapped "
-        f"({100 * used:.0f}%), {pool['reserved'] / MiB:.1f} MiB reserved",
+        f"pool [{bar}] {size(pool['mapped'])} of {size(pool['budget'])} mapped "
+        f"({100 * used:.0f}%), {size(pool['reserved'])} reserved",
         "",
-        f"{'MODEL':<16}{'MAPPED':>8}{'LIMIT':>8}{'GUAR':>8} {'HIT%':>5} {'CACHED':>7} "
-        f"{'HOST':>7} {'HHIT%':>5} "
-        f"{'QUEUE':>5} {'RUN':>4} {'TOK/S':>7} {'PREEMPT':>7} {'TTFT p50':>9} {'p99':>8}",
+        f"{'MODEL':<16}{'MAPPED':>9}{'LIMIT':>9}{'GUARANT':>9}{'HIT%':>6}{'CACHED':>8}"
+        f"{'HOST':>9}{'HOSTHIT%':>9}",
     ]
     mapped = _by_model(m, "kvcached_mapped_bytes")
     limit = _by_model(m, "kvcached_memory_limit_bytes")
@@ -88,29 +103,39 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
     host = _by_model(m, "kvcached_host_cache_bytes")
     host_cap = _by_model(m, "kvcached_host_cache_capacity_bytes")
     host_hit = _by_model(m, "kvcached_host_hit_rate")
+    failed = _by_model(m, "kvcached_model_failed")
+    models = sorted(mapped)
+
+    def name(model: str) -> str:
+        return (model[:8] + " FAILED" if failed.get(model) else model)[:15]
+
+    for model in models:
+        lines.append(
+            f"{name(model):<16}{size(mapped[model]):>9}{size(limit.get(model)):>9}"
+            f"{size(guar.get(model, 0.0)):>9}{100 * hit.get(model, 0.0):>6.1f}"
+            f"{cached.get(model, 0):>8.0f}"
+            f"{size(host.get(model)) if host_cap.get(model) else '-':>9}"
+            f"{100 * host_hit.get(model, 0.0):>9.1f}"
+        )
     queue = _by_model(m, "kvcached_queue_depth")
     running = _by_model(m, "kvcached_running_requests")
     pre = _by_model(m, "kvcached_preemptions_total")
-    failed = _by_model(m, "kvcached_model_failed")
     toks = _by_model(m, "kvcached_generated_tokens_total")
     before = _by_model(prev, "kvcached_generated_tokens_total") if prev else {}
-    for model in sorted(mapped):
+    lines += [
+        "",
+        f"{'MODEL':<16}{'QUEUE':>7}{'RUN':>5}{'TOK/S':>9}{'PREEMPT':>9}{'TTFT p50':>10}{'p99':>8}",
+    ]
+    for model in models:
         rate = (toks[model] - before[model]) / dt if model in before else math.nan
         p50, p99 = _ttft(m, model)
-        ms = lambda v: "       -" if math.isnan(v) else f"{1e3 * v:6.0f}ms"  # noqa: E731
-        name = model + (" (FAILED)" if failed.get(model) else "")
         lines.append(
-            f"{name:<16}{_mib(mapped[model]):>8}{_mib(limit.get(model)):>8}"
-            f"{_mib(guar.get(model, 0.0)):>8} {100 * hit.get(model, 0.0):5.1f} "
-            f"{cached.get(model, 0):7.0f} "
-            f"{_mib(host.get(model)) if host_cap.get(model) else '      -':>7} "
-            f"{100 * host_hit.get(model, 0.0):5.1f} "
-            f"{queue.get(model, 0):5.0f} {running.get(model, 0):4.0f} "
-            f"{'      -' if math.isnan(rate) else f'{rate:7.1f}'} {pre.get(model, 0):7.0f} "
-            f"{ms(p50):>9} {ms(p99):>8}"
+            f"{name(model):<16}{queue.get(model, 0):>7.0f}{running.get(model, 0):>5.0f}"
+            f"{'-' if math.isnan(rate) else f'{rate:.1f}':>9}{pre.get(model, 0):>9.0f}"
+            f"{_ms(p50):>10}{_ms(p99):>8}"
         )
     lines += _group_lines(m)
-    return "\n".join(lines)
+    return "\n".join(ln[:WIDTH] for ln in lines)
 
 
 def _group_lines(m: dict[str, Any]) -> list[str]:
@@ -124,16 +149,16 @@ def _group_lines(m: dict[str, Any]) -> list[str]:
     lines = [
         "",
         f"group {group}: every process",
-        f"{'TENANT':<16}{'PID':>8}{'MAPPED':>8}{'RESERVE':>8}{'LIMIT':>8}{'GUAR':>8} {'HIT%':>5}",
+        f"{'TENANT':<16}{'PID':>8}{'MAPPED':>9}{'RESERVE':>9}{'LIMIT':>9}{'GUARANT':>9}{'HIT%':>6}",
     ]
     for key in sorted(mapped, key=lambda k: (dict(k)["tenant"], dict(k)["pid"])):
         lab = dict(key)
         h = hit.get(key, math.nan)
         lines.append(
-            f"{lab['tenant'][:16]:<16}{lab['pid']:>8}{_mib(mapped[key]):>8}"
-            f"{_mib(col['reserved'].get(key)):>8}{_mib(col['limit'].get(key)):>8}"
-            f"{_mib(col['guarantee'].get(key)):>8} "
-            f"{'    -' if math.isnan(h) else f'{100 * h:5.1f}'}"
+            f"{lab['tenant'][:15]:<16}{lab['pid']:>8}{size(mapped[key]):>9}"
+            f"{size(col['reserved'].get(key)):>9}{size(col['limit'].get(key)):>9}"
+            f"{size(col['guarantee'].get(key)):>9}"
+            f"{'-' if math.isnan(h) else f'{100 * h:.1f}':>6}"
         )
     return lines
 
@@ -154,7 +179,8 @@ def run_top(
 
 def _draw(url: str, body: str) -> None:
     """Clears the terminal and writes one screen."""
-    sys.stdout.write("\x1b[H\x1b[2J" + f"jax-kvcached top  {url}  (Ctrl-C quits)\n\n{body}\n")
+    head = f"jax-kvcached top  {url}"[: WIDTH - 14] + "  (Ctrl-C quits)"
+    sys.stdout.write("\x1b[H\x1b[2J" + f"{head}\n\n{body}\n")
     sys.stdout.flush()
 
 
@@ -171,7 +197,7 @@ def _loop(
             if once:
                 print(f"error: cannot read {url}/metrics: {e}", file=sys.stderr)
                 return 1
-            _draw(url, f"disconnected: {e}; retrying every {interval:g} s")
+            _draw(url, f"disconnected: {e}"[: WIDTH - 24] + f"; retrying every {interval:g} s")
             prev = None
             time.sleep(interval)
             continue

@@ -1,4 +1,10 @@
-"""``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events)."""
+"""``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON or server-sent events).
+
+One HTTP request becomes one engine request per choice: ``best_of`` (or ``n``) samples of
+each prompt (completions take a batch of prompts). The samples of a prompt share its KV:
+the first computes the prompt, the others fork its blocks (``ServingLoop.submit``'s
+``fork_of``); sample ``i`` uses seed ``seed + i``.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +20,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from jax_kvcached.engine.engine import Prompt
-from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.serve.context import AppContext, ServedModel
 from jax_kvcached.serve.loop import Finished, Overloaded, ServingLoop, Unavailable
@@ -32,7 +37,7 @@ class _ClientGone(Exception):
 
 
 class _Generation:
-    """One request's bridge from the loop thread's events to the asyncio side."""
+    """One engine request's bridge from the loop thread's events to the asyncio side."""
 
     def __init__(self, loop: ServingLoop, aio: asyncio.AbstractEventLoop) -> None:
         self.loop, self.aio = loop, aio
@@ -49,8 +54,25 @@ class _Generation:
         self.over = True
 
 
-def prepare(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, Prompt, SamplingParams]:
-    """The model, the prompt (validated once, here) and the sampling parameters."""
+class _Choice:
+    """One sample of one prompt: its generation and what it produced."""
+
+    def __init__(self, prompt_index: int, sample: int, prompt: Prompt, gen: _Generation):
+        self.prompt_index, self.sample, self.prompt, self.gen = prompt_index, sample, prompt, gen
+        self.text: list[str] = []
+        self.logprobs: list[Any] = []  # (token id, logprob, top) per generated token
+        self.reason: str | None = None
+        self.completion_tokens = 0
+        self.info: Finished | None = None
+
+    @property
+    def score(self) -> float:
+        """Cumulative log-probability (best_of ranks by it)."""
+        return sum(lp for _, lp, _ in self.logprobs)
+
+
+def _prompts(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[Prompt], int]:
+    """The model, the prompts (validated once, here) and the tokens each may generate."""
     m = ctx.served(req.model)
     eng = m.engine
     if req.chat:
@@ -59,50 +81,74 @@ def prepare(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, Promp
         except Exception as e:
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
         # The rendered template brings its own special tokens.
-        raw: Any = m.tokenizer.encode(text, add_special_tokens=False)
-    elif isinstance(req.prompt, str):
-        raw = m.tokenizer.encode(req.prompt)
+        raws: list[Any] = [m.tokenizer.encode(text, add_special_tokens=False)]
     else:
-        raw = req.prompt
+        raws = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
     param = "messages" if req.chat else "prompt"
-    try:
-        prompt = eng.prompt(raw)
-    except ContextLengthExceeded as e:
-        raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-    except ValueError as e:
-        raise APIError(400, str(e), param=param) from None
-    room = eng.max_model_len - len(prompt)
+    prompts = []
+    for raw in raws:
+        try:
+            prompts.append(eng.prompt(raw))
+        except ContextLengthExceeded as e:
+            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from None
+    room = eng.max_model_len - max(len(p) for p in prompts)
     max_tokens = req.max_tokens if req.max_tokens is not None else room
     if max_tokens > room:
         raise APIError(
             400,
             f"this model's maximum context length is {eng.max_model_len} tokens; the "
-            f"prompt has {len(prompt)} and max_tokens asks for {max_tokens}",
+            f"prompt has {max(len(p) for p in prompts)} and max_tokens asks for {max_tokens}",
             param="max_tokens", code="context_length_exceeded",
         )  # fmt: skip
-    try:  # (Engine.add_request clips top_k to the vocabulary)
-        return m, prompt, req.sampling(max_tokens)
-    except (TypeError, ValueError) as e:  # parse_* validated already; a second guard
-        raise APIError(400, str(e)) from None
+    vocab = eng.config.vocab_size
+    for key, ids in (("logit_bias", [t for t, _ in req.logit_bias]),
+                     ("stop_token_ids", list(req.stop_token_ids))):  # fmt: skip
+        if any(t >= vocab for t in ids):
+            raise APIError(400, f"'{key}' names token ids outside the vocabulary [0, {vocab})",
+                           param=key)  # fmt: skip
+    return m, prompts, max_tokens
 
 
-def start(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, _Generation, float]:
-    m, prompt, params = prepare(ctx, req)
-    gen = _Generation(ctx.loop, asyncio.get_running_loop())
-    arrival = time.perf_counter()
+def start(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[_Choice], int]:
+    """Submits every sample of every prompt; returns the choices and the tokens each may
+    generate. All or nothing: a refusal cancels what was submitted."""
+    m, prompts, max_tokens = _prompts(ctx, req)
+    aio = asyncio.get_running_loop()
+    choices: list[_Choice] = []
     try:
-        gen.handle = ctx.loop.submit(req.model, prompt, params, gen.on_event)
+        for i, prompt in enumerate(prompts):
+            first = None
+            for j in range(req.best_of):
+                try:  # (Engine.add_request clips top_k to the vocabulary)
+                    params = req.sampling(max_tokens, j)
+                except (TypeError, ValueError) as e:  # parse_* validated already
+                    raise APIError(400, str(e)) from None
+                gen = _Generation(ctx.loop, aio)
+                gen.handle = ctx.loop.submit(req.model, prompt, params, gen.on_event, first)
+                first = first or gen.handle
+                choices.append(_Choice(i, j, prompt, gen))
     except Overloaded as e:
+        _cancel(choices)
         ctx.metrics.requests.labels(req.model, "rejected").inc()
         raise APIError(429, str(e), "rate_limit_error", code="rate_limit_exceeded") from None
     except Unavailable as e:
+        _cancel(choices)
         ctx.metrics.requests.labels(req.model, "unavailable").inc()
         raise APIError(503, str(e), "server_error", code="model_unavailable") from None
-    return m, gen, arrival
+    except BaseException:
+        _cancel(choices)
+        raise
+    return m, choices, max_tokens
 
 
-def event_error(ctx: AppContext, model: str, err: Any) -> APIError:
-    ctx.metrics.requests.labels(model, "error").inc()
+def _cancel(choices: list[_Choice]) -> None:
+    for c in choices:
+        c.gen.cancel()
+
+
+def event_error(err: Any) -> APIError:
     if isinstance(err, PoolExhausted):
         return APIError(400, str(err), code="kv_memory_exceeded")
     if isinstance(err, Unavailable):
@@ -111,120 +157,274 @@ def event_error(ctx: AppContext, model: str, err: Any) -> APIError:
 
 
 async def events(
-    ctx: AppContext, req: GenerationRequest, m: ServedModel, gen: _Generation, arrival: float
+    req: GenerationRequest, m: ServedModel, c: _Choice, max_tokens: int, first: Callable
 ) -> AsyncIterator[tuple[str, Any]]:
-    """("text", delta) items, then ("done", (reason, usage)); raises APIError."""
+    """One choice's ("text", (delta, logprob entries)) items, then ("done", reason);
+    raises APIError or _ClientGone. ``first()`` is called at its first token."""
     text = TextStream(m.tokenizer.decode, req.stop)
-    first = True
+    scoring_only = max_tokens == 0  # echo with max_tokens 0: the sampled token is dropped
+    pending: list[Any] = []  # logprobs of tokens whose text is not out yet
+    lp: Any = None
+    gen = c.gen
     try:
         while True:
             kind, value = await gen.events.get()
-            if kind == "token":
-                if first:
-                    ctx.metrics.ttft.labels(req.model).observe(time.perf_counter() - arrival)
-                    first = False
+            if kind == "logprobs":
+                lp = value
+            elif kind == "token":
+                first()
+                if scoring_only:
+                    continue
+                c.completion_tokens += 1
+                if lp is not None:
+                    entry = (value, lp[0], lp[1])
+                    c.logprobs.append(entry)
+                    pending.append(entry)
+                    lp = None
                 delta = text.feed(value)
                 if delta:
-                    yield "text", delta
+                    yield "text", (delta, pending)
+                    pending = []
                 if text.stopped:
                     gen.cancel()
-                    reason, completion = "stop", len(text.ids)
+                    c.reason = "stop"
                     break
             elif kind == "gone":
                 raise _ClientGone
             elif kind == "done":
                 gen.over = True
-                info: Finished = value
-                reason, completion = info.finish_reason, info.completion_tokens
+                c.info = value
+                c.reason = "length" if scoring_only else value.finish_reason
                 break
             else:
                 gen.over = True
-                raise event_error(ctx, req.model, value)
+                raise event_error(value)
     finally:
         gen.cancel()  # a client that went away frees its blocks
     rest = text.flush()
-    if rest:
-        yield "text", rest
-    ctx.metrics.latency.labels(req.model).observe(time.perf_counter() - arrival)
-    ctx.metrics.requests.labels(req.model, "ok").inc()
-    prompt_tokens = len(gen.handle.prompt)
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": prompt_tokens + completion,
-    }
-    yield "done", (reason, usage)
+    if rest or pending:
+        yield "text", (rest, pending)
+    yield "done", c.reason
 
 
-async def watch_disconnect(request: Request, gen: _Generation) -> None:
+async def watch_disconnect(request: Request, choices: list[_Choice]) -> None:
     """Cancels a non-streaming request whose client went away (frees its blocks)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            gen.cancel()
-            gen.events.put_nowait(("gone", None))
+            for c in choices:
+                c.gen.cancel()
+                c.gen.events.put_nowait(("gone", None))
             return
 
 
-def choice(req: GenerationRequest, text: str | None, reason: str | None, delta: bool) -> dict:
-    if not req.chat:
-        return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-    if delta:
-        d = {} if text is None else {"content": text}
-        return {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
-    msg = {"role": "assistant", "content": text}
-    return {"index": 0, "message": msg, "logprobs": None, "finish_reason": reason}
+def _token_text(m: ServedModel, token: int) -> str:
+    return m.tokenizer.decode([token])
+
+
+def chat_logprobs(m: ServedModel, entries: list[Any], k: int) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: per token its text, bytes, logprob and top ``k``."""
+
+    def one(token: int, lp: float) -> dict[str, Any]:
+        s = _token_text(m, token)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+    content = [
+        {**one(t, lp), "top_logprobs": [one(i, v) for i, v in top[:k]]} for t, lp, top in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(
+    m: ServedModel, entries: list[Any], k: int, prompt: Prompt | None = None,
+    prompt_lps: list[Any] | None = None, offset: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """OpenAI's completions ``logprobs`` (tokens, token_logprobs, top_logprobs,
+    text_offset); with ``prompt`` (echo) the prompt's tokens come first: the first with
+    null, the others with their logprob and the most likely token at that position."""
+    tokens, lps, tops, offsets = [], [], [], []
+    pos = offset
+
+    def add(token: int, lp: float | None, top: dict[str, float] | None) -> None:
+        nonlocal pos
+        s = _token_text(m, token)
+        tokens.append(s)
+        lps.append(lp)
+        tops.append(top)
+        offsets.append(pos)
+        pos += len(s)
+
+    if prompt is not None:
+        for i, t in enumerate(prompt.token_ids):
+            e = prompt_lps[i] if prompt_lps and i < len(prompt_lps) else None
+            if e is None:
+                add(t, None, None)
+            else:
+                top = {_token_text(m, e[1]): e[2]}
+                top.setdefault(_token_text(m, t), e[0])
+                add(t, e[0], top)
+    for t, lp, top in entries:
+        alts = {}
+        for i, v in top[:k]:
+            alts.setdefault(_token_text(m, i), v)
+        add(t, lp, alts)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
 
+class _Response:
+    """Builds the choices of one HTTP response."""
+
+    def __init__(self, req: GenerationRequest, m: ServedModel) -> None:
+        self.req, self.m = req, m
+
+    def echo_text(self, c: _Choice) -> str:
+        return self.m.tokenizer.decode(list(c.prompt.token_ids)) if self.req.echo else ""
+
+    def logprobs(self, c: _Choice, entries: list[Any], with_prompt: bool) -> Any:
+        req = self.req
+        if req.logprobs is None:
+            return None
+        if req.chat:
+            return chat_logprobs(self.m, entries, req.logprobs)
+        if with_prompt and req.echo:
+            plps = c.info.prompt_logprobs if c.info is not None else None
+            return completion_logprobs(self.m, entries, req.logprobs, c.prompt, plps)
+        return completion_logprobs(self.m, entries, req.logprobs)
+
+    def choice(self, index: int, c: _Choice) -> dict[str, Any]:
+        text = "".join(c.text)
+        lps = self.logprobs(c, c.logprobs, True)
+        if self.req.chat:
+            msg = {"role": "assistant", "content": text}
+            return {"index": index, "message": msg, "logprobs": lps, "finish_reason": c.reason}
+        text = self.echo_text(c) + text
+        return {"index": index, "text": text, "logprobs": lps, "finish_reason": c.reason}
+
+    def delta(self, index: int, text: str | None, lps: Any, reason: str | None) -> dict:
+        if not self.req.chat:
+            return {"index": index, "text": text or "", "logprobs": lps, "finish_reason": reason}
+        d = {} if text is None else {"content": text}
+        return {"index": index, "delta": d, "logprobs": lps, "finish_reason": reason}
+
+
+def _usage(choices: list[_Choice]) -> dict[str, int]:
+    prompt = sum(len(c.prompt) for c in choices if c.sample == 0)
+    completion = sum(c.completion_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+def _best(req: GenerationRequest, choices: list[_Choice]) -> list[_Choice]:
+    """Per prompt, its ``n`` samples (of ``best_of``) with the highest cumulative
+    log-probability, in prompt order (ties: lower sample index)."""
+    out = []
+    for i in sorted({c.prompt_index for c in choices}):
+        mine = [c for c in choices if c.prompt_index == i]
+        if req.best_of > req.n:
+            mine = sorted(mine, key=lambda c: (-c.score, c.sample))[: req.n]
+        out += mine
+    return out
+
+
 async def generate(
     ctx: AppContext, request: Request, parse: Callable[[Any], GenerationRequest]
 ) -> Response:
     req = parse(await ctx.read_json(request))
-    m, gen, arrival = start(ctx, req)
+    arrival = time.perf_counter()
+    m, choices, max_tokens = start(ctx, req)
+    first_seen = False
+
+    def first() -> None:
+        nonlocal first_seen
+        if not first_seen:
+            ctx.metrics.ttft.labels(req.model).observe(time.perf_counter() - arrival)
+            first_seen = True
+
     rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
     obj = "chat.completion" if req.chat else "text_completion"
     head = {"id": rid, "object": obj, "created": int(time.time()), "model": req.model}
-    head["seed"] = gen.handle.params.seed  # (drawn if the request gave none): replayable
+    head["seed"] = choices[0].gen.handle.params.seed  # (drawn if none given): replayable
+    build = _Response(req, m)
+
+    def finished(ok: bool) -> None:
+        ctx.metrics.latency.labels(req.model).observe(time.perf_counter() - arrival)
+        ctx.metrics.requests.labels(req.model, "ok" if ok else "error").inc()
+
     if not req.stream:
-        parts, reason, usage = [], None, None
-        watcher = asyncio.create_task(watch_disconnect(request, gen))
-        try:
-            async for kind, value in events(ctx, req, m, gen, arrival):
+
+        async def collect(c: _Choice) -> None:
+            async for kind, value in events(req, m, c, max_tokens, first):
                 if kind == "text":
-                    parts.append(value)
-                else:
-                    reason, usage = value
+                    c.text.append(value[0])
+
+        watcher = asyncio.create_task(watch_disconnect(request, choices))
+        try:
+            await asyncio.gather(*(collect(c) for c in choices))
         except APIError as e:
+            _cancel(choices)
+            finished(False)
             return JSONResponse(e.body(), status_code=e.status)
         except _ClientGone:
+            _cancel(choices)
             ctx.metrics.requests.labels(req.model, "cancelled").inc()
             return Response(status_code=499)  # nobody reads it
         finally:
             watcher.cancel()
-        body = {**head, "choices": [choice(req, "".join(parts), reason, False)]}
-        return JSONResponse({**body, "usage": usage})
+        finished(True)
+        picked = _best(req, choices)
+        body = {**head, "choices": [build.choice(i, c) for i, c in enumerate(picked)]}
+        return JSONResponse({**body, "usage": _usage(choices)})
+
     head = {**head, "object": "chat.completion.chunk" if req.chat else "text_completion"}
+    out: asyncio.Queue[tuple[int, str, Any]] = asyncio.Queue()
+
+    async def pump(index: int, c: _Choice) -> None:
+        try:
+            async for kind, value in events(req, m, c, max_tokens, first):
+                await out.put((index, kind, value))
+        except APIError as e:
+            await out.put((index, "error", e))
+        except BaseException as e:  # (the client went away: the stream is closed)
+            await out.put((index, "error", APIError(500, repr(e), "server_error")))
 
     async def stream() -> AsyncIterator[str]:
-        if req.chat:
-            role = {"index": 0, "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None, "finish_reason": None}  # fmt: skip
-            yield _sse({**head, "choices": [role]})
+        tasks = []
         try:
-            async for kind, value in events(ctx, req, m, gen, arrival):
+            for index, c in enumerate(choices):
+                if req.chat:
+                    role = {"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}  # fmt: skip
+                    yield _sse({**head, "choices": [role]})
+                elif req.echo:  # (the prompt's logprobs come only in a whole response)
+                    echo = build.delta(index, build.echo_text(c), None, None)
+                    yield _sse({**head, "choices": [echo]})
+            tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(choices)]
+            left, failed = len(choices), False
+            while left:
+                index, kind, value = await out.get()
+                c = choices[index]
                 if kind == "text":
-                    yield _sse({**head, "choices": [choice(req, value, None, True)]})
+                    text, entries = value
+                    lps = build.logprobs(c, entries, False) if entries else None
+                    yield _sse({**head, "choices": [build.delta(index, text, lps, None)]})
+                elif kind == "done":
+                    left -= 1
+                    yield _sse({**head, "choices": [build.delta(index, None, None, value)]})
                 else:
-                    reason, usage = value
-                    yield _sse({**head, "choices": [choice(req, None, reason, True)]})
-                    if req.include_usage:
-                        yield _sse({**head, "choices": [], "usage": usage})
-        except APIError as e:
-            yield _sse(e.body())
+                    left -= 1
+                    failed = True
+                    yield _sse(value.body())
+            finished(not failed)
+            if req.include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(choices)})
+        finally:
+            _cancel(choices)
+            for t in tasks:
+                t.cancel()
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream")

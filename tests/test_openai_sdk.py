@@ -1,0 +1,260 @@
+"""The official ``openai`` SDK against the real server (loopback): every call parses and
+the values are right (log-probabilities against a dense reference forward, n samples
+against single seeded runs, penalties and batches against the engine alone)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import openai
+import pytest
+
+import jax_kvcached as kv
+from jax_kvcached.engine.attention import dense_causal_attention
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.models import BUILTIN_CONFIGS, ByteTokenizer, build_model
+from jax_kvcached.serve.app import AuthConfig, BackgroundServer, ServedModel, create_app
+from jax_kvcached.serve.loop import ServingLoop
+
+KEY = "sk-test-key"
+PROMPT_IDS = [256, *range(60, 90)]  # 31 tokens
+
+
+def _model():
+    return build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1)
+
+
+def _pool():
+    return kv.Pool("64MiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
+
+
+class Server:
+    def __init__(self):
+        self.pool = _pool()
+        self.engine = Engine(_model(), self.pool, name="llama", max_batch=8,
+                             tokenizer=ByteTokenizer())  # fmt: skip
+        self.loop = ServingLoop({"llama": self.engine}).start()
+        app = create_app(self.loop, {"llama": ServedModel(self.engine, ByteTokenizer())},
+                         auth=AuthConfig(api_key=KEY))  # fmt: skip
+        self.http = BackgroundServer(app).start()
+        self.client = openai.OpenAI(base_url=f"{self.http.url}/v1", api_key=KEY, max_retries=0)
+
+    def close(self):
+        self.http.stop()
+        self.loop.stop()
+        self.pool.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """The same model in an engine of its own: what one request gives by itself."""
+    pool = _pool()
+    eng = Engine(_model(), pool, name="alone", max_batch=8, tokenizer=ByteTokenizer())
+
+    def run(prompt, **params):
+        return eng.generate([prompt], SamplingParams(**params))[0]
+
+    yield run
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def dense():
+    model = _model()
+
+    def attend(i, q, k, v):
+        return dense_causal_attention(q, k, v)
+
+    fwd = jax.jit(lambda ids: model(ids, jnp.arange(ids.shape[1])[None], attend))
+
+    def log_softmax_at(tokens):
+        ids = np.zeros((1, 128), np.int32)
+        ids[0, : len(tokens)] = tokens
+        x = np.asarray(fwd(jnp.asarray(ids))[0, : len(tokens)], np.float64)
+        return (
+            x
+            - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            - x.max(-1, keepdims=True)
+        )
+
+    return log_softmax_at
+
+
+def test_models_and_the_api_key(server):
+    assert [m.id for m in server.client.models.list()] == ["llama"]
+    assert server.client.models.retrieve("llama").id == "llama"
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("nope")
+    bad = openai.OpenAI(base_url=server.client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_completion_logprobs_with_echo_equal_the_log_softmax(server, dense, alone):
+    r = server.client.completions.create(
+        model="llama", prompt=PROMPT_IDS, max_tokens=4, temperature=0, echo=True, logprobs=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    c = r.choices[0]
+    lp = c.logprobs
+    n = len(PROMPT_IDS)
+    assert len(lp.tokens) == n + 4 and lp.token_logprobs[0] is None
+    tok = ByteTokenizer()
+    gen_ids = alone(PROMPT_IDS, max_tokens=4, ignore_eos=True).token_ids  # greedy: the same
+    assert c.text == tok.decode(PROMPT_IDS + gen_ids)
+    ref = dense(PROMPT_IDS + gen_ids)
+    ids = PROMPT_IDS + gen_ids
+    for pos in range(1, n + 4):
+        assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1][ids[pos]], abs=1e-4), pos
+    for i in range(4):  # generated tokens: the top 3 alternatives
+        top = lp.top_logprobs[n + i]
+        want = np.sort(ref[n - 1 + i])[::-1][:3]
+        assert len(top) <= 3
+        np.testing.assert_allclose(sorted(top.values(), reverse=True), want[: len(top)], atol=1e-4)
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    assert r.usage.prompt_tokens == n and r.usage.completion_tokens == 4
+    # lm-eval style scoring: echo, max_tokens 0 -> the prompt alone, with its logprobs
+    s = server.client.completions.create(
+        model="llama", prompt=PROMPT_IDS, max_tokens=0, echo=True, logprobs=1
+    )
+    sc = s.choices[0]
+    assert sc.text == tok.decode(PROMPT_IDS) and s.usage.completion_tokens == 0
+    assert sc.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-5)
+
+
+def test_chat_logprobs_and_top_logprobs(server):
+    r = server.client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        temperature=0, logprobs=True, top_logprobs=4, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    text = ""
+    for e in content:
+        assert len(e.top_logprobs) == 4 and e.logprob <= 0
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)  # greedy: the top one
+        assert e.bytes == list(e.token.encode())
+        text += e.token
+    assert text == r.choices[0].message.content
+
+
+def test_n_samples_equal_single_seeded_runs_and_share_the_prompt(server, alone):
+    forks = server.engine.forks
+    r = server.client.completions.create(
+        model="llama", prompt=PROMPT_IDS, n=3, seed=11, temperature=1.0, max_tokens=8,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for i, c in enumerate(r.choices):
+        want = alone(PROMPT_IDS, max_tokens=8, temperature=1.0, seed=11 + i, ignore_eos=True)
+        assert c.text == want.text
+    assert server.engine.forks - forks == 2  # one prefill, two forks
+    assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(PROMPT_IDS)
+    chat = server.client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "x"}], n=2, seed=3,
+        temperature=1.0, max_tokens=4,
+    )  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_best_of_returns_the_most_likely_samples(server, alone):
+    r = server.client.completions.create(
+        model="llama", prompt=PROMPT_IDS, n=1, best_of=3, seed=21, temperature=1.0,
+        max_tokens=6, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    runs = [alone(PROMPT_IDS, max_tokens=6, temperature=1.0, seed=21 + i, ignore_eos=True,
+                  logprobs=0) for i in range(3)]  # fmt: skip
+    best = max(range(3), key=lambda i: (sum(lp for lp, _ in runs[i].logprobs), -i))
+    assert len(r.choices) == 1 and r.choices[0].text == runs[best].text
+    assert r.usage.completion_tokens == 18  # every sample drawn counts
+
+
+def test_penalties_bias_min_tokens_and_stop_ids_match_the_engine(server, alone):
+    params = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={"70": 5, "71": -100})
+    extra = {"repetition_penalty": 1.3, "ignore_eos": True}
+    r = server.client.completions.create(
+        model="llama", prompt=PROMPT_IDS, max_tokens=8, temperature=0, extra_body=extra, **params
+    )
+    want = alone(
+        PROMPT_IDS, max_tokens=8, presence_penalty=1.2, frequency_penalty=0.6,
+        repetition_penalty=1.3, logit_bias=((70, 5.0), (71, -100.0)), ignore_eos=True,
+    )  # fmt: skip
+    assert r.choices[0].text == want.text
+    plain = alone(PROMPT_IDS, max_tokens=8, ignore_eos=True)
+    assert want.token_ids != plain.token_ids  # the parameters change the output
+    first = plain.token_ids[0]
+    stop = server.client.completions.create(
+        model="llama", prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+        extra_body={"stop_token_ids": [first], "ignore_eos": True},
+    )  # fmt: skip
+    assert stop.choices[0].finish_reason == "stop" and stop.usage.completion_tokens == 1
+    held = server.client.completions.create(
+        model="llama", prompt=PROMPT_IDS, max_tokens=8, temperature=0,
+        extra_body={"stop_token_ids": [first], "min_tokens": 3, "ignore_eos": True},
+    )  # fmt: skip
+    assert held.usage.completion_tokens >= 3  # the stop id is held off for 3 tokens
+
+
+def test_batch_prompts_equal_single_ones(server, alone):
+    prompts = ["The quick brown fox", "JAX is", [256, 70, 71, 72]]
+    r = server.client.completions.create(
+        model="llama", prompt=prompts, max_tokens=5, temperature=0, n=2,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [c.index for c in r.choices] == list(range(6))
+    tok = ByteTokenizer()
+    for i, p in enumerate(prompts):
+        want = alone(tok.encode(p) if isinstance(p, str) else p, max_tokens=5, ignore_eos=True)
+        assert r.choices[2 * i].text == r.choices[2 * i + 1].text == want.text  # greedy
+
+
+def test_streaming_several_choices_with_logprobs(server):
+    kw = dict(model="llama", prompt=PROMPT_IDS, n=2, seed=5, temperature=1.0, max_tokens=6,
+              logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    whole = server.client.completions.create(**kw)
+    texts, tokens = ["", ""], [[], []]
+    for chunk in server.client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.logprobs:
+                tokens[c.index] += c.logprobs.tokens
+    assert texts == [c.text for c in whole.choices]
+    assert tokens == [c.logprobs.tokens for c in whole.choices]
+
+
+def test_harmless_fields_pass_and_unsupported_ones_are_clear_400s(server):
+    r = server.client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        metadata={"k": "v"}, store=False, user="u", service_tier="auto",
+        parallel_tool_calls=False, response_format={"type": "text"},
+    )  # fmt: skip
+    assert r.choices[0].message.role == "assistant"
+    for kw, param in [
+        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(n=17), "n"),
+        (dict(top_logprobs=3), "top_logprobs"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.chat.completions.create(
+                model="llama", messages=[{"role": "user", "content": "hi"}], **kw
+            )
+        assert e.value.body["param"] == param
+    with pytest.raises(openai.BadRequestError):
+        server.client.completions.create(model="llama", prompt="x", suffix="y")
+
+
+def test_accounting_is_exact_after_the_sdk_calls(server):
+    eng, pc = server.engine, server.engine.prefix_cache
+    server.loop.stop()  # no request in flight
+    c = eng.cache
+    assert c.num_used_blocks == pc.num_cached_blocks
+    assert set(c.mapped_page_ids()) == {c.page_of(b) for b in pc.cached_blocks()}
+    eng.reset_prefix_cache()
+    assert server.pool.stats()["mapped_pages"] == 0
