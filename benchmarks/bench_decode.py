@@ -84,7 +84,9 @@ def make_dense_step(model, max_len: int):
     return fn, state, shape
 
 
-def bench_decode(model, batch: int, ctx: int, iters: int, rounds: int) -> dict:
+def bench_decode(
+    model, batch: int, ctx: int, iters: int, rounds: int, backend: str = "host"
+) -> dict:
     cfg = model.config
     bs = 16
     itemsize = 4
@@ -92,7 +94,7 @@ def bench_decode(model, batch: int, ctx: int, iters: int, rounds: int) -> dict:
     need = batch * (ctx + bs) * kv_per_token
     one_kv_page = 2 * cfg.num_layers * (2 << 20)  # one 2 MiB page per layer for K and V
     pool = kv.Pool(
-        max(2 * need, 4 * one_kv_page), backend="host", min_reserved_pages=0,
+        max(2 * need, 4 * one_kv_page), backend=backend, min_reserved_pages=0,
         max_reserved_pages=0,
     )  # fmt: skip
     cache = pool.create_kv_cache(
@@ -140,9 +142,9 @@ def bench_decode(model, batch: int, ctx: int, iters: int, rounds: int) -> dict:
     }
 
 
-def bench_prefill(model, chunk: int, iters: int) -> dict:
+def bench_prefill(model, chunk: int, iters: int, backend: str = "host") -> dict:
     cfg = model.config
-    pool = kv.Pool("256MiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
+    pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
     cache = pool.create_kv_cache(
         "prefill", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32"
     )
@@ -156,7 +158,13 @@ def bench_prefill(model, chunk: int, iters: int) -> dict:
     return {"chunk": chunk, "step_ms": t * 1e3, "tokens_per_s": chunk / t}
 
 
-def memcpy_gbps(mib: int = 256) -> float:
+def memcpy_gbps(mib: int = 256, backend: str = "host") -> float:
+    """Copy bandwidth of the memory the KV cache lives in: host RAM, or the GPU's."""
+    if backend == "cuda":
+        x = jnp.ones(mib << 20 >> 2, jnp.float32)
+        copy = jax.jit(lambda a: a + 0.0)
+        jax.block_until_ready(copy(x))
+        return x.nbytes / median_time(lambda: jax.block_until_ready(copy(x)), 5) / 1e9
     a = np.ones(mib << 18, np.float32)
     b = np.empty_like(a)
     np.copyto(b, a)
@@ -492,7 +500,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="bench", help="bench (random, small) or smollm2-135m")
     p.add_argument("--parts", default="decode,loop", help="decode (+prefill), loop, write (a list)")
-    p.add_argument("--backend", default="host", help="for --parts write: host or cuda")
+    p.add_argument(
+        "--backend",
+        default="host",
+        help="the paged cache of --parts decode and write: host or cuda",
+    )
     p.add_argument(
         "--start-models", default="a=tiny-llama,b=tiny-qwen2",
         help="the models of the serve cold/warm start measurement",
@@ -524,15 +536,16 @@ def main() -> None:
         _write(args.out, result)
         return
     rows = [
-        bench_decode(model, b, c, args.iters, args.rounds)
+        bench_decode(model, b, c, args.iters, args.rounds, args.backend)
         for c in map(int, args.ctx.split(","))
         for b in map(int, args.batches.split(","))
     ]
-    prefill = [bench_prefill(model, n, args.iters) for n in (128, 512)]
-    copy = memcpy_gbps()
+    prefill = [bench_prefill(model, n, args.iters, args.backend) for n in (128, 512)]
+    copy = memcpy_gbps(backend=args.backend)
     cfg = model.config
     print(
-        f"\nDecode, {args.model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"\nDecode ({args.backend} backend, {jax.devices()[0]}), {args.model}: "
+        f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, "
         f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}, fp32, "
         "one token per sequence"
     )

@@ -27,8 +27,15 @@ from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams
 
 
+def _backend() -> str:
+    """The platform's own backend: CUDA pages on a GPU, host pages on the CPU."""
+    from jax_kvcached.memory import _C
+
+    return "cuda" if jax.default_backend() == "gpu" and _C.cuda_compiled() else "host"
+
+
 def _engine(model, max_batch: int, caching: bool = True) -> tuple[Engine, kv.Pool]:
-    pool = kv.Pool("1GiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
+    pool = kv.Pool("1GiB", backend=_backend(), min_reserved_pages=0, max_reserved_pages=0)
     eng = Engine(model, pool, max_batch=max_batch, prefill_chunk=256, prefix_caching=caching)
     eng.compile()
     return eng, pool
@@ -129,7 +136,8 @@ def main() -> None:
     parts = args.parts.split(",")
     if "steps" in parts:
         r = result["steps"] = bench_steps(model, args.batch, args.tokens, args.rounds)
-        print(f"\nDecode, batch {r['batch']} x {r['tokens']} tokens ({args.model} model)")
+        print(f"\nDecode, batch {r['batch']} x {r['tokens']} tokens ({args.model} model, "
+              f"{_backend()} backend)")  # fmt: skip
         print(f"{'variant':<18}{'seconds':>9}{'tok/s':>9}{'vs plain':>10}")
         for k, v in r["variants"].items():
             print(f"{k:<18}{v['seconds']:>9.3f}{v['tok_s']:>9.0f}{v['vs_plain']:>10.2f}")

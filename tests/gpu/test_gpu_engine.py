@@ -101,3 +101,35 @@ def test_pallas_kernel_matches_the_xla_path_on_gpu(dtype, bs, groups, splits):
         tol = 1e-4 if dtype == "float32" else 2e-2
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol)
         pool.close()
+
+
+def _features(backend, device):
+    """n forks of one prompt (copy-on-write through copy_blocks), penalties, a bias,
+    logprobs and prompt logprobs; returns the tokens and the log-probabilities."""
+    with jax.default_device(device):
+        model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=3)
+        pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
+        eng = Engine(model, pool, name="m", max_batch=4)
+        p = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2, presence_penalty=0.8,
+                           repetition_penalty=1.2, logit_bias=((7, 1.5),))  # fmt: skip
+        got: dict[int, list[int]] = {}
+        first = eng.add_request(PROMPTS[1], p, lambda r, t, f: got.setdefault(r, []).append(t))
+        for _ in range(2):
+            eng.add_request(PROMPTS[1], p, lambda r, t, f: got.setdefault(r, []).append(t),
+                            fork_of=first)  # fmt: skip
+        eng.run()
+        assert eng.forks == 2
+        scored = eng.generate([PROMPTS[3]], SamplingParams(max_tokens=2, prompt_logprobs=True,
+                                                           logprobs=0))[0]  # fmt: skip
+        eng.reset_prefix_cache()
+        assert set(pool.mapped_pages_per_device().values()) == {0}
+        pool.close()
+    lps = [lp for lp, _ in scored.logprobs] + [e[0] for e in scored.prompt_logprobs[1:]]
+    return [got[r] for r in sorted(got)], np.asarray(lps)
+
+
+def test_forks_penalties_and_logprobs_on_cuda_match_the_cpu_run():
+    cpu_toks, cpu_lps = _features("host", jax.devices("cpu")[0])
+    gpu_toks, gpu_lps = _features("cuda", _gpus()[0])
+    assert gpu_toks == cpu_toks and len({tuple(t) for t in cpu_toks}) == 1  # greedy forks
+    np.testing.assert_allclose(gpu_lps, cpu_lps, atol=2e-2)
