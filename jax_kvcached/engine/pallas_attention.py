@@ -17,7 +17,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_kvcached.engine.attention import _MASKED, merge_new_tokens
+from jax_kvcached.engine.attention import _MASKED, merge_new_tokens, paged_attention
+
+MAX_KERNEL_ROWS = 64  # query rows per KV head the kernel takes; more go to the XLA path
+MAX_F32_KEYS = 128  # keys per kernel step for an f32 cache (an H200's shared memory)
 
 
 def _kernel(tables_ref, ctx_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_size: int,
@@ -142,7 +145,17 @@ def pallas_paged_attention(
     """:func:`jax_kvcached.engine.attention.paged_attention` with the cached blocks read by the
     Pallas kernel (same arguments and result). ``num_splits`` splits each context across
     that many programs (flash decoding: more parallelism for long contexts and small
-    batches); ``interpret=True`` runs the kernel on any platform (tests)."""
+    batches); ``interpret=True`` runs the kernel on any platform (tests).
+
+    A chunk of more than ``MAX_KERNEL_ROWS`` query rows per KV head (T x G: prefill) is
+    compute-bound and goes to the XLA path's dense dots, as the host path does: the
+    kernel's tiles for it would not fit a GPU's shared memory (seen on an H200: 573 KB
+    asked of 227 KB for 128 tokens x 2 groups, f32)."""
+    b, t, h, _ = q.shape
+    if t * (h // view.shape[4]) > MAX_KERNEL_ROWS:
+        return paged_attention(q, k_new, v_new, view, layer, block_tables, ctx_lens, new_lens)
+    if view.dtype == jnp.float32:  # f32 tiles (and f32 dots) take twice the shared memory
+        blocks_per_step = max(1, min(blocks_per_step, MAX_F32_KEYS // view.shape[3]))
     m1, l1, o1 = _cached_parts(q, view, layer, block_tables, ctx_lens, num_splits=num_splits,
                                blocks_per_step=blocks_per_step, interpret=interpret)  # fmt: skip
     # Merge the splits, then the step's new tokens.
