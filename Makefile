@@ -30,6 +30,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_decode.py --tp 1,2,4
 	$(BIN)/python benchmarks/bench_prefix.py
 	$(BIN)/python benchmarks/bench_multitenant.py
+	$(BIN)/python benchmarks/bench_openai_features.py
 
 clean:
 	rm -rf build $(VENV)
