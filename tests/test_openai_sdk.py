@@ -127,6 +127,12 @@ def test_completion_logprobs_with_echo_equal_the_log_softmax(server, dense, alon
     sc = s.choices[0]
     assert sc.text == tok.decode(PROMPT_IDS) and s.usage.completion_tokens == 0
     assert sc.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n], abs=1e-5)
+    # n > 1: the forks share the first sample's prefill, and its prompt logprobs
+    two = server.client.completions.create(
+        model="llama", prompt=PROMPT_IDS, max_tokens=2, echo=True, logprobs=1, n=2, seed=1
+    )
+    a, b = (c.logprobs.token_logprobs[:n] for c in two.choices)
+    assert a == b and None not in a[1:]
 
 
 def test_chat_logprobs_and_top_logprobs(server):

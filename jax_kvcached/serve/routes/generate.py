@@ -57,7 +57,7 @@ class _Generation:
 class _Choice:
     """One sample of one prompt: its generation and what it produced."""
 
-    def __init__(self, prompt_index: int, sample: int, prompt: Prompt, gen: _Generation):
+    def __init__(self, prompt_index: int, sample: int, prompt: Prompt, gen: _Generation) -> None:
         self.prompt_index, self.sample, self.prompt, self.gen = prompt_index, sample, prompt, gen
         self.text: list[str] = []
         self.logprobs: list[Any] = []  # (token id, logprob, top) per generated token
@@ -280,6 +280,14 @@ class _Response:
 
     def __init__(self, req: GenerationRequest, m: ServedModel) -> None:
         self.req, self.m = req, m
+        self.prompt_logprobs: dict[int, list[Any]] = {}  # by prompt: its first sample's
+
+    def take_prompt_logprobs(self, choices: list[_Choice]) -> None:
+        """The prompt's logprobs come from its first sample (the forks share its prefill,
+        so they compute none of their own)."""
+        for c in choices:
+            if c.sample == 0 and c.info is not None and c.info.prompt_logprobs:
+                self.prompt_logprobs[c.prompt_index] = c.info.prompt_logprobs
 
     def echo_text(self, c: _Choice) -> str:
         return self.m.tokenizer.decode(list(c.prompt.token_ids)) if self.req.echo else ""
@@ -291,7 +299,7 @@ class _Response:
         if req.chat:
             return chat_logprobs(self.m, entries, req.logprobs)
         if with_prompt and req.echo:
-            plps = c.info.prompt_logprobs if c.info is not None else None
+            plps = self.prompt_logprobs.get(c.prompt_index)
             return completion_logprobs(self.m, entries, req.logprobs, c.prompt, plps)
         return completion_logprobs(self.m, entries, req.logprobs)
 
@@ -375,6 +383,7 @@ async def generate(
         finally:
             watcher.cancel()
         finished(True)
+        build.take_prompt_logprobs(choices)
         picked = _best(req, choices)
         body = {**head, "choices": [build.choice(i, c) for i, c in enumerate(picked)]}
         return JSONResponse({**body, "usage": _usage(choices)})
