@@ -7,14 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import openai
 import pytest
+import test_server
 
 import jax_kvcached as kv
 from jax_kvcached.engine.attention import dense_causal_attention
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, ByteTokenizer, build_model
-from jax_kvcached.serve.app import AuthConfig, BackgroundServer, ServedModel, create_app
-from jax_kvcached.serve.loop import ServingLoop
+from jax_kvcached.serve.app import AuthConfig
 
 KEY = "sk-test-key"
 PROMPT_IDS = [256, *range(60, 90)]  # 31 tokens
@@ -28,21 +28,14 @@ def _pool():
     return kv.Pool("64MiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
 
 
-class Server:
-    def __init__(self):
-        self.pool = _pool()
-        self.engine = Engine(_model(), self.pool, name="llama", max_batch=8,
-                             tokenizer=ByteTokenizer())  # fmt: skip
-        self.loop = ServingLoop({"llama": self.engine}).start()
-        app = create_app(self.loop, {"llama": ServedModel(self.engine, ByteTokenizer())},
-                         auth=AuthConfig(api_key=KEY))  # fmt: skip
-        self.http = BackgroundServer(app).start()
-        self.client = openai.OpenAI(base_url=f"{self.http.url}/v1", api_key=KEY, max_retries=0)
+class Server(test_server.Server):
+    """test_server's server (tiny Llama "llama", tiny Qwen2 "qwen") behind an API key,
+    with an SDK client."""
 
-    def close(self):
-        self.http.stop()
-        self.loop.stop()
-        self.pool.close()
+    def __init__(self):
+        super().__init__(max_batch=8, pages=256, auth=AuthConfig(api_key=KEY))
+        self.engine = self.engines["llama"]
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +81,7 @@ def dense():
 
 
 def test_models_and_the_api_key(server):
-    assert [m.id for m in server.client.models.list()] == ["llama"]
+    assert [m.id for m in server.client.models.list()] == ["llama", "qwen"]
     assert server.client.models.retrieve("llama").id == "llama"
     with pytest.raises(openai.NotFoundError):
         server.client.models.retrieve("nope")
