@@ -211,7 +211,9 @@ _junk = st.recursive(
 )  # fmt: skip
 _FIELDS = ["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed",
            "stop", "stream", "stream_options", "n", "user", "logprobs", "ignore_eos",
-           "cache_salt", "max_completion_tokens", "echo", "unknown_field"]  # fmt: skip
+           "cache_salt", "max_completion_tokens", "echo", "unknown_field", "best_of",
+           "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+           "logit_bias", "min_tokens", "stop_token_ids", "suffix"]  # fmt: skip
 
 
 @st.composite
@@ -403,3 +405,14 @@ def test_sigterm_finishes_within_the_deadline_and_cancels_the_rest(tmp_path):
         last = json.loads(lines[-2][len("data: ") :])
         message = last.get("error", {}).get("message", "")
         assert "shutting down" in message, lines[-4:]  # cancelled with an error event
+
+
+def test_a_request_of_more_samples_than_the_queue_takes_is_refused_whole(server):
+    """64 prompts x n=16 is more engine requests than the model queues: 429, and the
+    samples already submitted are cancelled (nothing runs, nothing leaks)."""
+    before = server.loop.stats()["llama"]["finished"]
+    r = post(server.url, {"model": "llama", "prompt": ["hi"] * 64, "n": 16, "max_tokens": 2})
+    assert assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
+    assert_no_leak(server)
+    assert server.loop.stats()["llama"]["finished"] == before
+    assert_in_service(server)
