@@ -52,7 +52,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] | dict[int, float] = ()
     min_tokens: int = 0
     # Log-probabilities (the model's distribution: log-softmax of the raw logits) of each
     # generated token and of its ``logprobs`` most likely alternatives (None: none).
@@ -62,6 +62,8 @@ class SamplingParams:
     prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):  # {id: bias} as OpenAI writes it
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
         _check_int("top_k", self.top_k, 0, INT32_MAX)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
