@@ -53,7 +53,7 @@ class RequestOutput:
     seed: int | None = None  # the request's sampling seed (drawn if it gave none)
     text: str | None = None
     # params.logprobs: per token (logprob, [(id, logprob)]); params.prompt_logprobs: per
-    # prompt position (None, then (logprob, most likely id, its logprob)).
+    # prompt position the same (None for the first; params.logprobs alternatives).
     logprobs: list[Any] | None = None
     prompt_logprobs: list[Any] | None = None
 
@@ -543,14 +543,17 @@ class Engine:
         """Stores the prompt log-probabilities a step computed (by position: a
         recomputation after preemption writes the same entries)."""
         scores = self.runner.fetch(step.scores)
+        top = (scores.shape[0] - 1) // 2
         for s, row, start, n in step.scored:
             if len(s.prompt_logprobs) < s.num_prompt:
                 s.prompt_logprobs = [None] * s.num_prompt
+            k = s.params.logprobs or 0
             for j in range(n):
                 pos = start + 1 + j  # the token this position's logits predict
                 if pos < s.num_prompt:
-                    lp, best, top = scores[:, row, j]
-                    s.prompt_logprobs[pos] = (float(lp), int(best), float(top))
+                    col = scores[:, row, j]
+                    alts = zip(col[1 : 1 + k], col[1 + top : 1 + top + k], strict=True)
+                    s.prompt_logprobs[pos] = (float(col[0]), [(int(i), float(v)) for i, v in alts])
 
     def _reclaim(self, pages: int) -> int:
         """Another tenant needs memory: the KV manager evicts idle cached prefixes.

@@ -298,20 +298,20 @@ class ModelRunner:
             return (out, scores), write(k_all, v_all, slots, token, out)
 
         def prompt_scores(logits, targets):
-            """Prompt log-probabilities of a prefill step: per position, the target's
-            log-probability, the most likely id and its log-probability ``(3, b, t)``
-            (as f32; ids exact below 2^24). Computed only when a row wants them."""
+            """Prompt log-probabilities of a prefill step ``(1 + 2K, b, t)`` f32, per
+            position: the target's log-probability, then the K most likely ids (exact
+            below 2^24) and their log-probabilities. Computed only when a row wants them."""
             if targets is None:
-                return jnp.zeros((3, 1, 1), jnp.float32)
+                return jnp.zeros((1 + 2 * MAX_LOGPROBS, 1, 1), jnp.float32)
 
             def score(_):
                 lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-                want = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], -1)[..., 0]
-                best = jnp.argmax(lp, axis=-1)
-                top = jnp.take_along_axis(lp, best[..., None], -1)[..., 0]
-                return jnp.stack([want, best.astype(jnp.float32), top])
+                want = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], -1)
+                vals, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+                out = jnp.concatenate([want, ids.astype(jnp.float32), vals], axis=-1)
+                return jnp.moveaxis(out, -1, 0)
 
-            shape = (3, *targets.shape)
+            shape = (1 + 2 * MAX_LOGPROBS, *targets.shape)
             return jax.lax.cond(
                 jnp.any(targets >= 0), score, lambda _: jnp.zeros(shape, jnp.float32), None
             )

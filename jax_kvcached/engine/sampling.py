@@ -57,8 +57,8 @@ class SamplingParams:
     # Log-probabilities (the model's distribution: log-softmax of the raw logits) of each
     # generated token and of its ``logprobs`` most likely alternatives (None: none).
     logprobs: int | None = None
-    # Log-probability of every prompt token after the first (and the most likely token
-    # at each position); the prompt is then computed in full (no prefix-cache reuse).
+    # Log-probability of every prompt token after the first (and the ``logprobs`` most
+    # likely at each position); the prompt is then computed in full (no prefix reuse).
     prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:

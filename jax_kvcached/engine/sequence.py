@@ -37,9 +37,11 @@ class Sequence:
     error: Exception | None = None  # why it was rejected (finish_reason "error")
     # Per generated token (params.logprobs): its log-probability and the top alternatives
     # [(id, logprob)]; per prompt position (params.prompt_logprobs): None for the first,
-    # then (logprob, most likely id, its logprob).
+    # then the same for the prompt's token.
     logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[tuple[float, int, float] | None] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = dataclasses.field(
+        default_factory=list
+    )
     forked_from: int | None = None  # the request whose prompt blocks it shares
     # Called with (request_id, (logprob, top alternatives)) before on_token, per token.
     on_logprobs: Callable[[int, tuple[float, list[tuple[int, float]]]], None] | None = None

@@ -241,7 +241,7 @@ def completion_logprobs(
 ) -> dict[str, Any]:  # fmt: skip
     """OpenAI's completions ``logprobs`` (tokens, token_logprobs, top_logprobs,
     text_offset); with ``prompt`` (echo) the prompt's tokens come first: the first with
-    null, the others with their logprob and the most likely token at that position."""
+    null, the others with their logprob and the top ``k`` at that position."""
     tokens, lps, tops, offsets = [], [], [], []
     pos = offset
 
@@ -260,9 +260,11 @@ def completion_logprobs(
             if e is None:
                 add(t, None, None)
             else:
-                top = {_token_text(m, e[1]): e[2]}
-                top.setdefault(_token_text(m, t), e[0])
-                add(t, e[0], top)
+                alts = {}
+                for j, v in e[1][:k]:
+                    alts.setdefault(_token_text(m, j), v)
+                alts.setdefault(_token_text(m, t), e[0])  # the prompt's token is always in
+                add(t, e[0], alts)
     for t, lp, top in entries:
         alts = {}
         for i, v in top[:k]:
