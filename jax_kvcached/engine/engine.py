@@ -11,10 +11,9 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-import numpy as np
-
 from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.kv_manager import KVManager
+from jax_kvcached.engine.logit_inputs import row_entries
 from jax_kvcached.engine.prefix_cache import PrefixCache, extra_key_bytes
 from jax_kvcached.engine.runner import ModelRunner
 from jax_kvcached.engine.sampling import SamplingParams
@@ -348,27 +347,6 @@ class Engine:
             self.scheduler.add_running(kid)
             self.forks += 1
 
-    def _entries(self, seq: Sequence, sample_step: int) -> tuple[np.ndarray, np.ndarray]:
-        """A row's logit-processing token list (see ``process_logits``): generated
-        tokens with their counts, prompt tokens (repetition penalty), biases, and the
-        EOS / stop tokens banned before ``min_tokens``."""
-        p = seq.params
-        w: dict[int, list[float]] = {}
-        out, counts = np.unique(np.asarray(seq.output, np.int64), return_counts=True)
-        for t, c in zip(out.tolist(), counts.tolist(), strict=True):
-            w[t] = [float(c), 0.0, 0.0]
-        if p.repetition_penalty != 1.0:
-            for t in set(seq.prompt):
-                w.setdefault(t, [0.0, 0.0, 0.0])[1] = 1.0
-        for t, bias in p.logit_bias:
-            w.setdefault(t, [0.0, 0.0, 0.0])[2] += bias
-        if sample_step < p.min_tokens:
-            eos = () if p.ignore_eos else self.config.eos_ids
-            for t in (*eos, *p.stop_token_ids):
-                w.setdefault(t, [0.0, 0.0, 0.0])[2] = -np.inf
-        ids = np.fromiter(w, np.int32, len(w))
-        return ids, np.asarray(list(w.values()), np.float32).reshape(-1, 3).T
-
     @property
     def num_inflight(self) -> int:
         """Dispatched steps whose results have not been completed."""
@@ -457,7 +435,9 @@ class Engine:
                 if x.start + len(x.tokens) == s.num_tokens:
                     x.params, x.sample_step = s.params, s.num_output
                     if s.params.processes_logits:
-                        x.entries = self._entries(s, s.num_output)
+                        x.entries = row_entries(
+                            s.params, s.prompt, s.output, s.num_output, self.config.eos_ids
+                        )
                     sampling.append(s)
                     rows.append(i)
                 if s.params.prompt_logprobs and x.start < s.num_prompt and len(x.tokens) > 1:

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jax_kvcached.engine.attention import host_paged_attention, paged_attention
+from jax_kvcached.engine.logit_inputs import Entries, entry_sizes, pack_rows
 from jax_kvcached.engine.sampling import (
     MAX_LOGPROBS,
     NUM_CANDIDATES,
@@ -113,14 +114,6 @@ def packed_sizes(b: int, t: int, nb: int) -> tuple[int, ...]:
     return (b * t, b * t, b * nb, b, b, b * t, b) + ((b * t,) if t > 1 else ())
 
 
-def entry_sizes(max_entries: int) -> tuple[int, ...]:
-    """Widths of the per-row token lists of logit processing: 64, then x4."""
-    sizes = [64]
-    while sizes[-1] < max_entries:
-        sizes.append(sizes[-1] * 4)
-    return tuple(sizes)
-
-
 @dataclasses.dataclass
 class StepInput:
     tokens: list[int]  # the new tokens
@@ -132,7 +125,7 @@ class StepInput:
     sample_step: int = 0  # tokens the request generated before this one (its draw's key)
     # Logit processing of this row (params.processes_logits): token ids (P,) and their
     # weights (3, P): times generated, in the prompt, additive bias (see process_logits).
-    entries: tuple[np.ndarray, np.ndarray] | None = None
+    entries: Entries | None = None
     # Prompt log-probabilities: the token after each new token (-1: none wanted).
     targets: list[int] | None = None
 
@@ -625,7 +618,10 @@ class ModelRunner:
         params = np.stack(
             [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]
         )
-        processing = self._processing(batch, rows, src)
+        processing = pack_rows(
+            [(x.entries, x.params) if x.entries is not None else None for x in batch],
+            rows, self.entry_sizes,
+        )  # fmt: skip
         want_logprobs = any(x.params is not None and x.params.logprobs is not None for x in batch)
         self._seen(shape)
         self._seen(rows)
@@ -659,26 +655,3 @@ class ModelRunner:
         ids = np.asarray([src], np.int32), np.asarray([dst], np.int32)
         with self._context():
             self.token = self._jitted_copy(*ids, self.token)
-
-    def _processing(self, batch: list[StepInput], rows: int, src: np.ndarray):
-        """The logit-processing inputs of a step (None when no row processes): token
-        ids ``(rows, P)``, weights ``(3, rows, P)``, penalties ``(3, rows)``."""
-        if not any(x.entries is not None for x in batch):
-            return None
-        width = max(len(x.entries[0]) for x in batch if x.entries is not None)
-        p = bucket(width, self.entry_sizes) if width <= self.entry_sizes[-1] else (
-            -(-width // 64) * 64
-        )  # fmt: skip
-        ids = np.zeros((rows, p), np.int32)
-        weights = np.zeros((3, rows, p), np.float32)
-        penalties = np.zeros((3, rows), np.float32)
-        penalties[2] = 1.0
-        for i, x in enumerate(batch):
-            if x.entries is None:
-                continue
-            e_ids, e_w = x.entries
-            ids[i, : len(e_ids)] = e_ids
-            weights[:, i, : len(e_ids)] = e_w
-            q = x.params
-            penalties[:, i] = (q.presence_penalty, q.frequency_penalty, q.repetition_penalty)
-        return ids, weights, penalties
