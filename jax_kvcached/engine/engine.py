@@ -27,6 +27,11 @@ from jax_kvcached.memory.pool import Pool
 from jax_kvcached.models.interface import CausalLM
 
 
+def _alternatives(ids: Any, logprobs: Any, k: int) -> list[tuple[int, float]]:
+    """The first ``k`` (id, log-probability) pairs of a row of top-k ids and values."""
+    return [(int(i), float(v)) for i, v in zip(ids[:k], logprobs[:k], strict=True)]
+
+
 def _same_mesh(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is b
@@ -77,7 +82,7 @@ class PendingStep:
     tokens: Any  # device array of the step's sampled tokens, or None
     rows: list[int] = dataclasses.field(default_factory=list)  # their rows in ``tokens``
     logprobs: Any = None  # device arrays of the sampled tokens' log-probabilities
-    # Prompt log-probabilities: device array (3, b, t) and (sequence, row, start, n).
+    # Prompt log-probabilities: device array (1 + 2K, b, t) and (sequence, row, start, n).
     scores: Any = None
     scored: list[tuple[Sequence, int, int, int]] = dataclasses.field(default_factory=list)
 
@@ -281,12 +286,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         vocab = self.config.vocab_size
-        bad = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
-        if any(t >= vocab for t in bad):
-            raise ValueError(
-                f"logit_bias / stop_token_ids name token ids outside the vocabulary "
-                f"[0, {vocab}): {[t for t in bad if t >= vocab][:5]}"
-            )
+        if (field := params.outside_vocabulary(vocab)) is not None:
+            raise ValueError(f"{field} names token ids outside the vocabulary [0, {vocab})")
         if params.top_k >= vocab:  # keeps the whole vocabulary: off
             params = dataclasses.replace(params, top_k=0)
         params = params.seeded()  # an unseeded request gets a fresh seed (reported)
@@ -441,11 +442,11 @@ class Engine:
                     sampling.append(s)
                     rows.append(i)
                 if s.params.prompt_logprobs and x.start < s.num_prompt and len(x.tokens) > 1:
-                    after = s.token_ids[x.start + 1 : x.start + len(x.tokens) + 1]
-                    x.targets = [
-                        t if x.start + 1 + j < s.num_prompt else -1 for j, t in enumerate(after)
-                    ] + [-1] * (len(x.tokens) - len(after))
-                    scored.append((s, i, x.start, len(x.tokens)))
+                    # each position's target: the next prompt token (-1 past the prompt)
+                    n = len(x.tokens)
+                    want = s.token_ids[x.start + 1 : min(x.start + n + 1, s.num_prompt)]
+                    x.targets = want + [-1] * (n - len(want))
+                    scored.append((s, i, x.start, n))
             _, tokens = self.runner.run_padded(inputs)
             self.kv.set_fence(self.runner.token)  # frees wait for this step from now on
             self.steps += 1
@@ -492,10 +493,9 @@ class Engine:
                     continue
                 tok = int(host[row])
                 s.token_ids.append(tok)
-                k = s.params.logprobs
-                if k is not None and lps is not None:
-                    alt = zip(lps[1][row, :k], lps[2][row, :k], strict=True)
-                    top = [(int(i), float(v)) for i, v in alt]
+                if s.logprobs is not None and lps is not None:
+                    k = s.params.logprobs
+                    top = _alternatives(lps[1][row], lps[2][row], k)
                     s.logprobs.append((float(lps[0][row]), top))
                     if s.on_logprobs is not None:
                         s.on_logprobs(s.request_id, s.logprobs[-1])
@@ -525,15 +525,13 @@ class Engine:
         scores = self.runner.fetch(step.scores)
         top = (scores.shape[0] - 1) // 2
         for s, row, start, n in step.scored:
-            if len(s.prompt_logprobs) < s.num_prompt:
-                s.prompt_logprobs = [None] * s.num_prompt
             k = s.params.logprobs or 0
             for j in range(n):
                 pos = start + 1 + j  # the token this position's logits predict
                 if pos < s.num_prompt:
                     col = scores[:, row, j]
-                    alts = zip(col[1 : 1 + k], col[1 + top : 1 + top + k], strict=True)
-                    s.prompt_logprobs[pos] = (float(col[0]), [(int(i), float(v)) for i, v in alts])
+                    alts = _alternatives(col[1 : 1 + top], col[1 + top :], k)
+                    s.prompt_logprobs[pos] = (float(col[0]), alts)
 
     def _reclaim(self, pages: int) -> int:
         """Another tenant needs memory: the KV manager evicts idle cached prefixes.
@@ -602,8 +600,8 @@ class Engine:
                     cached_tokens=s.cached_tokens,
                     seed=s.params.seed,
                     text=self.tokenizer.decode(s.output) if self.tokenizer else None,
-                    logprobs=s.logprobs if s.params.logprobs is not None else None,
-                    prompt_logprobs=s.prompt_logprobs if s.params.prompt_logprobs else None,
+                    logprobs=s.logprobs,
+                    prompt_logprobs=s.prompt_logprobs,
                 )
             )
         return out

@@ -428,13 +428,14 @@ class ModelRunner:
         return set(self._samplers)
 
     @property
-    def jit_cache_sizes(self) -> tuple[int, int, int, int]:
-        """Executables in the step's, the sampler's, the logit processing's and the
-        log-probabilities' jit caches: the ground truth for "nothing compiled after
-        warm-up" (a retrace for any reason shows here)."""
+    def jit_cache_sizes(self) -> tuple[int, int, int, int, int]:
+        """Executables in the step's, the sampler's, the logit processing's, the
+        log-probabilities' and the block copy's jit caches: the ground truth for "nothing
+        compiled after warm-up" (a retrace for any reason shows here)."""
         return (
             self._jitted._cache_size(), self._jitted_sample._cache_size(),
             self._jitted_process._cache_size(), self._jitted_logprobs._cache_size(),
+            self._jitted_copy._cache_size(),
         )  # fmt: skip
 
     def extra_keys(self) -> list[tuple]:

@@ -105,6 +105,15 @@ class SamplingParams:
             or self.logit_bias or self.min_tokens
         )  # fmt: skip
 
+    def outside_vocabulary(self, vocab_size: int) -> str | None:
+        """The first field naming a token id outside ``[0, vocab_size)``: ``logit_bias``
+        or ``stop_token_ids`` (None: every id is inside)."""
+        for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]),
+                          ("stop_token_ids", self.stop_token_ids)):  # fmt: skip
+            if any(t >= vocab_size for t in ids):
+                return name
+        return None
+
     def seeded(self) -> SamplingParams:
         """These parameters with a seed: a fresh random one if none was given."""
         if self.seed is not None:

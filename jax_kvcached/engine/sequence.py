@@ -35,13 +35,11 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     last_row: int = -1  # row of the newest dispatched step that samples for it
     error: Exception | None = None  # why it was rejected (finish_reason "error")
-    # Per generated token (params.logprobs): its log-probability and the top alternatives
-    # [(id, logprob)]; per prompt position (params.prompt_logprobs): None for the first,
-    # then the same for the prompt's token.
-    logprobs: list[tuple[float, list[tuple[int, float]]]] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] = dataclasses.field(
-        default_factory=list
-    )
+    # Per generated token: its log-probability and the top alternatives [(id, logprob)]
+    # (a list when params.logprobs asks for them, else None); per prompt position the same
+    # for the prompt's token (None for the first; a list when params.prompt_logprobs).
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
     forked_from: int | None = None  # the request whose prompt blocks it shares
     # Called with (request_id, (logprob, top alternatives)) before on_token, per token.
     on_logprobs: Callable[[int, tuple[float, list[tuple[int, float]]]], None] | None = None
@@ -50,6 +48,10 @@ class Sequence:
         self.token_ids = list(self.token_ids)
         if self.num_prompt < 0:
             self.num_prompt = len(self.token_ids)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs:
+            self.prompt_logprobs = [None] * self.num_prompt
 
     @property
     def prompt(self) -> list[int]:

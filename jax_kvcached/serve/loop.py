@@ -352,8 +352,8 @@ class ServingLoop:
                     cached_tokens=s.cached_tokens,
                     preemptions=s.preemptions,
                     seed=s.params.seed,
-                    logprobs=s.logprobs if s.params.logprobs is not None else None,
-                    prompt_logprobs=s.prompt_logprobs if s.params.prompt_logprobs else None,
+                    logprobs=s.logprobs,
+                    prompt_logprobs=s.prompt_logprobs,
                 ),
             )
 

@@ -102,12 +102,6 @@ def _prompts(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list
             f"prompt has {max(len(p) for p in prompts)} and max_tokens asks for {max_tokens}",
             param="max_tokens", code="context_length_exceeded",
         )  # fmt: skip
-    vocab = eng.config.vocab_size
-    for key, ids in (("logit_bias", [t for t, _ in req.logit_bias]),
-                     ("stop_token_ids", list(req.stop_token_ids))):  # fmt: skip
-        if any(t >= vocab for t in ids):
-            raise APIError(400, f"'{key}' names token ids outside the vocabulary [0, {vocab})",
-                           param=key)  # fmt: skip
     return m, prompts, max_tokens
 
 
@@ -125,6 +119,10 @@ def start(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[_C
                     params = req.sampling(max_tokens, j)
                 except (TypeError, ValueError) as e:  # parse_* validated already
                     raise APIError(400, str(e)) from None
+                vocab = m.engine.config.vocab_size  # checked here for a 400 (not a 500)
+                if (field := params.outside_vocabulary(vocab)) is not None:
+                    raise APIError(400, f"'{field}' names token ids outside the vocabulary "
+                                   f"[0, {vocab})", param=field)  # fmt: skip
                 gen = _Generation(ctx.loop, aio)
                 gen.handle = ctx.loop.submit(req.model, prompt, params, gen.on_event, first)
                 first = first or gen.handle
