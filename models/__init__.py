@@ -1,16 +1,33 @@
-"""Flax NNX decoder models (Llama family, Qwen2), installed as ``jax_kvcached.models``."""
+"""Flax NNX decoder models (Llama family, Qwen2), installed as ``jax_kvcached.models``,
+with their checkpoint loaders, tokenizers and chat templates."""
 
+from .chat_template import ChatTemplate, TemplateError
 from .config import BUILTIN_CONFIGS, ModelConfig
+from .download import ModelNotDownloaded, fetch, model_cache_dir
 from .gguf import GGUFCheckpoint, GGUFError
 from .interface import Attend, CausalLM
 from .llama import LlamaModel
 from .loader import find_chat_template, load_checkpoint, load_tokenizer
-from .pretrained import PRETRAINED, Pretrained, load_pretrained, pretrained_path
+from .pretrained import (
+    PRETRAINED,
+    Pretrained,
+    default_dtype,
+    generation_config,
+    load_pretrained,
+    pretrained_path,
+)
 from .registry import abstract_model, build_model, model_class, register
 from .sharding import shard_model
 from .tokenizer import ByteTokenizer
 
 __all__ = [
+    "ChatTemplate",
+    "ModelNotDownloaded",
+    "TemplateError",
+    "default_dtype",
+    "fetch",
+    "generation_config",
+    "model_cache_dir",
     "Attend",
     "CausalLM",
     "abstract_model",

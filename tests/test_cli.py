@@ -165,7 +165,12 @@ def test_cli_serve_tensor_parallel(tmp_path):
 def test_cli_serve_rejects_bad_arguments(tmp_path):
     cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", "--no-warmup"]
     for args, msg in [
-        (["--model", "tiny-llama"], "NAME=VALUE"),
+        (["--model", "a=tiny-llama", "--model", "tiny-qwen2", "--served-model-name", "x"],
+         "--served-model-name names one --model"),
+        (["--model", "tiny-llama", "--dtype", "int8"], "invalid choice"),
+        (["--model", "tiny-llama", "--generation-config", "/no/such/dir"],
+         "--generation-config must be"),
+        (["--model", "tiny-llama", "--chat-template", "/no/such.jinja"], "--chat-template"),
         (["--model", "a=tiny-llama", "--limit", "b=1MiB"], "not a --model"),
         (["--model", "a=tiny-llama", "--limit", "a=lots"], "cannot parse"),
         (["--model", "a=no-such-model"], "neither a packaged model"),
@@ -232,3 +237,64 @@ def test_serve_memory_errors_name_the_flag(capsys):
         assert err[-1].startswith("error: " + msg), err
     # the library allows a budget beyond the device (pages are mapped on demand)
     assert kv.device_memory_bytes("host") < 100 << 40
+
+
+def test_serve_answers_from_the_start_and_logs_every_request(tmp_path):
+    """/health reports the warm-up while it runs (503 starting, then 200); the defaults a
+    request omits come from the operator; vLLM's small routes, CORS, the access log."""
+    import signal
+    import time
+
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jax_kvcached.cli", "serve", "--model", "tiny-llama",
+         "--max-batch", "2", "--memory", "32MiB", "--page-size", "256KiB", "--backend", "host",
+         "--compile-cache", "off", "--allowed-origins", "http://example.com",
+         "--default-temperature", "0", "--port", str(port)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    seen, deadline = [], time.monotonic() + 180
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                r = httpx.get(f"{url}/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.05)
+                continue
+            seen.append((r.status_code, r.json()))
+            if r.status_code == 200:
+                break
+            early = httpx.get(f"{url}/v1/models", timeout=5)  # not yet: a clear 503
+            assert early.status_code == 503 and early.json()["error"]["code"] == "starting"
+            time.sleep(0.2)
+        starting = [b for s, b in seen if s == 503]
+        assert starting and all(b["status"] == "starting" for b in starting)
+        compiling = [b for b in starting if b["phase"] == "compiling"]
+        assert compiling and all(0 < b["compiled"] <= b["total"] for b in compiling)
+        assert seen[-1][0] == 200
+        body = {"model": "tiny-llama", "prompt": "hello", "max_tokens": 6, "ignore_eos": True}
+        a = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        b = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert a["seed"] != b["seed"]  # unseeded: fresh seeds, yet greedy by the default
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]
+        tok = httpx.post(f"{url}/tokenize", json={"model": "tiny-llama", "prompt": "hi"}).json()
+        assert tok == {"count": 3, "max_model_len": 1024, "tokens": [256, 104, 105]}
+        text = httpx.post(f"{url}/detokenize", json={"model": "tiny-llama", "tokens": [104, 105]})
+        assert text.json() == {"prompt": "hi"}
+        bad = httpx.post(f"{url}/detokenize", json={"model": "tiny-llama", "tokens": [10**6]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert httpx.get(f"{url}/version").json()["version"]
+        cors = httpx.get(f"{url}/v1/models", headers={"Origin": "http://example.com"})
+        assert cors.headers["access-control-allow-origin"] == "http://example.com"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "loading tiny-llama from a built-in random preset" in out
+    total = compiling[-1]["total"]
+    assert f"tiny-llama: {total} programs compiled" in out  # the bar's count, in the log
+    assert out.count('"POST /v1/completions" model=tiny-llama 200 tokens=6+6') == 2, out

@@ -22,7 +22,7 @@ from jax_kvcached.models import (
     load_tokenizer,
     pretrained_path,
 )
-from jax_kvcached.serve.chat_template import ChatTemplate, TemplateError
+from jax_kvcached.models.chat_template import ChatTemplate, TemplateError
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -20,11 +20,11 @@ from test_engine import assert_only_cached_blocks_hold_pages
 from test_server import Server, wait_for
 
 import jax_kvcached as kv
+from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.memory import ops
 from jax_kvcached.models import ByteTokenizer
 from jax_kvcached.serve.app import AuthConfig
-from jax_kvcached.serve.protocol import TextStream
 
 API, ADMIN = "sk-test-api", "sk-test-admin"
 H = {"Authorization": f"Bearer {API}"}

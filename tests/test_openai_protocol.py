@@ -2,9 +2,10 @@
 
 import pytest
 
+from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.models import ByteTokenizer
-from jax_kvcached.serve.chat_template import ChatTemplate
-from jax_kvcached.serve.protocol import APIError, TextStream, parse_chat, parse_completion
+from jax_kvcached.models.chat_template import ChatTemplate
+from jax_kvcached.serve.protocol import APIError, parse_chat, parse_completion
 
 TOK = ByteTokenizer()
 
@@ -40,7 +41,8 @@ def test_text_stream_without_stops_is_the_decoded_text():
 
 def test_parse_completion_defaults_and_errors():
     r = parse_completion({"model": "m", "prompt": "hi"})
-    assert (r.max_tokens, r.temperature, r.top_p, r.stream, r.stop) == (16, 1.0, 1.0, False, [])
+    # omitted sampling fields stay None: the served model's defaults fill them in
+    assert (r.max_tokens, r.temperature, r.top_p, r.stream, r.stop) == (16, None, None, False, [])
     r = parse_completion({"model": "m", "prompt": [[1, 2, 3]], "stop": "x", "seed": 7})
     assert r.prompts == [[1, 2, 3]] and r.stop == ["x"] and r.sampling(4).seed == 7
     assert parse_completion({"model": "m", "prompt": [1, 2]}).prompts == [[1, 2]]
@@ -146,3 +148,37 @@ def test_chat_templates(tmp_path):
     )
     assert ChatTemplate.for_model(str(tmp_path)).render(msgs) == "<s>[hi]"
     assert ChatTemplate.for_model(None).source == ChatTemplate().source
+
+
+def test_omitted_sampling_fields_take_the_models_defaults():
+    omitted = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert omitted.temperature is None and omitted.top_p is None
+    smol = {"temperature": 0.2, "top_p": 0.9}
+    p = omitted.sampling(8, defaults=smol)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.2, 0.9, 0, 1.0)
+    openai = omitted.sampling(8)  # no model defaults: OpenAI's
+    assert (openai.temperature, openai.top_p) == (1.0, 1.0)
+    given = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                        "temperature": 0, "top_p": 0.5, "stop": ["END"]})  # fmt: skip
+    p = given.sampling(8, defaults=smol)
+    assert (p.temperature, p.top_p, p.stop) == (0.0, 0.5, ("END",))  # the request wins
+
+
+def test_generation_defaults_layer_the_config_and_the_flags(tmp_path):
+    import json
+
+    from jax_kvcached.serve.launch import default_name, generation_defaults
+
+    smol = {"temperature": 0.2, "top_p": 0.9}
+    assert generation_defaults(smol, "auto", {}) == smol
+    assert generation_defaults(smol, "openai", {}) == {}
+    assert generation_defaults(smol, "auto", {"temperature": 0.7, "top_k": None}) == {
+        "temperature": 0.7, "top_p": 0.9,
+    }  # fmt: skip
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_k": 20}))
+    assert generation_defaults(smol, str(tmp_path), {}) == {"top_k": 20}
+    with pytest.raises(ValueError, match="--generation-config"):
+        generation_defaults(smol, "nope", {})
+    assert default_name("smollm2-135m") == "smollm2-135m"
+    assert default_name("/models/Qwen2.5-0.5B-Q4_K_M.gguf") == "Qwen2.5-0.5B-Q4_K_M"
+    assert default_name("/ckpt/llama/") == "llama"

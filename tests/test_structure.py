@@ -10,6 +10,7 @@ import numpy as np
 from conftest import make_cache
 
 import jax_kvcached
+import jax_kvcached.models
 from jax_kvcached.memory import _C, ops
 
 PKG = pathlib.Path(jax_kvcached.__file__).parent
@@ -18,9 +19,21 @@ TESTS = pathlib.Path(__file__).parent
 LAYERS = ("serve", "engine", "memory")
 
 
+# The models package: inside PKG in a wheel, its own folder in an editable install.
+MODELS = pathlib.Path(jax_kvcached.models.__file__).parent
+
+
 def _module(path: pathlib.Path) -> str:
-    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    if path.is_relative_to(MODELS) and not MODELS.is_relative_to(PKG):
+        parts = ("jax_kvcached", "models", *path.relative_to(MODELS).with_suffix("").parts)
+    else:
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _files() -> list[pathlib.Path]:
+    extra = [] if MODELS.is_relative_to(PKG) else list(MODELS.rglob("*.py"))
+    return [*PKG.rglob("*.py"), *extra]
 
 
 def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
@@ -46,7 +59,7 @@ def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
 
 
 def _graph() -> dict[str, set[str]]:
-    files = {_module(p): p for p in PKG.rglob("*.py")}
+    files = {_module(p): p for p in _files()}
     names = set(files)
     return {m: {i for i in _imports(p, names) if i in files and i != m} for m, p in files.items()}
 
@@ -160,8 +173,8 @@ def test_no_module_reaches_into_anothers_privates():
         f"self._jitted{x}._cache_size" for x in ("", "_sample", "_process", "_logprobs", "_copy")
     }
     bad = {
-        str(p.relative_to(PKG)): uses
-        for p in PKG.rglob("*.py")
+        _module(p): uses
+        for p in _files()
         if (uses := [u for u in _private_uses(p.read_text()) if u.split(" (")[0] not in allowed])
     }
     assert bad == {}
@@ -183,8 +196,13 @@ def _stub_names(tree: ast.Module) -> dict[str, set[str]]:
 
 
 def test_c_module_stubs_match_the_module():
-    stub = pathlib.Path(_C.__file__).with_name("_C.pyi")
-    assert stub.is_file(), "the _C.pyi stubs are installed beside the module"
+    # beside the module (a wheel), or in the package's source folder (an editable install)
+    import jax_kvcached.memory as memory
+
+    places = [pathlib.Path(_C.__file__).parent, *map(pathlib.Path, memory.__path__)]
+    stubs = [p / "_C.pyi" for p in places if (p / "_C.pyi").is_file()]
+    assert stubs, "the _C.pyi stubs are installed beside the module"
+    stub = stubs[0]
     names = _stub_names(ast.parse(stub.read_text()))
     public = {n for n in dir(_C) if not n.startswith("_")}
     assert set(names) == public

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import threading
 import time
 from collections import deque
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.logit_inputs import row_entries
@@ -24,12 +26,43 @@ from jax_kvcached.memory.config import host_cache_blocks, parse_bytes
 from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
 from jax_kvcached.memory.pool import Pool
+from jax_kvcached.models.chat_template import ChatTemplate
 from jax_kvcached.models.interface import CausalLM
+
+# One prompt: text, token ids, or a Prompt an engine validated.
+PromptLike = str | Seq[int] | Any
 
 
 def _alternatives(ids: Any, logprobs: Any, k: int) -> list[tuple[int, float]]:
     """The first ``k`` (id, log-probability) pairs of a row of top-k ids and values."""
     return [(int(i), float(v)) for i, v in zip(ids[:k], logprobs[:k], strict=True)]
+
+
+def _presets() -> Any:
+    from jax_kvcached.models.config import BUILTIN_CONFIGS
+
+    return BUILTIN_CONFIGS
+
+
+def _as_prompt_list(prompts: Any) -> list[Any]:
+    """``generate``'s prompts as a list: one string, Prompt or flat token-id list is one
+    prompt (as the OpenAI ``prompt`` field reads it)."""
+    if isinstance(prompts, (str, Prompt)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, numbers.Integral) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _text(tokenizer: Any, s: Sequence) -> str | None:
+    """A finished sequence's output text (cut before its stop string, if it hit one)."""
+    if tokenizer is None:
+        return None
+    if s.detok is None:
+        return tokenizer.decode(s.output)
+    s.detok.flush()
+    return s.detok.text
 
 
 def _same_mesh(a: Any, b: Any) -> bool:
@@ -98,7 +131,9 @@ class Engine:
       prefill_chunk: new tokens per sequence in one prefill step.
       max_model_len: prompt + output limit (default: the model's max positions).
       kv_dtype: KV cache dtype (default: the model's dtype).
-      tokenizer: optional, for string prompts and ``RequestOutput.text``.
+      tokenizer: optional, for string prompts, stop strings and ``RequestOutput.text``.
+      chat_template: the model's :class:`ChatTemplate`, for :meth:`chat` (default: a
+        plain ``<|role|>`` one); :meth:`from_pretrained` passes the checkpoint's.
       prefix_caching: reuse the KV of cached prompt prefixes across requests.
       max_cached_tokens: prefix-cache bound (default ``KVCACHED_MAX_CACHED_TOKENS``).
       eviction: the prefix cache's eviction policy, ``"lru"`` (default) or ``"lfu"``.
@@ -132,6 +167,7 @@ class Engine:
         kv_dtype: Any = None,
         block_size: int = 16,
         tokenizer: Any = None,
+        chat_template: ChatTemplate | None = None,
         prefix_caching: bool = True,
         max_cached_tokens: int | None = None,
         eviction: str | EvictionPolicy = "lru",
@@ -161,7 +197,10 @@ class Engine:
         self.mesh = pool.mesh
         self.config = cfg
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.max_model_len = max_model_len or cfg.max_position_embeddings
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         self.cache: KVCache = pool.create_kv_cache(
             name,
             cfg.num_layers,
@@ -223,11 +262,54 @@ class Engine:
         self.forks = 0  # children that took their parent's prompt blocks
         self.fork_fallbacks = 0  # children admitted on their own (batch or memory full)
         self.steps = 0
+        # Sampling the checkpoint recommends (from_pretrained; the server's defaults).
+        self.generation_defaults: dict[str, float] = {}
         pool.set_reclaimer(name, self._reclaim)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str,
+        pool: Pool,
+        *,
+        dtype: Any = None,
+        download: bool = False,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> Engine:
+        """An engine for :func:`jax_kvcached.models.load_pretrained`'s ``source`` (a
+        packaged model's name, a preset, a GGUF file or a checkpoint folder) with its
+        tokenizer and chat template; ``dtype`` defaults to what the pool's device computes
+        well (fp32 on a CPU, bf16 on a GPU). ``kwargs`` go to the constructor."""
+        from jax_kvcached.models.pretrained import default_dtype, load_pretrained
+
+        if dtype is None and source not in _presets():
+            dtype = default_dtype(pool.device)
+        pre = load_pretrained(source, dtype=dtype, seed=seed, download=download)
+        kwargs.setdefault("name", source)
+        engine = cls(
+            pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs
+        )
+        engine.generation_defaults = dict(pre.generation)
+        return engine
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
         return self.kv.prefix_cache
+
+    def max_new_tokens(self, prompt_len: int, max_tokens: int | None) -> int:
+        """The tokens a prompt of ``prompt_len`` may generate: ``max_tokens`` checked
+        against the room its context leaves (None: all of that room).
+        :class:`ContextLengthExceeded` when it asks for more."""
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:
+            return room
+        if max_tokens > room:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {self.max_model_len} tokens; the "
+                f"prompt has {prompt_len} and max_tokens asks for {max_tokens}"
+            )
+        return max_tokens
 
     # -- requests ----------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int] | Prompt) -> list[int]:
@@ -288,12 +370,17 @@ class Engine:
         vocab = self.config.vocab_size
         if (field := params.outside_vocabulary(vocab)) is not None:
             raise ValueError(f"{field} names token ids outside the vocabulary [0, {vocab})")
+        self.max_new_tokens(len(ids), params.max_tokens)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need an Engine tokenizer (token ids: stop_token_ids)")
         if params.top_k >= vocab:  # keeps the whole vocabulary: off
             params = dataclasses.replace(params, top_k=0)
         params = params.seeded()  # an unseeded request gets a fresh seed (reported)
         with self._lock:
             rid = next(self._ids)
             seq = Sequence(rid, ids, params, on_token, on_logprobs=on_logprobs)
+            if params.stop:
+                seq.detok = TextStream(self.tokenizer.decode, list(params.stop))
             seq.extra = extra_key_bytes(self.name, cache_salt, adapter_id)
             parent = self._by_id.get(fork_of) if fork_of is not None else None
             if (
@@ -382,10 +469,22 @@ class Engine:
 
     def compile(self, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Compiles every step shape the engine can run (warm-up): after it, serving
-        compiles nothing. Returns the shape and sampler counts and the seconds taken."""
+        compiles nothing. Returns the step shape and sampler counts, ``programs`` (all
+        that compiled now: shapes, samplers, logit functions; what ``progress(done,
+        total)`` counts) and the seconds taken."""
         shapes = self.runner.step_shapes()
-        secs = self.runner.compile(shapes, progress=progress)
-        return {"shapes": len(shapes), "samplers": self.runner.num_samplers, "seconds": secs}
+        total = [0]
+
+        def report(done: int, n: int) -> None:
+            total[0] = n
+            if progress is not None:
+                progress(done, n)
+
+        secs = self.runner.compile(shapes, progress=report)
+        return {
+            "shapes": len(shapes), "samplers": self.runner.num_samplers,
+            "programs": total[0], "seconds": secs,
+        }  # fmt: skip
 
     @property
     def num_compiled(self) -> int:
@@ -503,8 +602,12 @@ class Engine:
                     s.first_token_time = now
                 if s.blocks:  # a block that held this pending token can be cached now
                     self.kv.computed(s, s.num_computed)
+                if s.detok is not None:
+                    s.detok.feed(tok)
                 reason = None
                 if tok in s.params.stop_token_ids or (tok in eos and not s.params.ignore_eos):
+                    reason = "stop"
+                elif s.detok is not None and s.detok.stopped:
                     reason = "stop"
                 elif len(s.token_ids) - s.num_prompt >= s.params.max_tokens:
                     reason = "length"
@@ -561,13 +664,19 @@ class Engine:
 
     def generate(
         self,
-        prompts: Seq[str | Seq[int]],
+        prompts: PromptLike | Seq[PromptLike],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         on_token: Callable[[int, int, bool], None] | None = None,
         *,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (batched continuously); outputs in prompt order."""
+        """Generates for every prompt (batched continuously); outputs in prompt order.
+
+        ``prompts``: a list of prompts (strings, token-id lists), or one prompt (a string
+        or a flat list of token ids), as the OpenAI ``prompt`` field reads them; one
+        prompt gives a list of one output. The first call compiles the step shapes it
+        meets (seconds each): :meth:`compile` compiles all of them up front."""
+        prompts = _as_prompt_list(prompts)
         if isinstance(params, SamplingParams) or params is None:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -599,12 +708,33 @@ class Engine:
                     preemptions=s.preemptions,
                     cached_tokens=s.cached_tokens,
                     seed=s.params.seed,
-                    text=self.tokenizer.decode(s.output) if self.tokenizer else None,
+                    text=_text(self.tokenizer, s),
                     logprobs=s.logprobs,
                     prompt_logprobs=s.prompt_logprobs,
                 )
             )
         return out
+
+    def chat(
+        self,
+        messages: Seq[dict[str, str]] | Seq[Seq[dict[str, str]]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        **kwargs: Any,
+    ) -> list[RequestOutput]:
+        """Answers a conversation (a list of ``{"role", "content"}`` messages), or each of
+        a list of them, through the model's chat template; outputs in order. ``kwargs``
+        go to :meth:`generate`."""
+        if self.tokenizer is None:
+            raise ValueError("Engine.chat needs an Engine tokenizer (Engine.from_pretrained)")
+        if isinstance(messages, dict) or not messages:
+            raise TypeError("chat takes a list of {'role', 'content'} messages, or a list of those")
+        convs = [messages] if isinstance(messages[0], dict) else list(messages)
+        template = self.chat_template or ChatTemplate()
+        prompts = [
+            self.tokenizer.encode(template.render(list(c)), add_special_tokens=False)
+            for c in convs
+        ]  # (the rendered template brings its own special tokens)
+        return self.generate(prompts, params, **kwargs)
 
     def stats(self) -> dict[str, Any]:
         """Queue, memory and prefix-cache figures (a snapshot; any thread)."""

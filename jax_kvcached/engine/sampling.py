@@ -44,6 +44,9 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    # Stop strings (up to MAX_STOP): the output ends before the first one that appears in
+    # its text (needs the engine's tokenizer); finish_reason "stop".
+    stop: tuple[str, ...] | list[str] | str = ()
     ignore_eos: bool = False
     # Logit processing, on the device, per row (see process_logits): OpenAI's presence /
     # frequency penalties over the generated tokens, the multiplicative repetition
@@ -64,6 +67,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):  # {id: bias} as OpenAI writes it
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        try:
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        except TypeError:
+            raise TypeError(f"stop must be a string or a list of them, got {self.stop!r}") from None
+        if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be up to {MAX_STOP} non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
         _check_int("top_k", self.top_k, 0, INT32_MAX)
         _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
@@ -124,6 +135,7 @@ class SamplingParams:
 INT32_MAX = (1 << 31) - 1
 UINT32_MAX = (1 << 32) - 1
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's bound)
+MAX_STOP = 16  # stop strings per request
 
 
 def _check_int(name: str, v: object, lo: int, hi: int) -> None:

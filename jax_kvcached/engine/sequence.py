@@ -6,6 +6,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.sampling import SamplingParams
 
 
@@ -43,6 +44,9 @@ class Sequence:
     forked_from: int | None = None  # the request whose prompt blocks it shares
     # Called with (request_id, (logprob, top alternatives)) before on_token, per token.
     on_logprobs: Callable[[int, tuple[float, list[tuple[int, float]]]], None] | None = None
+    # The output's text, matched against params.stop as tokens arrive (None: no stop
+    # strings).
+    detok: TextStream | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

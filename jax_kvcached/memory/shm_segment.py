@@ -111,6 +111,22 @@ def remove(group: str) -> bool:
     return True
 
 
+def remove_if_unused(group: str) -> int:
+    """Removes a group's segment when no live process has a tenant in it (rows of dead
+    processes are swept first, under the group's lock); returns the live tenants (0:
+    removed). A process that attaches later creates a new segment. KeyError: no group."""
+    seg = Segment(group)
+    try:
+        with seg.locked():
+            seg.sweep()
+            live = len(seg.used_rows())
+            if live == 0:
+                remove(group)
+            return live
+    finally:
+        seg.close()
+
+
 def start_time(pid: int) -> int | None:
     """A process's start time (clock ticks after boot); None if it is gone or a zombie."""
     try:

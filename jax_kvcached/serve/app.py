@@ -2,8 +2,9 @@
 
 Routes, one module each under ``routes/``: ``GET /v1/models``; ``POST /v1/completions``
 and ``POST /v1/chat/completions`` (``stream: true`` answers server-sent events);
-``GET /metrics`` (Prometheus) and ``GET /health``; ``GET|POST /admin/memory`` (per-model
-limits and guarantees). The loop's engines may live in one pool or several.
+``POST /tokenize``, ``POST /detokenize`` and ``GET /version`` (vLLM's shapes); ``GET
+/metrics`` (Prometheus) and ``GET /health``; ``GET|POST /admin/memory`` (per-model limits
+and guarantees). The loop's engines may live in one pool or several.
 
 Auth (:class:`AuthConfig`): ``/v1/*`` need ``Authorization: Bearer <api_key>`` when an
 API key is set; ``/admin/*`` need the admin key, and are disabled when no admin key is set
@@ -15,22 +16,24 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from jax_kvcached.serve.access_log import AccessLog
 from jax_kvcached.serve.auth import AuthConfig
 from jax_kvcached.serve.context import AppContext, ServedModel
 from jax_kvcached.serve.loop import ServingLoop
 from jax_kvcached.serve.metrics import ServerMetrics
 from jax_kvcached.serve.protocol import APIError, error_body
-from jax_kvcached.serve.routes import admin, generate, health, models
+from jax_kvcached.serve.routes import admin, generate, health, models, tokens
 
 __all__ = ["AuthConfig", "BackgroundServer", "ServedModel", "create_app"]
 
-ROUTE_MODULES = (models, generate, health, admin)
+ROUTE_MODULES = (models, generate, tokens, health, admin)
 
 
 def create_app(
@@ -39,8 +42,12 @@ def create_app(
     *,
     max_body_bytes: int = 1 << 20,
     auth: AuthConfig | None = None,
-) -> Starlette:
-    """The ASGI app. ``loop`` must be started (and stopped) by the caller."""
+    allowed_origins: list[str] | None = None,
+    access_log: bool = True,
+) -> Any:
+    """The ASGI app. ``loop`` must be started (and stopped) by the caller.
+    ``allowed_origins``: browser origins allowed by CORS (``["*"]``: any; None: CORS
+    off). ``access_log``: one INFO line per request (logger ``jax_kvcached.access``)."""
     ctx = AppContext(loop, served, auth or AuthConfig(), ServerMetrics(loop), max_body_bytes)
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
@@ -56,7 +63,7 @@ def create_app(
     async def on_crash(request: Request, exc: Exception) -> Response:
         return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), 500)
 
-    return Starlette(
+    app: Any = Starlette(
         routes=[r for module in ROUTE_MODULES for r in module.routes(ctx)],
         exception_handlers={
             APIError: on_api_error,
@@ -64,12 +71,20 @@ def create_app(
             Exception: on_crash,
         },
     )
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app = CORSMiddleware(
+            app, allow_origins=allowed_origins, allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],
+        )  # fmt: skip
+    return AccessLog(app) if access_log else app
 
 
 class BackgroundServer:
     """Runs an ASGI app with uvicorn in a thread on a loopback port (tests, benchmarks)."""
 
-    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
         import uvicorn
 
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

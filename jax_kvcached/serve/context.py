@@ -11,8 +11,8 @@ from typing import Any
 from starlette.requests import Request
 
 from jax_kvcached.engine.engine import Engine
+from jax_kvcached.models.chat_template import ChatTemplate
 from jax_kvcached.serve.auth import AuthConfig
-from jax_kvcached.serve.chat_template import ChatTemplate
 from jax_kvcached.serve.loop import ServingLoop
 from jax_kvcached.serve.metrics import ServerMetrics
 from jax_kvcached.serve.protocol import APIError
@@ -23,6 +23,8 @@ class ServedModel:
     engine: Engine
     tokenizer: Any  # encode(str, add_special_tokens=True) -> ids, decode(ids) -> str
     chat_template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)
+    # Sampling defaults for fields a request omits (generation config + --default-*).
+    defaults: dict[str, float] = dataclasses.field(default_factory=dict)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
 

