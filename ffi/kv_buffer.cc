@@ -32,6 +32,14 @@ std::string dtype_name(DType t) {
   return "unknown";
 }
 
+size_t KVLayout::checked_block_bytes() const {
+  uint64_t out = dtype_size(dtype);
+  for (int64_t f : {num_kv_heads, head_dim, block_size}) {
+    if (f <= 0 || __builtin_mul_overflow(out, static_cast<uint64_t>(f), &out)) return 0;
+  }
+  return static_cast<size_t>(out);
+}
+
 // Calls fn(first_page, count) for each run of consecutive ids in a sorted list.
 template <typename F>
 static void for_each_run(const std::vector<int32_t>& sorted, F fn);
@@ -52,7 +60,11 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int d
       layout.block_size <= 0 || layout.num_pages <= 0) {
     throw Error("num_layers, num_kv_heads, head_dim, block_size and num_pages must be positive");
   }
-  const size_t bb = layout.block_bytes();
+  const size_t bb = layout.checked_block_bytes();
+  if (bb == 0) {
+    throw Error("block_size * num_kv_heads * head_dim * itemsize overflows 64 bits");
+  }
+  if (layout.num_layers > (int64_t{1} << 30)) throw Error("num_layers must be < 2**30");
   if (bb > page_size_) {
     throw Error("a KV block of " + std::to_string(bb) + " bytes (block_size * num_kv_heads * "
                 "head_dim * itemsize) is larger than the page size of " +
@@ -62,7 +74,11 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int d
   const int64_t period = static_cast<int64_t>(bb / std::gcd(bb, page_size_));
   layout_.num_pages = (layout.num_pages + period - 1) / period * period;
   blocks_per_page_ = static_cast<int64_t>(page_size_ / bb);
-  plane_bytes_ = static_cast<size_t>(layout_.num_pages) * page_size_;
+  size_t total = 0;
+  if (__builtin_mul_overflow(static_cast<size_t>(layout_.num_pages), page_size_, &plane_bytes_) ||
+      __builtin_mul_overflow(plane_bytes_, static_cast<size_t>(layout_.num_planes()), &total)) {
+    throw Error("num_pages * page_size * 2 * num_layers overflows 64 bits");
+  }
   num_blocks_ = static_cast<int64_t>(plane_bytes_ / bb);
   base_ = pool_->backend().reserve(total_bytes());
   try {

@@ -45,8 +45,11 @@ struct KVLayout {
   DType dtype;
   int64_t num_pages;  // KV pages of virtual space
 
+  // Valid once checked_block_bytes() accepted the layout (no product wraps).
   size_t row_bytes() const { return static_cast<size_t>(num_kv_heads * head_dim) * dtype_size(dtype); }
   size_t block_bytes() const { return row_bytes() * static_cast<size_t>(block_size); }
+  // block_size * num_kv_heads * head_dim * itemsize, or 0 when the product overflows.
+  size_t checked_block_bytes() const;
   int64_t num_planes() const { return 2 * num_layers; }
 };
 

@@ -269,7 +269,24 @@ def _fail(err: BaseException) -> int:
     return 2
 
 
+def _negative_size(argv: list[str]) -> str | None:
+    """``ctl limit|guarantee NAME -1GiB``: argparse would read the size as a flag (a
+    two-line usage error); the one line it deserves instead."""
+    if not argv or argv[0] != "ctl":
+        return None
+    for i, a in enumerate(argv[:-2]):
+        if a in ("limit", "guarantee"):
+            size = argv[i + 2]
+            if size.startswith("-") and size not in ("-h", "--help", "--group"):
+                return f"error: ctl {a}: the size must not be negative, got {size!r}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if (msg := _negative_size(argv)) is not None:
+        print(msg, file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         if args.batch <= 0 or args.max_tokens <= 0:

@@ -8,7 +8,7 @@ import time
 
 class Log:
     """Prints lines and a progress bar with an ETA (redrawn on a terminal; otherwise a
-    line per step for up to 100 steps, else every 1%)."""
+    line every ``every`` steps: default a quarter of the total)."""
 
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
@@ -19,12 +19,15 @@ class Log:
         if not self.quiet:
             print(msg, flush=True)
 
-    def progress(self, name: str, done: int, total: int, unit: str = "steps") -> None:
+    def progress(
+        self, name: str, done: int, total: int, unit: str = "steps", every: int | None = None
+    ) -> None:
         now = time.perf_counter()
         t0 = self._started.setdefault(name, now)
         if done >= total:
             self._started.pop(name, None)
-        if self.quiet or (not self.tty and done != total and done % max(total // 100, 1)):
+        step = every or max(total // 4, 1)
+        if self.quiet or (not self.tty and done != total and done % step):
             return
         width = 30
         fill = width * done // max(total, 1)

@@ -72,13 +72,18 @@ class ModelNotDownloaded(FileNotFoundError):
     """A packaged model whose file is not on this machine; the message says what to run."""
 
 
-def model_cache_dir() -> str:
-    """``$KVCACHED_MODEL_CACHE``, else ``$XDG_CACHE_HOME`` (or ``~/.cache``) +
-    ``/jax-kvcached/models``."""
-    if os.environ.get(MODEL_CACHE_ENV):
-        return os.environ[MODEL_CACHE_ENV]
+def user_cache_dir(sub: str, env: str) -> str:
+    """``$env``, else ``$XDG_CACHE_HOME`` (or ``~/.cache``) + ``/jax-kvcached/<sub>``: where
+    the project keeps what it fetches or builds for this user (models, compiled steps)."""
+    if os.environ.get(env):
+        return os.environ[env]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jax-kvcached", "models")
+    return os.path.join(base, "jax-kvcached", sub)
+
+
+def model_cache_dir() -> str:
+    """``$KVCACHED_MODEL_CACHE``, else ``~/.cache/jax-kvcached/models``."""
+    return user_cache_dir("models", MODEL_CACHE_ENV)
 
 
 def _packaged(name: str) -> PackagedModel:

@@ -407,11 +407,18 @@ def test_sigterm_finishes_within_the_deadline_and_cancels_the_rest(tmp_path):
         assert "shutting down" in message, lines[-4:]  # cancelled with an error event
 
 
-def test_a_request_of_more_samples_than_the_queue_takes_is_refused_whole(server):
-    """64 prompts x n=16 is more engine requests than the model queues: 429, and the
-    samples already submitted are cancelled (some may have run meanwhile: the loop does
-    not wait for the route); nothing leaks and the model stays in service."""
+def test_a_request_that_can_never_fit_is_a_400_naming_why(server):
+    """64 prompts x n=16 is more engine requests than the model runs and queues at once:
+    a retry can never succeed, so it is a 400 (not a 429) naming the field, and nothing
+    is submitted; the model stays in service."""
+    before = server.loop.stats()["llama"]["finished"]
     r = post(server.url, {"model": "llama", "prompt": ["hi"] * 64, "n": 16, "max_tokens": 2})
-    assert assert_openai_error(r, 429)["code"] == "rate_limit_exceeded"
+    err = assert_openai_error(r, 400)
+    assert err["code"] == "request_too_large" and err["param"] == "n"
+    assert "64 prompts x 16 samples" in err["message"] and "max_queue" in err["message"]
+    r = post(server.url, {"model": "llama", "prompt": ["hi"] * 64, "n": 2, "best_of": 16,
+                          "max_tokens": 2})  # fmt: skip
+    assert assert_openai_error(r, 400)["param"] == "best_of"
+    assert server.loop.stats()["llama"]["finished"] == before  # nothing ran
     assert_no_leak(server)
     assert_in_service(server)

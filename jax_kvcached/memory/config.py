@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -33,10 +34,14 @@ def parse_bytes(value: int | float | str, what: str = "size", *, allow_zero: boo
     if isinstance(value, int):
         n = value
     elif isinstance(value, float):
+        if not math.isfinite(value) or value >= 2.0**63:
+            raise ValueError(f"{what} must be a finite number of bytes below 2**63, got {value!r}")
         if not value.is_integer():
             raise ValueError(f"{what} must be a whole number of bytes, got {value!r}")
         n = int(value)
     elif isinstance(value, str):
+        if value.strip().startswith("-"):
+            raise ValueError(f"{what} must not be negative, got {value.strip()!r}")
         m = _SIZE_RE.match(value)
         unit = m.group(2).lower() if m else None
         if m is None or unit not in _UNITS:
@@ -48,6 +53,8 @@ def parse_bytes(value: int | float | str, what: str = "size", *, allow_zero: boo
         raise TypeError(f"{what} must be a number of bytes or a string like '8GiB', got {value!r}")
     if n < 0 or (n == 0 and not allow_zero):
         raise ValueError(f"{what} must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
+    if n >= 1 << 63:
+        raise ValueError(f"{what} must be below 2**63 bytes, got {value!r}")
     return n
 
 

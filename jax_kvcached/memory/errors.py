@@ -7,4 +7,9 @@ class ContextLengthExceeded(ValueError):
     """A prompt (plus the tokens asked for) does not fit the model's context length."""
 
 
-__all__ = ["BackendError", "ContextLengthExceeded", "KVCacheError", "PoolExhausted"]
+class LayoutError(KVCacheError, ValueError):
+    """A KV cache shape the pool cannot lay out (a block larger than a page): a
+    ValueError naming the parameters, and the KVCacheError the core raises for it."""
+
+
+__all__ = ["BackendError", "ContextLengthExceeded", "KVCacheError", "LayoutError", "PoolExhausted"]

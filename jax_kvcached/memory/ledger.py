@@ -59,19 +59,33 @@ class MemoryLimit:
 
 
 def limit_to_pages(
-    name: str, limit: int | str | None, page_size: int, pages_per_kv_page: int, guarantee: int
+    name: str, limit: int | str | None, page_size: int, pages_per_kv_page: int, guarantee: int,
+    budget: int | None = None,
 ) -> int | None:
     """A tenant's limit in physical pages, rounded down to whole KV pages (None: the
-    budget); ValueError below its guarantee (pages)."""
+    budget); ValueError below its guarantee (pages), above the ``budget`` (pages), or
+    between 0 and one KV page (which would round to a silent 0: give 0 to mean it)."""
     if limit is None:
         return None
     nbytes = parse_bytes(limit, "memory limit", allow_zero=True)
+    kv_page = page_size * pages_per_kv_page
+    if budget is not None and nbytes > budget * page_size:
+        raise ValueError(
+            f"memory limit of {name!r} ({nbytes} bytes) exceeds the budget "
+            f"({budget * page_size} bytes); none means the whole budget"
+        )
     pages = nbytes // page_size
     pages -= pages % pages_per_kv_page
     if pages < guarantee:
         raise ValueError(
             f"memory limit of {name!r} ({pages * page_size} bytes in whole KV pages) is "
             f"below its guarantee ({guarantee * page_size})"
+        )
+    if 0 < nbytes < kv_page:
+        raise ValueError(
+            f"memory limit of {name!r} ({nbytes} bytes) is below one KV page of it "
+            f"({kv_page} bytes: {pages_per_kv_page} pages of {page_size}): limits count whole "
+            "KV pages; give at least one, or 0 to stop it mapping"
         )
     return pages
 
@@ -311,8 +325,9 @@ class LocalLedger:
         with self._lock:
             t = self._tenant(name)
             t.limit_pages = limit_to_pages(
-                name, limit, self.page_size, t.pages_per_kv_page, t.guarantee_pages
-            )
+                name, limit, self.page_size, t.pages_per_kv_page, t.guarantee_pages,
+                self.budget_pages,
+            )  # fmt: skip
             return self._result(name)
 
     def set_guarantee(self, name: str, guarantee: int | str) -> MemoryLimit:

@@ -85,10 +85,20 @@ def after(indices: Any, token: jax.Array) -> jax.Array:
     return indices + token.astype(indices.dtype)
 
 
+def _handle(op: str, cache: KVCache) -> np.uint64:
+    """The cache's registry handle as the handlers' attribute. Registry handles are in
+    [1, 2**63); anything else (a made-up or corrupted handle) is a ValueError here rather
+    than a failure inside XLA's attribute encoding."""
+    h = getattr(cache, "handle", None)
+    if isinstance(h, bool) or not isinstance(h, (int, np.integer)) or not 0 < int(h) < 1 << 63:
+        raise ValueError(f"jax_kvcached.{op}: unknown or invalid KV cache handle {h!r}")
+    return np.uint64(h)
+
+
 def _call(op: str, cache: KVCache, *operands: Any, side_effect: bool = True) -> jax.Array:
     return jax.ffi.ffi_call(
         f"kvcached_{op}", _TOKEN, has_side_effect=side_effect, vmap_method=VMAP_METHOD
-    )(*operands, handle=np.uint64(cache.handle))
+    )(*operands, handle=_handle(op, cache))
 
 
 def _ids(x: Any, name: str) -> jax.Array:
@@ -185,7 +195,8 @@ def write_kv_async(
     slots = _check_kv(cache, key, value, slots)
     return jax.ffi.ffi_call(
         "kvcached_write_kv_async", _TOKEN, has_side_effect=False, vmap_method=VMAP_METHOD
-    )(key, value, slots, token, *after, handle=np.uint64(cache.handle), layer=np.int64(layer))
+    )(key, value, slots, token, *after, handle=_handle("write_kv_async", cache),
+      layer=np.int64(layer))  # fmt: skip
 
 
 _DEVICE_ERRORS = {
@@ -286,5 +297,6 @@ def paged_attention(
     return jax.ffi.ffi_call("kvcached_paged_attention", out, vmap_method=VMAP_METHOD)(
         q, k_new.astype(f32), v_new.astype(f32), jnp.asarray(block_tables, i32),
         jnp.asarray(ctx_lens, i32), jnp.asarray(new_lens, i32), token,
-        handle=np.uint64(cache.handle), layer=np.int64(layer), scale=np.float32(1 / np.sqrt(d)),
+        handle=_handle("paged_attention", cache), layer=np.int64(layer),
+        scale=np.float32(1 / np.sqrt(d)),
     )  # fmt: skip

@@ -7,11 +7,12 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_kvcached.memory import _C
 from jax_kvcached.memory.config import Config, parse_bytes
-from jax_kvcached.memory.errors import KVCacheError
+from jax_kvcached.memory.errors import KVCacheError, LayoutError
 from jax_kvcached.memory.kv_cache import KVCache, dtype_code
 from jax_kvcached.memory.ledger import Ledger, LocalLedger, MemoryLimit, Reclaimer
 from jax_kvcached.memory.shards import ShardedBuffer
@@ -266,6 +267,16 @@ class Pool:
                 f"{name!r} has {num_kv_heads} KV heads, which do not split over the "
                 f"{tp} devices of the pool's mesh; use a tensor-parallel size that divides "
                 f"{num_kv_heads}"
+            )
+        # Python ints: the product is exact, so a shape whose bytes would wrap in 64 bits
+        # is refused here, naming the parameters, before the core sees it.
+        block_bytes = block_size * (num_kv_heads // tp) * head_dim * jnp.dtype(dtype).itemsize
+        if block_bytes > self.page_size:
+            raise LayoutError(
+                f"a KV block of {block_bytes} bytes (block_size {block_size} x KV heads per "
+                f"device {num_kv_heads // tp} x head_dim {head_dim} x itemsize) is larger "
+                f"than the page size of {self.page_size} bytes: lower block_size or use a "
+                "larger page_size"
             )
         with self._lock:
             self._check_open()

@@ -326,7 +326,7 @@ class SharedLedger:
             row, seg = self._row(name), self.segment
             pages = limit_to_pages(
                 name, limit, self.page_size, seg.get(row, "pages_per_kv_page"),
-                seg.get(row, "guarantee_pages"),
+                seg.get(row, "guarantee_pages"), self.budget_pages,
             )  # fmt: skip
             seg.set(row, "limit_pages", -1 if pages is None else pages)
             return self._result(name)

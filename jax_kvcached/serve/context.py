@@ -35,11 +35,46 @@ def parse_json(raw: bytes) -> Any:
         raise ValueError(f"{name} is not valid JSON")
 
     try:
-        return json.loads(raw, parse_constant=no_constants)
+        body = json.loads(raw, parse_constant=no_constants)
     except RecursionError:
         raise APIError(400, "could not parse the JSON body: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
         raise APIError(400, f"could not parse the JSON body: {e}") from None
+    if (found := _lone_surrogate(body)) is not None:
+        where, param = found
+        raise APIError(
+            400, f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff escapes must pair)",
+            param=param,
+        )  # fmt: skip
+    return body
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _lone_surrogate(value: Any) -> tuple[str, str | None] | None:
+    """Where the first string (a key or a value) holding a lone surrogate is, and its
+    top-level field: JSON escapes can carry one, but no tokenizer or response can encode
+    it. None when there is none."""
+    stack: list[tuple[Any, str, str | None]] = [(value, "", None)]
+    while stack:
+        v, at, top = stack.pop()
+        if isinstance(v, str):
+            if _has_surrogate(v):
+                return (f"'{at}'" if at else "the body"), top
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if _has_surrogate(k):
+                    return (f"a key of '{at}'" if at else "a field name"), top
+                stack.append((x, f"{at}.{k}" if at else k, top or k))
+        elif isinstance(v, list):
+            stack.extend((x, f"{at}[{i}]", top) for i, x in enumerate(v))
+    return None
 
 
 @dataclasses.dataclass

@@ -72,9 +72,10 @@ def run_ctl(
     *,
     interval: float = 1.0,
     count: int | None = None,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> int:
     """Runs one ``ctl`` action; ValueError / KeyError for bad groups, names and sizes."""
+    out = out or sys.stdout  # (read now: a default bound at import would go stale)
     if action == "cleanup":
         return cleanup(group, out)
     ledger = SharedLedger.attach(_group(group))
@@ -113,9 +114,10 @@ def run_ctl(
     return 0
 
 
-def cleanup(group: str | None, out: TextIO = sys.stdout) -> int:
+def cleanup(group: str | None, out: TextIO | None = None) -> int:
     """Removes the shared-memory segment of ``group`` (None: every group on this machine)
     when no live process has a tenant in it; keeps and names the others."""
+    out = out or sys.stdout
     names = [group] if group else (groups() if ipc_name_from_env() is None else [_group(None)])
     if not names:
         print("no group on this machine", file=out)

@@ -195,7 +195,7 @@ def warm_up(
     out = out or Log(quiet=False)
 
     def progress(done: int, total: int) -> None:
-        out.progress(name, done, total, "compiled")
+        out.progress(name, done, total, "compiled", every=1)  # a line per program
         if on_progress is not None:
             on_progress(done, total)
 
@@ -211,12 +211,10 @@ COMPILE_CACHE_ENV = "KVCACHED_COMPILE_CACHE"
 
 
 def default_compile_cache() -> str:
-    """``$KVCACHED_COMPILE_CACHE``, else ``$XDG_CACHE_HOME`` (or ``~/.cache``) +
-    ``/jax-kvcached/xla``."""
-    if os.environ.get(COMPILE_CACHE_ENV):
-        return os.environ[COMPILE_CACHE_ENV]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jax-kvcached", "xla")
+    """``$KVCACHED_COMPILE_CACHE``, else ``~/.cache/jax-kvcached/xla``."""
+    from jax_kvcached.models.download import user_cache_dir
+
+    return user_cache_dir("xla", COMPILE_CACHE_ENV)
 
 
 def enable_compile_cache(path: str | None) -> str | None:
@@ -326,7 +324,7 @@ def serve(
 
     config = uvicorn.Config(
         gate, host=host, port=port, log_level="warning", lifespan="off", log_config=None,
-        timeout_graceful_shutdown=shutdown_timeout + 5,  # a backstop: the loop ends first
+        timeout_graceful_shutdown=shutdown_timeout + 1,  # a backstop: the loop ends first
     )  # fmt: skip
     server = GracefulServer(config)
 
@@ -372,14 +370,19 @@ def serve(
         for s, h in previous.items():
             signal.signal(s, h)
         sock.close()
-        if held["loop"] is not None:
-            held["loop"].stop()
-        # A load still running (a signal during the warm-up) keeps using the pool: the
-        # process exits without waiting for it, and the OS takes the memory back.
-        if not loader.is_alive():
+        stopped = held["loop"] is None or held["loop"].stop(timeout=1.0)
+        busy = loader.is_alive() or not stopped
+        if not busy:
             pool.close()
     if held["error"] is not None:
         raise held["error"]
+    if busy:
+        # A compile (of the warm-up, or of a step) is still running and would hold the
+        # process past its shutdown deadline: every request has had its answer, so exit
+        # now; the OS takes the pool's memory back.
+        log.info("a compile is still running: exiting without waiting for it")
+        logging.shutdown()
+        os._exit(0)
 
 
 def _pool(

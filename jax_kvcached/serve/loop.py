@@ -106,6 +106,7 @@ class ServingLoop:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._accepting = True  # under _lock; False once the loop has shut down
+        self._abandoned = False  # stop() ended the requests past a step still running
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> ServingLoop:
@@ -115,12 +116,32 @@ class ServingLoop:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stops the loop; requests still active get an Unavailable error."""
+    def stop(self, timeout: float = 30.0) -> bool:
+        """Stops the loop; requests still active get an Unavailable error. When the loop
+        thread is still inside a step after ``timeout`` seconds (a compile), the requests
+        are ended from here and False is returned: the thread finishes that step later
+        (it is a daemon) and finds them closed."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is None:
+            return True
+        self._thread.join(0 if self._abandoned else timeout)
+        if self._thread.is_alive():
+            self._abandon()
+            return False
+        return True
+
+    def _abandon(self) -> None:
+        """Ends every queued and active request with the shutdown error, from a thread
+        other than the loop's (which is stuck in a step)."""
+        self._abandoned = True
+        with self._lock:
+            self._accepting = False
+            waiting = [req for kind, req in self._commands if kind == "add"]
+        for name in self.engines:
+            for req in [*list(self._active[name].values()), *waiting]:
+                if req.model == name:
+                    self._close(req, "error", Unavailable("the server is shutting down"))
 
     def shutdown(self, timeout: float) -> None:
         """Graceful stop: refuses new requests at once, lets in-flight ones finish for up
@@ -134,7 +155,7 @@ class ServingLoop:
                 if not any(self._outstanding.values()):
                     break
             time.sleep(0.02)
-        self.stop()
+        self.stop(timeout=0.2)  # a step still compiling does not hold the deadline
 
     @property
     def running(self) -> bool:
@@ -358,10 +379,10 @@ class ServingLoop:
             )
 
     def _close(self, req: Request, kind: str | None, value: Any) -> None:
-        if req.closed:
-            return
-        req.closed = True
-        with self._lock:
+        with self._lock:  # (the loop thread, or stop() past a stuck step)
+            if req.closed:
+                return
+            req.closed = True
             self._outstanding[req.model] -= 1
         if kind == "error":
             self.errors[req.model] += 1

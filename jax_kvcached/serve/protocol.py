@@ -283,7 +283,8 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         raise _bad("'logit_bias' must be an object of up to 1024 token ids", "logit_bias")
     out = []
     for k, b in v.items():
-        if not (isinstance(k, str) and k.isdigit()) or int(k) > INT32_MAX:
+        # ASCII decimal ids only: str.isdigit() accepts other scripts' digits too
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()) or int(k) > INT32_MAX:
             raise _bad(f"'logit_bias' keys must be token ids, got {k!r}", "logit_bias")
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
             raise _bad(f"'logit_bias' values must be in [-100, 100], got {b!r}", "logit_bias")

@@ -24,13 +24,16 @@ def routes(ctx: AppContext) -> list[Route]:
             if not isinstance(name, str):
                 raise APIError(400, "'model' must be a string", param="model")
             pool = ctx.served(name).engine.pool
-            try:  # limit first when lowering the guarantee with it, else guarantee first
-                if "guarantee" in body:
-                    pool.set_memory_guarantee(name, body["guarantee"])
-                if "limit" in body:
-                    pool.set_memory_limit(name, body["limit"])
-            except (ValueError, TypeError) as e:
-                raise APIError(400, str(e), param="limit") from None
+            for field in ("guarantee", "limit"):  # the guarantee first (it may rise with it)
+                if field not in body:
+                    continue
+                try:
+                    if field == "guarantee":
+                        pool.set_memory_guarantee(name, body[field])
+                    else:
+                        pool.set_memory_limit(name, body[field])
+                except (ValueError, TypeError) as e:
+                    raise APIError(400, str(e), param=field) from None
         limits = {}
         for name, m in ctx.models.items():
             r = m.engine.pool.memory_limit_of(name)

@@ -105,6 +105,15 @@ def start(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[_C
     """Submits every sample of every prompt; returns the choices and the tokens each may
     generate. All or nothing: a refusal cancels what was submitted."""
     m, prompts, max_tokens = _prompts(ctx, req)
+    need, cap = len(prompts) * req.best_of, m.engine.max_batch + ctx.loop.max_queue
+    if need > cap:  # a 429 would say "retry later", which can never succeed
+        param = "prompt" if req.best_of == 1 else ("n" if req.best_of == req.n else "best_of")
+        raise APIError(
+            400, f"this request needs {need} sequences ({len(prompts)} prompts x {req.best_of} "
+            f"samples), more than this model runs and queues at once ({cap}: max_batch "
+            f"{m.engine.max_batch} + max_queue {ctx.loop.max_queue})",
+            param=param, code="request_too_large",
+        )  # fmt: skip
     aio = asyncio.get_running_loop()
     choices: list[_Choice] = []
     try:
