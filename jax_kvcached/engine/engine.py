@@ -27,6 +27,7 @@ from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
 from jax_kvcached.memory.pool import Pool
 from jax_kvcached.models.chat_template import ChatTemplate
+from jax_kvcached.models.config import BUILTIN_CONFIGS
 from jax_kvcached.models.interface import CausalLM
 
 # One prompt: text, token ids, or a Prompt an engine validated.
@@ -36,12 +37,6 @@ PromptLike = str | Seq[int] | Any
 def _alternatives(ids: Any, logprobs: Any, k: int) -> list[tuple[int, float]]:
     """The first ``k`` (id, log-probability) pairs of a row of top-k ids and values."""
     return [(int(i), float(v)) for i, v in zip(ids[:k], logprobs[:k], strict=True)]
-
-
-def _presets() -> Any:
-    from jax_kvcached.models.config import BUILTIN_CONFIGS
-
-    return BUILTIN_CONFIGS
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:
@@ -262,8 +257,6 @@ class Engine:
         self.forks = 0  # children that took their parent's prompt blocks
         self.fork_fallbacks = 0  # children admitted on their own (batch or memory full)
         self.steps = 0
-        # Sampling the checkpoint recommends (from_pretrained; the server's defaults).
-        self.generation_defaults: dict[str, float] = {}
         pool.set_reclaimer(name, self._reclaim)
 
     @classmethod
@@ -283,15 +276,11 @@ class Engine:
         well (fp32 on a CPU, bf16 on a GPU). ``kwargs`` go to the constructor."""
         from jax_kvcached.models.pretrained import default_dtype, load_pretrained
 
-        if dtype is None and source not in _presets():
+        if dtype is None and source not in BUILTIN_CONFIGS:  # (presets: fp32)
             dtype = default_dtype(pool.device)
         pre = load_pretrained(source, dtype=dtype, seed=seed, download=download)
         kwargs.setdefault("name", source)
-        engine = cls(
-            pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs
-        )
-        engine.generation_defaults = dict(pre.generation)
-        return engine
+        return cls(pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

@@ -295,6 +295,9 @@ def serve(
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_model_len is not None and max_model_len < 2:
         raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
+    generation_defaults({}, generation_config, {})  # a bad value fails before the port opens
+    if chat_template is not None and not os.path.isfile(chat_template):
+        raise ValueError(f"--chat-template {chat_template}: no such file")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("jax_kvcached").setLevel(log_level.upper())
     logging.getLogger("uvicorn").setLevel(max(logging.WARNING, logging.getLogger().level))
