@@ -257,6 +257,8 @@ class Engine:
         self.forks = 0  # children that took their parent's prompt blocks
         self.fork_fallbacks = 0  # children admitted on their own (batch or memory full)
         self.steps = 0
+        self._asleep: Any = None  # the offloaded weights while sleeping (sleep.Offloaded)
+        self._reload: Callable[[], Any] | None = None  # a fresh model (a level-2 wake)
         pool.set_reclaimer(name, self._reclaim)
 
     @classmethod
@@ -280,7 +282,10 @@ class Engine:
             dtype = default_dtype(pool.device)
         pre = load_pretrained(source, dtype=dtype, seed=seed, download=download)
         kwargs.setdefault("name", source)
-        return cls(pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs)
+        engine = cls(pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs)
+        # a level-2 sleep drops the weights: waking reads the checkpoint again
+        engine._reload = lambda: load_pretrained(source, dtype=dtype, seed=seed).model
+        return engine
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -481,11 +486,73 @@ class Engine:
         return self.runner.num_compiled
 
     # -- the loop ----------------------------------------------------------------------
+    # -- sleep -----------------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return self._asleep is not None
+
+    @property
+    def sleep_level(self) -> int | None:
+        return None if self._asleep is None else self._asleep.level
+
+    def sleep(self, level: int = 1, *, abort: bool = False) -> dict[str, Any]:
+        """Gives the device memory back while idle: the requests in flight finish first
+        (``abort=True``: they are aborted), idle cached prefixes go to the host tier when
+        there is one, every KV block and page is released, and the weights go to host
+        memory (level 1: page-locked where the device has it) or are dropped (level 2:
+        :meth:`wake` reads the checkpoint again; engines made by :meth:`from_pretrained`).
+        The compiled steps stay. Requests added while asleep wait for :meth:`wake`
+        (:meth:`run` and :meth:`generate` wake first). The model object the engine was
+        built from shares the weights: it is unusable while the engine sleeps."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        with self._lock:
+            if self._asleep is not None:
+                raise ValueError(f"{self.name!r} is already asleep (level {self.sleep_level})")
+            if level == 2 and self._reload is None:
+                raise ValueError(
+                    "a level-2 sleep drops the weights: only an engine made by "
+                    "Engine.from_pretrained can read them again; use level 1"
+                )
+            t0 = time.perf_counter()
+            if abort:
+                for rid in [r for r, s in self._by_id.items() if s.finish_reason is None]:
+                    self.abort(rid)
+            self.run()
+            self.drain()
+            spilled = 0
+            if self.prefix_cache is not None:  # idle prefixes: to the host tier, if any
+                spilled = self.prefix_cache.evict(self.prefix_cache.num_evictable_blocks)
+            self.runner.token.block_until_ready()  # (frees wait for the last step)
+            self.kv.poll()
+            self._asleep = self.runner.offload_weights(level)
+            return {
+                "level": level, "weight_bytes": self._asleep.nbytes, "evicted_blocks": spilled,
+                "mapped_pages": self.cache.mapped_pages, "seconds": time.perf_counter() - t0,
+            }  # fmt: skip
+
+    def wake(self) -> dict[str, Any]:
+        """Brings the weights back (a copy from host memory, or a reload of the
+        checkpoint after a level-2 sleep); nothing compiles. ValueError when awake; a
+        failed wake leaves the engine asleep (retry it)."""
+        with self._lock:
+            if self._asleep is None:
+                raise ValueError(f"{self.name!r} is awake")
+            t0 = time.perf_counter()
+            model = self._reload() if self._asleep.level == 2 else None
+            loaded = time.perf_counter() - t0
+            copy = self.runner.restore_weights(self._asleep, model)
+            level, self._asleep = self._asleep.level, None
+            return {"level": level, "reload_s": loaded, "weights_s": copy,
+                    "seconds": time.perf_counter() - t0}  # fmt: skip
+
     def step(self) -> list[Sequence]:
         """Advances the pipeline: dispatches the next step (the host prepares it while the
         device runs the previous one), then completes the previous step. Returns the
         sequences that finished, and those rejected (finish_reason "error", ``error``
-        says why: they can never fit)."""
+        says why: they can never fit). A sleeping engine steps nothing."""
+        if self._asleep is not None:
+            return []
         new = self.dispatch() if self.scheduler.has_work else None
         rejected, self._rejected = self._rejected, []
         if not self._inflight:
@@ -639,7 +706,10 @@ class Engine:
         """Steps until every queued request has finished.
 
         Raises PoolExhausted when nothing can run because other tenants hold the memory
-        (run each engine from a serving loop to wait for it instead)."""
+        (run each engine from a serving loop to wait for it instead). A sleeping engine
+        with work wakes first."""
+        if self._asleep is not None and self.has_work:
+            self.wake()
         while self.has_work:
             preemptions = self.scheduler.num_preemptions
             steps, inflight = self.steps, len(self._inflight)

@@ -30,6 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +47,7 @@ from jax_kvcached.engine.sampling import (
     sample,
     token_logprobs,
 )
+from jax_kvcached.engine.sleep import Offloaded, offload, restore
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.errors import PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
@@ -182,6 +184,10 @@ class ModelRunner:
         # The weights travel as a flat list: flattening an nnx.State on every call costs
         # more host time than the rest of a small step's dispatch.
         self._weights, self._weights_def = jax.tree.flatten(self.state)
+        # Committed to where they are (jit keys on commitment): weights restored after a
+        # sleep are committed too, and hit the same executables.
+        self._weights = [w if w.committed else jax.device_put(w, w.sharding) for w in self._weights]
+        self.state = jax.tree.unflatten(self._weights_def, self._weights)
         # Where the step's small outputs live: the device, or replicated over the mesh.
         self._device = (
             cache.device
@@ -552,6 +558,37 @@ class ModelRunner:
                     progress(done, len(todo))
         self.warm = True
         return time.perf_counter() - t0
+
+    # -- sleep -----------------------------------------------------------------------------
+    def state_arrays(self) -> list[jax.Array]:
+        """The device arrays of the weights the steps run with (empty while asleep)."""
+        return list(self._weights)
+
+    def offload_weights(self, level: int) -> Offloaded:
+        """Sleep: the weights to host memory (level 1) or dropped (level 2); the device
+        arrays are deleted. No step may run until :meth:`restore_weights`."""
+        off = offload(self._weights, level)
+        self._weights, self.state = [], None
+        return off
+
+    def restore_weights(self, off: Offloaded, model: Any = None) -> float:
+        """Wake: the weights back on the device, from the host copies or (level 2) from
+        ``model``, a freshly loaded model of the same architecture; returns the copy's
+        seconds. The compiled steps are hit again (same avals and shardings)."""
+        fresh = None
+        if off.level == 2:
+            if model is None:
+                raise ValueError("a level-2 wake needs the reloaded model")
+            if self.mesh is not None:
+                model = shard_model(model, self.mesh)
+            fresh, treedef = jax.tree.flatten(nnx.split(model)[1])
+            shapes = [(x.shape, x.dtype) for x in fresh]
+            want = [(s.shape, s.dtype) for s in off.avals]
+            if treedef != self._weights_def or shapes != want:
+                raise ValueError("the reloaded checkpoint does not match the sleeping model")
+        self._weights, seconds = restore(off, fresh)
+        self.state = jax.tree.unflatten(self._weights_def, self._weights)
+        return seconds
 
     # -- running -------------------------------------------------------------------------
     @staticmethod
