@@ -256,7 +256,7 @@ def test_serve_answers_from_the_start_and_logs_every_request(tmp_path):
          "--default-temperature", "0", "--port", str(port)],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
-    seen, deadline = [], time.monotonic() + 180
+    seen, early, deadline = [], [], time.monotonic() + 180
     try:
         while time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read()
@@ -268,9 +268,12 @@ def test_serve_answers_from_the_start_and_logs_every_request(tmp_path):
             seen.append((r.status_code, r.json()))
             if r.status_code == 200:
                 break
-            early = httpx.get(f"{url}/v1/models", timeout=5)  # not yet: a clear 503
-            assert early.status_code == 503 and early.json()["error"]["code"] == "starting"
+            r = httpx.get(f"{url}/v1/models", timeout=5)  # not yet: a clear 503
+            early.append((r.status_code, r.json()))  # (200 if it just became ready)
             time.sleep(0.2)
+        refused = [b for s, b in early if s == 503]
+        assert refused and all(b["error"]["code"] == "starting" for b in refused)
+        assert all(s in (200, 503) for s, _ in early)
         starting = [b for s, b in seen if s == 503]
         assert starting and all(b["status"] == "starting" for b in starting)
         compiling = [b for b in starting if b["phase"] == "compiling"]
