@@ -98,7 +98,7 @@ def test_bad_sleep_and_wake_calls_are_clear_errors(engine):
 
     bare = Engine(load_pretrained("tiny-qwen2").model, engine.pool, name="bare")
     try:
-        with pytest.raises(ValueError, match="only an engine made by Engine.from_pretrained"):
+        with pytest.raises(ValueError, match="only an engine with a reload"):
             bare.sleep(level=2)
         assert not bare.sleeping
     finally:

@@ -148,6 +148,8 @@ class Engine:
         ``devices=``); default: the pool's. A copy of the model's parameters is placed
         on it by its ``tensor_parallel_plan`` and each device attends over its heads.
         A mesh other than the pool's is a ValueError.
+      reload: returns a fresh copy of the model (its checkpoint read again), for waking
+        from a level-2 :meth:`sleep`; :meth:`from_pretrained` passes one.
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class Engine:
         attention: str = "auto",
         overlap: bool = True,
         mesh: Any = None,
+        reload: Callable[[], Any] | None = None,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(
@@ -258,7 +261,7 @@ class Engine:
         self.fork_fallbacks = 0  # children admitted on their own (batch or memory full)
         self.steps = 0
         self._asleep: Any = None  # the offloaded weights while sleeping (sleep.Offloaded)
-        self._reload: Callable[[], Any] | None = None  # a fresh model (a level-2 wake)
+        self._reload = reload  # a fresh model of the same weights (a level-2 wake)
         pool.set_reclaimer(name, self._reclaim)
 
     @classmethod
@@ -282,10 +285,9 @@ class Engine:
             dtype = default_dtype(pool.device)
         pre = load_pretrained(source, dtype=dtype, seed=seed, download=download)
         kwargs.setdefault("name", source)
-        engine = cls(pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs)
         # a level-2 sleep drops the weights: waking reads the checkpoint again
-        engine._reload = lambda: load_pretrained(source, dtype=dtype, seed=seed).model
-        return engine
+        kwargs.setdefault("reload", lambda: load_pretrained(source, dtype=dtype, seed=seed).model)
+        return cls(pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:
@@ -511,8 +513,8 @@ class Engine:
                 raise ValueError(f"{self.name!r} is already asleep (level {self.sleep_level})")
             if level == 2 and self._reload is None:
                 raise ValueError(
-                    "a level-2 sleep drops the weights: only an engine made by "
-                    "Engine.from_pretrained can read them again; use level 1"
+                    "a level-2 sleep drops the weights: only an engine with a reload (as "
+                    "Engine.from_pretrained makes) can read them again; use level 1"
                 )
             t0 = time.perf_counter()
             if abort:
