@@ -49,9 +49,9 @@ def run_demo(
     from jax_kvcached.models import (
         BUILTIN_CONFIGS,
         PRETRAINED,
-        default_dtype,
         fetch,
         load_pretrained,
+        weights_dtype,
     )
 
     log = Log(quiet)
@@ -69,7 +69,7 @@ def run_demo(
             ignore_eos = True
         else:
             # the dtype the pool's device computes well: fp32 on a CPU, bf16 on a GPU
-            dtype = default_dtype(pool.device)
+            dtype = weights_dtype(model_name, pool.device)
             path = fetch(model_name, log=log)
             log(f"loading {model_name} from {path}...")
             pre = load_pretrained(model_name, dtype=dtype)

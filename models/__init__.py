@@ -15,6 +15,7 @@ from .pretrained import (
     generation_config,
     load_pretrained,
     pretrained_path,
+    weights_dtype,
 )
 from .registry import abstract_model, build_model, model_class, register
 from .sharding import shard_model
@@ -28,6 +29,7 @@ __all__ = [
     "fetch",
     "generation_config",
     "model_cache_dir",
+    "weights_dtype",
     "Attend",
     "CausalLM",
     "abstract_model",

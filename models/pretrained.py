@@ -46,6 +46,13 @@ def default_dtype(device: Any = None) -> Any:
     return jnp.float32 if platform == "cpu" else jnp.bfloat16
 
 
+def weights_dtype(source: str, device: Any = None) -> Any:
+    """The dtype ``load_pretrained(source)`` gives the weights by default: float32 for
+    a random preset, else :func:`default_dtype` of ``device``. The one rule that the
+    library, ``demo`` and ``serve --dtype auto`` share."""
+    return jnp.float32 if source in BUILTIN_CONFIGS else default_dtype(device)
+
+
 def pretrained_path(name: str) -> str:
     """The checkpoint file of a packaged model; ``ModelNotDownloaded`` (a
     FileNotFoundError) names the command that fetches it."""
@@ -65,15 +72,16 @@ def generation_config(path: str) -> dict[str, float]:
 
 
 def load_pretrained(
-    source: str, *, dtype: Any = None, seed: int = 0, download: bool = False
+    source: str, *, dtype: Any = None, device: Any = None, seed: int = 0, download: bool = False
 ) -> Pretrained:
     """A packaged model by name (``smollm2-135m``), a built-in random preset
     (``tiny-llama``, ``tiny-qwen2``: random weights, byte tokenizer), a GGUF file or a
     Hugging Face checkpoint folder, with its own tokenizer and chat template.
 
-    ``dtype``: default :func:`default_dtype` (fp32 on a CPU, bf16 on a GPU) for trained
-    weights, fp32 for presets. ``download``: fetch a packaged model that is not on this
-    machine (else ``ModelNotDownloaded`` says what to run). ``seed``: presets' weights.
+    ``dtype``: default :func:`weights_dtype` (fp32 on a CPU, bf16 on a GPU for trained
+    weights, fp32 for presets), for ``device`` (default: JAX's default device).
+    ``download``: fetch a packaged model that is not on this machine (else
+    ``ModelNotDownloaded`` says what to run). ``seed``: presets' weights.
     """
     from .gguf import GGUFCheckpoint, gguf_file
     from .loader import find_chat_template, load_checkpoint, load_gguf, load_tokenizer
@@ -82,9 +90,10 @@ def load_pretrained(
 
     if not isinstance(source, str):
         raise TypeError(f"load_pretrained takes a name or a path, got {type(source).__name__}")
+    dtype = dtype or weights_dtype(source, device)
     if source in BUILTIN_CONFIGS:
         cfg = BUILTIN_CONFIGS[source]
-        model = build_model(cfg, seed=seed, dtype=dtype or jnp.float32)
+        model = build_model(cfg, seed=seed, dtype=dtype)
         return Pretrained(cfg, model, ByteTokenizer(), "", None, {})
     if source in PRETRAINED:
         path = fetch(source) if download else path_of(source)
@@ -97,7 +106,6 @@ def load_pretrained(
             f"built-in random preset ({', '.join(sorted(BUILTIN_CONFIGS))}), a .gguf file "
             "nor a checkpoint folder"
         )
-    dtype = dtype or default_dtype()
     gguf = gguf_file(path)
     if gguf is not None:  # one file holds it all: open it once
         ck = GGUFCheckpoint(gguf)

@@ -131,6 +131,10 @@ def test_the_default_dtype_is_what_the_platform_computes_well():
 
     assert default_dtype(jax.devices("cpu")[0]) == jnp.float32
     assert default_dtype() == jnp.float32  # the tests' default device is the CPU
+    from jax_kvcached.models import weights_dtype  # the rule load_pretrained, demo, serve use
+
+    assert weights_dtype("smollm2-135m", "gpu") == jnp.bfloat16
+    assert weights_dtype("tiny-llama", "gpu") == jnp.float32  # presets: fp32 anywhere
 
 
 def test_generation_config_is_read_from_a_checkpoint_folder(tmp_path):

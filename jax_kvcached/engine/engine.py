@@ -27,7 +27,6 @@ from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
 from jax_kvcached.memory.pool import Pool
 from jax_kvcached.models.chat_template import ChatTemplate
-from jax_kvcached.models.config import BUILTIN_CONFIGS
 from jax_kvcached.models.interface import CausalLM
 
 # One prompt: text, token ids, or a Prompt an engine validated.
@@ -279,10 +278,9 @@ class Engine:
         packaged model's name, a preset, a GGUF file or a checkpoint folder) with its
         tokenizer and chat template; ``dtype`` defaults to what the pool's device computes
         well (fp32 on a CPU, bf16 on a GPU). ``kwargs`` go to the constructor."""
-        from jax_kvcached.models.pretrained import default_dtype, load_pretrained
+        from jax_kvcached.models.pretrained import load_pretrained, weights_dtype
 
-        if dtype is None and source not in BUILTIN_CONFIGS:  # (presets: fp32)
-            dtype = default_dtype(pool.device)
+        dtype = dtype or weights_dtype(source, pool.device)
         pre = load_pretrained(source, dtype=dtype, seed=seed, download=download)
         kwargs.setdefault("name", source)
         # a level-2 sleep drops the weights: waking reads the checkpoint again

@@ -60,7 +60,7 @@ class MemoryLimit:
 
 def limit_to_pages(
     name: str, limit: int | str | None, page_size: int, pages_per_kv_page: int, guarantee: int,
-    budget: int | None = None,
+    budget: int,
 ) -> int | None:
     """A tenant's limit in physical pages, rounded down to whole KV pages (None: the
     budget); ValueError below its guarantee (pages), above the ``budget`` (pages), or
@@ -69,7 +69,7 @@ def limit_to_pages(
         return None
     nbytes = parse_bytes(limit, "memory limit", allow_zero=True)
     kv_page = page_size * pages_per_kv_page
-    if budget is not None and nbytes > budget * page_size:
+    if nbytes > budget * page_size:
         raise ValueError(
             f"memory limit of {name!r} ({nbytes} bytes) exceeds the budget "
             f"({budget * page_size} bytes); none means the whole budget"

@@ -145,15 +145,15 @@ def build_served(
     from jax_kvcached.models import (
         BUILTIN_CONFIGS,
         PRETRAINED,
-        default_dtype,
         fetch,
         load_pretrained,
+        weights_dtype,
     )
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if spec.source in BUILTIN_CONFIGS:
-        where, dt = "a built-in random preset", jnp.float32 if dtype == "auto" else dtype
+        where = "a built-in random preset"
     elif spec.source in PRETRAINED:
         where = fetch(spec.source, log=log.info)
     elif os.path.exists(spec.source):
@@ -164,8 +164,7 @@ def build_served(
             f"({', '.join(sorted(PRETRAINED))}), a built-in random one "
             f"({', '.join(sorted(BUILTIN_CONFIGS))}), a .gguf file nor a checkpoint directory"
         )
-    if spec.source not in BUILTIN_CONFIGS:
-        dt = default_dtype(pool.device) if dtype == "auto" else dtype
+    dt = weights_dtype(spec.source, pool.device) if dtype == "auto" else dtype
     log.info("loading %s from %s (%s)", spec.name, where, jnp.dtype(dt).name)
     pre = load_pretrained(spec.source, dtype=dt, seed=seed)
     template = pre.template
