@@ -20,7 +20,12 @@ import numpy as np
 from bench_common import median_time
 
 import jax_kvcached as kv
-from jax_kvcached.engine.attention import host_paged_attention, paged_attention
+from jax_kvcached.engine.attention import (
+    Ragged,
+    host_paged_attention,
+    paged_attention,
+    ragged_layout,
+)
 from jax_kvcached.memory import ops
 
 KVH, D, G, BS = 4, 64, 2, 16  # 4 KV heads x 64, GQA 2, block 16 (the shape)
@@ -46,23 +51,23 @@ def point(b: int, ctx: int, dtype: str, iters: int, rounds: int, gpu: bool) -> d
     for i in range(b):
         slots = c.slot_mapping(tables[i], np.arange(ctx))
         ops.write_kv(c, 0, k[i][None], v[i][None], slots, ops.new_token()).block_until_ready()
-    q = jnp.asarray(rng.standard_normal((b, 1, KVH * G, D)), jnp.float32)
-    new = jnp.zeros((b, 1, KVH, D), jnp.float32)
-    tab, ctxs, ones = jnp.asarray(tables), jnp.full((b,), ctx, jnp.int32), jnp.ones(b, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, KVH * G, D)), jnp.float32)  # one row each
+    lay = Ragged(**{k: jnp.asarray(v) for k, v in
+                    ragged_layout([1] * b, [ctx] * b, tables, b, 1).items()})  # fmt: skip
     view = c.view
-    variants = {"xla": jax.jit(paged_attention, static_argnums=4)}
+    variants = {"xla": jax.jit(paged_attention, static_argnums=2)}
     if pool.backend == "host":
         host = functools.partial(host_paged_attention, c, ops.new_token())
-        variants["host"] = jax.jit(host, static_argnums=4)
+        variants["host"] = jax.jit(host, static_argnums=2)
     if gpu:
         from jax_kvcached.engine.pallas_attention import pallas_paged_attention
 
         splits = max(1, min(8, nb // 32))
         variants["pallas"] = jax.jit(
-            functools.partial(pallas_paged_attention, num_splits=splits), static_argnums=4
+            functools.partial(pallas_paged_attention, num_splits=splits), static_argnums=2
         )
     calls = {
-        name: (lambda f=f: jax.block_until_ready(f(q, new, new, view, 0, tab, ctxs, ones)))
+        name: (lambda f=f: jax.block_until_ready(f(q, view, 0, lay)))
         for name, f in variants.items()
     }
     kd, vd = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # contiguous (B, Hkv, S, D)

@@ -148,7 +148,7 @@ def bench_prefill(model, chunk: int, iters: int, backend: str = "host") -> dict:
     cache = pool.create_kv_cache(
         "prefill", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32"
     )
-    runner = ModelRunner(model, cache, prefill_tokens=chunk, max_model_len=chunk + 16)
+    runner = ModelRunner(model, cache, max_num_batched_tokens=chunk, max_model_len=chunk + 16)
     blocks = cache.alloc(-(-chunk // 16)).tolist()
     toks = np.random.default_rng(1).integers(0, cfg.vocab_size, chunk).tolist()
     x = [StepInput(toks, 0, blocks)]
@@ -198,7 +198,7 @@ def bench_host_share(batch: int, rounds: int, prompt_len: int = 64, steps: int =
     the built-in tiny Llama (the issue's profile: prompt 64, 96 new tokens)."""
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
     pool = _host_pool()
-    eng = Engine(model, pool, max_batch=batch, prefill_chunk=64, prefix_caching=False)
+    eng = Engine(model, pool, max_batch=batch, max_num_batched_tokens=64, prefix_caching=False)
     rng = np.random.default_rng(batch)
     params = SamplingParams(max_tokens=prompt_len + 3 * steps, ignore_eos=True, seed=1)
 
@@ -442,7 +442,7 @@ def bench_tp(model_name: str, sizes: list[int], rounds: int) -> list[dict]:
     for tp in sizes:
         pool = kv.Pool("1GiB", backend="host", devices=jax.devices("cpu")[:tp],
                        min_reserved_pages=0, max_reserved_pages=0)  # fmt: skip
-        eng = Engine(load_model(model_name), pool, max_batch=16, prefill_chunk=256,
+        eng = Engine(load_model(model_name), pool, max_batch=16, max_num_batched_tokens=256,
                      max_model_len=1024)  # fmt: skip
         eng.generate(prompts, params)  # compiles the shapes this run uses
         eng.reset_prefix_cache()

@@ -86,7 +86,7 @@ def build(config: str, budget: int, page: int, max_batch: int, models) -> tuple[
     for i, name in enumerate(MODELS):
         pool = pools[0] if config == "elastic" else pools[i]
         engines[name] = Engine(
-            models[name], pool, name=name, max_batch=max_batch, prefill_chunk=128,
+            models[name], pool, name=name, max_batch=max_batch, max_num_batched_tokens=128,
             prefix_caching=False,
         )  # fmt: skip
     return engines, pools
@@ -203,7 +203,7 @@ def host_tier_bursts(models, rounds: int, tier_tokens: int, seed: int = 0) -> di
             pool,
             name=n,
             max_batch=8,
-            prefill_chunk=128,
+            max_num_batched_tokens=128,
             max_cached_tokens=-1,
             host_cache_tokens=tier_tokens,
         )  # fmt: skip

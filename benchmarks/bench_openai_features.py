@@ -36,7 +36,8 @@ def _backend() -> str:
 
 def _engine(model, max_batch: int, caching: bool = True) -> tuple[Engine, kv.Pool]:
     pool = kv.Pool("1GiB", backend=_backend(), min_reserved_pages=0, max_reserved_pages=0)
-    eng = Engine(model, pool, max_batch=max_batch, prefill_chunk=256, prefix_caching=caching,
+    eng = Engine(model, pool, max_batch=max_batch, max_num_batched_tokens=256,
+                 prefix_caching=caching,
                  max_model_len=2048)  # (fewer shapes to warm up than the model's 8192)  # fmt: skip
     eng.compile()
     return eng, pool

@@ -38,7 +38,7 @@ def _engine(model, caching, bound=-1, limit="1GiB", batch=16, host_cache_tokens=
         model,
         pool,
         max_batch=batch,
-        prefill_chunk=512,
+        max_num_batched_tokens=512,
         prefix_caching=caching,
         max_cached_tokens=bound,
         host_cache_tokens=host_cache_tokens,

@@ -9,6 +9,8 @@
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "errors.h"
@@ -74,127 +76,190 @@ const float* load_row(const char* p, DType t, int64_t runtime_d, float* tmp) {
   return tmp;
 }
 
-// The hot loops: inlined (an out-of-line or ifunc-dispatched call per row cost 3x here)
-// and compiled with reassociation allowed (CMakeLists.txt), so the sums vectorise.
-// Eight independent partial sums: vectorises even without reassociation.
-template <int64_t kD>
-inline float dot(const float* a, const float* b, int64_t runtime_n) {
-  const int64_t n = kD > 0 ? kD : runtime_n;  // a compile-time head_dim unrolls (3x here)
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
-  }
-  float s = 0;
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+// The hot loops are inlined and compiled with reassociation allowed and, where the build
+// machine has them, its vector units (CMakeLists.txt), so the sums below vectorise.
+
+// exp(x) for x <= 0 (scores minus their running max), Cephes' polynomial: a relative
+// error near 1e-7, and unlike std::exp it vectorises.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
 }
 
-template <int64_t kD>
-inline void axpy(float a, const float* x, float* y, int64_t runtime_n) {
-  const int64_t n = kD > 0 ? kD : runtime_n;
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
+constexpr int64_t kLanes = 16;  // keys scored together: one AVX-512 / two AVX2 registers
 
-// The online-softmax state of the query rows of one (sequence, KV head).
+// The online-softmax state of some query rows of one (sequence, KV head). Keys come in
+// groups of kLanes: K transposed (head_dim x kLanes) so a row's kLanes scores are
+// vector FMAs with no horizontal sums, four rows at a time sharing each K load.
 template <int64_t kD>
 struct Rows {
   int64_t n, d;
   float scale;
   std::vector<const float*> q;
   std::vector<float*> o;
-  std::vector<float> m, l, s, krow, vrow;
+  std::vector<float> m, l, s, kt, vb, tmp;
 
-  Rows(int64_t nrows, int64_t dim, int64_t chunk, float sc)
+  Rows(int64_t nrows, int64_t dim, float sc)
       : n(nrows), d(kD > 0 ? kD : dim), scale(sc), q(nrows), o(nrows), m(nrows, kMasked),
-        l(nrows, 0.f), s(static_cast<size_t>(nrows * chunk)), krow(dim), vrow(dim) {}
+        l(nrows, 0.f), s(static_cast<size_t>(nrows * kLanes)), kt(static_cast<size_t>(dim * kLanes)),
+        vb(static_cast<size_t>(dim * kLanes)), tmp(dim) {}
 
   // Attends every row to `count` keys: key(j) / val(j) give rows of floats (tmp buffers
-  // offered), visible(r, j) masks (causal new tokens). Rows that see none of them are
-  // left as they are.
+  // offered), visible(r, j) masks (causal). Rows that see none of them stay as they are.
   template <typename Key, typename Val, typename Visible>
-  void chunk(int64_t count, int64_t stride, Key key, Val val, Visible visible) {
-    for (int64_t j = 0; j < count; ++j) {
-      const float* k = key(j, krow.data());
-      for (int64_t r = 0; r < n; ++r) {
-        s[static_cast<size_t>(r * stride + j)] = visible(r, j) ? dot<kD>(q[r], k, d) * scale : kMasked;
+  void chunk(int64_t count, Key key, Val val, Visible visible) {
+    for (int64_t j0 = 0; j0 < count; j0 += kLanes) group(j0, std::min(kLanes, count - j0), key, val, visible);
+  }
+
+ private:
+  void scores4(int64_t r) {
+    const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];
+    float a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};
+    for (int64_t x = 0; x < d; ++x) {
+      const float* k = &kt[static_cast<size_t>(x * kLanes)];
+      const float b0 = q0[x], b1 = q1[x], b2 = q2[x], b3 = q3[x];
+      for (int64_t j = 0; j < kLanes; ++j) {
+        a0[j] += b0 * k[j];
+        a1[j] += b1 * k[j];
+        a2[j] += b2 * k[j];
+        a3[j] += b3 * k[j];
       }
     }
-    for (int64_t r = 0; r < n; ++r) {
-      float* sr = &s[static_cast<size_t>(r * stride)];
-      const float mb = *std::max_element(sr, sr + count);
-      if (mb <= kMasked) {  // nothing visible to this row here
-        std::fill(sr, sr + count, 0.f);
-        continue;
+    float* out = &s[static_cast<size_t>(r * kLanes)];
+    for (int64_t j = 0; j < kLanes; ++j) {
+      out[j] = a0[j];
+      out[kLanes + j] = a1[j];
+      out[2 * kLanes + j] = a2[j];
+      out[3 * kLanes + j] = a3[j];
+    }
+  }
+
+  void scores1(int64_t r) {
+    float a[kLanes] = {};
+    const float* qr = q[r];
+    for (int64_t x = 0; x < d; ++x) {
+      const float* k = &kt[static_cast<size_t>(x * kLanes)];
+      for (int64_t j = 0; j < kLanes; ++j) a[j] += qr[x] * k[j];
+    }
+    std::copy(a, a + kLanes, &s[static_cast<size_t>(r * kLanes)]);
+  }
+
+  // o[r] = o[r] * corr + sum_j p[j] v[j] (a compile-time head_dim keeps o in registers).
+  void accumulate(int64_t r, float corr, const float* p, int64_t c) {
+    float* out = o[r];
+    if constexpr (kD > 0) {
+      float acc[kD];
+      for (int64_t x = 0; x < kD; ++x) acc[x] = out[x] * corr;
+      for (int64_t j = 0; j < c; ++j) {
+        const float pj = p[j];
+        const float* v = &vb[static_cast<size_t>(j * kD)];
+        for (int64_t x = 0; x < kD; ++x) acc[x] += pj * v[x];
       }
+      std::copy(acc, acc + kD, out);
+    } else {
+      for (int64_t x = 0; x < d; ++x) out[x] *= corr;
+      for (int64_t j = 0; j < c; ++j) {
+        const float pj = p[j];
+        const float* v = &vb[static_cast<size_t>(j * d)];
+        for (int64_t x = 0; x < d; ++x) out[x] += pj * v[x];
+      }
+    }
+  }
+
+  template <typename Key, typename Val, typename Visible>
+  void group(int64_t j0, int64_t c, Key key, Val val, Visible visible) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      if (j < c) {
+        const float* k = key(j0 + j, tmp.data());
+        for (int64_t x = 0; x < d; ++x) kt[static_cast<size_t>(x * kLanes + j)] = k[x];
+        const float* v = val(j0 + j, tmp.data());
+        std::copy(v, v + d, &vb[static_cast<size_t>(j * d)]);
+      } else {
+        for (int64_t x = 0; x < d; ++x) kt[static_cast<size_t>(x * kLanes + j)] = 0.f;
+      }
+    }
+    int64_t r = 0;
+    for (; r + 4 <= n; r += 4) scores4(r);
+    for (; r < n; ++r) scores1(r);
+    for (r = 0; r < n; ++r) {
+      float* sr = &s[static_cast<size_t>(r * kLanes)];
+      float mb = kMasked;
+      for (int64_t j = 0; j < c; ++j) {
+        sr[j] = visible(r, j0 + j) ? sr[j] * scale : kMasked;
+        mb = std::max(mb, sr[j]);
+      }
+      if (mb <= kMasked) continue;  // nothing visible to this row here
+      float corr = 1.f;
       if (mb > m[r]) {  // rescale what was accumulated under the old max
-        const float corr = std::exp(m[r] - mb);
+        corr = fast_exp(m[r] - mb);
         l[r] *= corr;
-        for (int64_t x = 0; x < d; ++x) o[r][x] *= corr;
         m[r] = mb;
       }
       float sum = 0;
-      for (int64_t j = 0; j < count; ++j) {
-        sr[j] = sr[j] <= kMasked ? 0.f : std::exp(sr[j] - m[r]);
+      const float mr = m[r];
+      for (int64_t j = 0; j < c; ++j) {
+        sr[j] = sr[j] <= kMasked ? 0.f : fast_exp(sr[j] - mr);
         sum += sr[j];
       }
       l[r] += sum;
-    }
-    for (int64_t j = 0; j < count; ++j) {
-      const float* v = val(j, vrow.data());
-      for (int64_t r = 0; r < n; ++r) {
-        const float p = s[static_cast<size_t>(r * stride + j)];
-        if (p != 0.f) axpy<kD>(p, v, o[r], d);
-      }
+      accumulate(r, corr, sr, c);
     }
   }
 };
 
-// One (sequence b, KV head h): every query row of the head's groups over the cached
-// tokens (in place, through the block table) and the step's new tokens (causal), then
-// normalised. kD: head_dim when it is a common compile-time size, else 0.
+// One (sequence s, query tokens [t0, t1) of it, KV head h): every query row of those
+// tokens and the head's groups over the sequence's cached tokens up to its own position
+// (in place, through the block table), then normalised. kD: head_dim when it is a common
+// compile-time size, else 0.
 template <int64_t kD>
-void attend_one(const KVBuffer& buf, const AttendArgs& a, int64_t b, int64_t h) {
+void attend_one(const KVBuffer& buf, const AttendArgs& a, int64_t s, int64_t t0, int64_t t1, int64_t h) {
   const KVLayout& L = buf.layout();
-  const int64_t d = kD > 0 ? kD : a.head_dim, bs = L.block_size, g = a.groups, T = a.rows;
+  const int64_t d = kD > 0 ? kD : a.head_dim, bs = L.block_size, g = a.groups;
   const size_t row_bytes = L.row_bytes(), isz = dtype_size(L.dtype);
   const char* k_plane = reinterpret_cast<const char*>(buf.base() + static_cast<size_t>(2 * a.layer) * buf.plane_bytes());
   const char* v_plane = k_plane + buf.plane_bytes();
-  Rows<kD> rows(T * g, d, std::max(bs, T), a.scale);
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t j = 0; j < g; ++j) {
-      const int64_t off = ((b * T + t) * a.kv_heads + h) * g + j;
-      rows.q[t * g + j] = a.q + off * d;
-      rows.o[t * g + j] = a.out + off * d;
-      std::fill(a.out + off * d, a.out + (off + 1) * d, 0.f);
+  const int64_t n = (t1 - t0) * g;
+  Rows<kD> rows(n, d, a.scale);
+  const int64_t first = a.q_start[s];
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t off = ((first + t0 + r / g) * a.kv_heads + h) * g + r % g;
+    rows.q[r] = a.q + off * d;
+    rows.o[r] = a.out + off * d;
+  }
+  // Row r is the query at position p0 + r / g; it sees keys at positions <= that.
+  const int64_t p0 = a.kv_lens[s] - a.q_lens[s] + t0;
+  const int64_t end = p0 + (t1 - t0);  // keys any row of the tile sees
+  auto all = [](int64_t, int64_t) { return true; };
+  for (int64_t i = 0; i * bs < end; ++i) {
+    const int64_t count = std::min(bs, end - i * bs);
+    const size_t base = static_cast<size_t>(a.tables[s * a.nb + i] * bs) * row_bytes + static_cast<size_t>(h * d) * isz;
+    auto key = [&](int64_t j, float* tmp) { return load_row<kD>(k_plane + base + j * row_bytes, L.dtype, d, tmp); };
+    auto val = [&](int64_t j, float* tmp) { return load_row<kD>(v_plane + base + j * row_bytes, L.dtype, d, tmp); };
+    if (i * bs + count <= p0 + 1) {  // every row sees the whole block
+      rows.chunk(count, key, val, all);
+    } else {
+      rows.chunk(count, key, val, [&](int64_t r, int64_t j) { return i * bs + j <= p0 + r / g; });
     }
   }
-  const int64_t ctx = a.ctx_lens[b];
-  auto all = [](int64_t, int64_t) { return true; };
-  for (int64_t i = 0; i * bs < ctx; ++i) {
-    const size_t base = static_cast<size_t>(a.tables[b * a.nb + i] * bs) * row_bytes + static_cast<size_t>(h * d) * isz;
-    rows.chunk(
-        std::min(bs, ctx - i * bs), bs,
-        [&](int64_t j, float* tmp) { return load_row<kD>(k_plane + base + j * row_bytes, L.dtype, d, tmp); },
-        [&](int64_t j, float* tmp) { return load_row<kD>(v_plane + base + j * row_bytes, L.dtype, d, tmp); }, all);
-  }
-  // The new tokens: row (t, g) sees new token u when u <= t and u is not padding.
-  const int64_t valid = a.new_lens[b];
-  const int64_t knew = (b * T * a.kv_heads + h) * d, step = a.kv_heads * d;
-  rows.chunk(
-      T, std::max(bs, T), [&](int64_t u, float*) { return a.k_new + knew + u * step; },
-      [&](int64_t u, float*) { return a.v_new + knew + u * step; },
-      [&](int64_t r, int64_t u) { return u <= r / g && u < valid; });
-  for (int64_t r = 0; r < T * g; ++r) {
-    const float inv = rows.l[r] > 0.f ? 1.f / rows.l[r] : 0.f;  // no key at all: zeros
+  for (int64_t r = 0; r < n; ++r) {
+    const float inv = rows.l[r] > 0.f ? 1.f / rows.l[r] : 0.f;
     for (int64_t x = 0; x < d; ++x) rows.o[r][x] *= inv;
-    const int64_t off = ((b * T + r / g) * a.kv_heads + h) * g + r % g;
-    a.max[off] = rows.m[r];
-    a.sum[off] = rows.l[r];
   }
 }
 
-using AttendOne = void (*)(const KVBuffer&, const AttendArgs&, int64_t, int64_t);
+using AttendOne = void (*)(const KVBuffer&, const AttendArgs&, int64_t, int64_t, int64_t, int64_t);
 
 AttendOne attend_for(int64_t head_dim) {
   switch (head_dim) {
@@ -208,12 +273,48 @@ AttendOne attend_for(int64_t head_dim) {
   }
 }
 
+std::string check_ragged(const AttendArgs& a) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t s = 0; s < a.seqs; ++s) {
+    const int64_t ql = a.q_lens[s], qs = a.q_start[s], kl = a.kv_lens[s];
+    const std::string at = "[" + std::to_string(s) + "]";
+    if (ql < 0 || ql > kl) {
+      return "q_lens" + at + " = " + std::to_string(ql) + " out of range [0, kv_lens" + at + " = " +
+             std::to_string(kl) + "]";
+    }
+    if (ql == 0) continue;
+    if (qs < 0 || qs > a.tokens - ql) {
+      return "q_start" + at + " = " + std::to_string(qs) + " with q_lens" + at + " = " + std::to_string(ql) +
+             " runs past the " + std::to_string(a.tokens) + " query rows";
+    }
+    ranges.emplace_back(qs, qs + ql);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) return "two sequences' query rows overlap";
+  }
+  return {};
+}
+
 }  // namespace
 
-void attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t workers, const Spawn& spawn) {
+std::string attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t workers, const Spawn& spawn) {
+  if (std::string err = check_ragged(a); !err.empty()) return err;
   std::shared_lock<std::shared_mutex> lock(buf.mutex());  // no unmap while we read
-  const std::string err = buf.check_read(a.layer, a.tables, a.batch, a.nb, a.ctx_lens);
-  if (!err.empty()) throw Error(err);
+  if (std::string err = buf.check_read(a.layer, a.tables, a.seqs, a.nb, a.kv_lens); !err.empty()) return err;
+  std::fill(a.out, a.out + a.tokens * a.kv_heads * a.groups * a.head_dim, 0.f);
+  // Tasks: (sequence, tile of up to kTile query tokens, KV head). Tiles bound a task's
+  // rows (their scores stay in cache) and spread one long prefill chunk over the cores.
+  constexpr int64_t kTile = 32;
+  struct Task {
+    int64_t s, t0, t1, h;
+  };
+  std::vector<Task> todo;
+  for (int64_t s = 0; s < a.seqs; ++s) {
+    for (int64_t t0 = 0; t0 < a.q_lens[s]; t0 += kTile) {
+      for (int64_t h = 0; h < a.kv_heads; ++h) todo.push_back({s, t0, std::min<int64_t>(a.q_lens[s], t0 + kTile), h});
+    }
+  }
   // Helpers may start late (the pool busy with other work): the caller takes tasks too and
   // waits only for tasks taken, never for a helper to start, so it cannot deadlock. The
   // shared state outlives the call for helpers that start after it returned.
@@ -222,13 +323,17 @@ void attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t workers, cons
     std::mutex mu;
     std::condition_variable cv;
     int64_t finished = 0;
+    std::vector<Task> todo;
   };
   auto st = std::make_shared<State>();
-  const int64_t tasks = a.batch * a.kv_heads;
+  st->todo = std::move(todo);
+  const int64_t tasks = static_cast<int64_t>(st->todo.size());
+  if (tasks == 0) return {};
   const AttendOne one = attend_for(a.head_dim);
   auto run = [st, tasks, one, &buf, &a] {
     for (int64_t i = st->next++; i < tasks; i = st->next++) {
-      one(buf, a, i / a.kv_heads, i % a.kv_heads);
+      const Task& t = st->todo[static_cast<size_t>(i)];
+      one(buf, a, t.s, t.t0, t.t1, t.h);
       std::lock_guard<std::mutex> g(st->mu);
       if (++st->finished == tasks) st->cv.notify_all();
     }
@@ -237,6 +342,7 @@ void attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t workers, cons
   run();
   std::unique_lock<std::mutex> g(st->mu);
   st->cv.wait(g, [&] { return st->finished == tasks; });
+  return {};
 }
 
 }  // namespace kvcached

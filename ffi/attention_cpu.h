@@ -1,5 +1,7 @@
-// Paged attention on the host backend: reads K/V in place from the view's planes through
-// block tables (no gathered copy), one (sequence, KV head) per task.
+// Ragged paged attention on the host backend: reads K/V in place from the view's planes
+// through block tables (no gathered copy), one (sequence, tile of query rows, KV head) per
+// task. The step's own K/V are already in the cache (written before the call), so every
+// query row sees the cached tokens up to its own position.
 #pragma once
 
 #include <cstdint>
@@ -11,27 +13,25 @@ namespace kvcached {
 
 struct AttendArgs {
   int64_t layer;
-  int64_t batch, rows, kv_heads, groups, head_dim;  // q: (batch, rows, kv_heads, groups, head_dim)
-  int64_t nb;                                       // block table width
+  int64_t tokens, seqs, kv_heads, groups, head_dim;  // q: (tokens, kv_heads, groups, head_dim)
+  int64_t nb;                                        // block table width
   float scale;
   const float* q;
-  const float* k_new;       // (batch, rows, kv_heads, head_dim): the step's new keys
-  const float* v_new;       // the same for values
-  const int32_t* tables;    // (batch, nb)
-  const int32_t* ctx_lens;  // (batch,): cached tokens
-  const int32_t* new_lens;  // (batch,): valid new tokens (the rest of `rows` is padding)
-  float* out;               // (batch, rows, kv_heads, groups, head_dim), normalised
-  float* max;               // (batch, rows, kv_heads, groups): the max score seen
-  float* sum;               // the same shape: the sum of exp(score - max)
+  const int32_t* tables;   // (seqs, nb)
+  const int32_t* kv_lens;  // (seqs,): tokens in the cache, this step's new ones included
+  const int32_t* q_start;  // (seqs,): flat index of the sequence's first query row
+  const int32_t* q_lens;   // (seqs,): its query rows: the positions kv_len - q_len .. kv_len - 1
+  float* out;              // (tokens, kv_heads, groups, head_dim), normalised; 0 where no sequence
 };
 
 // Runs fn(task) for task in [0, n) on up to `workers` threads (the caller included);
 // `spawn(f)` schedules f on another thread.
 using Spawn = std::function<void(std::function<void()>)>;
 
-// Validates (shared lock held) and computes the attention of every query row over the
-// first ctx_lens[b] cached tokens of its sequence and the new tokens up to its own
-// position (causal). Throws Error on bad input.
-void attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t workers, const Spawn& spawn);
+// Validates the ragged layout (query ranges inside the token axis, disjoint, no longer
+// than their sequence) and, under the buffer's shared lock, the block tables; then computes
+// causal attention of every query row over its sequence's cached tokens at positions
+// <= its own. Returns "" or what is wrong (nothing computed then).
+std::string attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t workers, const Spawn& spawn);
 
 }  // namespace kvcached

@@ -103,64 +103,47 @@ ffi::Error UnmapPagesCpu(int32_t device, uint64_t handle, ffi::AnyBuffer ids, ff
   return PageOpCpu<&KVBuffer::unmap_pages_op>("unmap_pages", device, handle, ids, token_out);
 }
 
-// paged_attention: attention of q over each sequence's cached tokens, read in place
-// through the block tables (see attention_cpu.h), and over the step's new tokens (causal);
-// the token orders it after the writes of earlier steps.
+// paged_attention: ragged causal attention of the query rows of several sequences over
+// their cached tokens, read in place through the block tables (see attention_cpu.h); the
+// token orders it after the writes (this step's new K/V included).
 ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t handle, int64_t layer, float scale,
-                             ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
-                             ffi::AnyBuffer tables, ffi::AnyBuffer ctx_lens, ffi::AnyBuffer new_lens,
-                             ffi::AnyBuffer /*token*/, ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::AnyBuffer> mx, ffi::Result<ffi::AnyBuffer> sm) {
+                             ffi::AnyBuffer q, ffi::AnyBuffer tables, ffi::AnyBuffer kv_lens,
+                             ffi::AnyBuffer q_start, ffi::AnyBuffer q_lens, ffi::AnyBuffer /*token*/,
+                             ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "paged_attention";
   std::shared_ptr<KVBuffer> buf;
   if (auto e = find_buffer(op, handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
   const KVLayout& L = buf->layout();
   const auto qd = q.dimensions();
-  if (q.element_type() != ffi::DataType::F32 || qd.size() != 5 || qd[2] != L.num_kv_heads ||
-      qd[4] != L.head_dim) {
-    return invalid(op, "q must be float32 (batch, rows, " + std::to_string(L.num_kv_heads) +
-                           ", groups, " + std::to_string(L.head_dim) + "), got " + dims_text(qd));
+  if (q.element_type() != ffi::DataType::F32 || qd.size() != 4 || qd[1] != L.num_kv_heads ||
+      qd[3] != L.head_dim || qd[2] <= 0) {
+    return invalid(op, "q must be float32 (tokens, " + std::to_string(L.num_kv_heads) + ", groups, " +
+                           std::to_string(L.head_dim) + "), got " + dims_text(qd));
   }
-  for (const ffi::AnyBuffer* x : {&k_new, &v_new}) {
+  const auto td = tables.dimensions();
+  if (tables.element_type() != ffi::DataType::S32 || td.size() != 2) {
+    return invalid(op, "block_tables must be int32 (seqs, nb), got " + dims_text(td));
+  }
+  for (const ffi::AnyBuffer* x : {&kv_lens, &q_start, &q_lens}) {
     const auto d = x->dimensions();
-    if (x->element_type() != ffi::DataType::F32 || d.size() != 4 || d[0] != qd[0] || d[1] != qd[1] ||
-        d[2] != qd[2] || d[3] != qd[4]) {
-      return invalid(op, "k_new / v_new must be float32 (batch, rows, kv_heads, head_dim) like q, got " +
+    if (x->element_type() != ffi::DataType::S32 || d.size() != 1 || d[0] != td[0]) {
+      return invalid(op, "kv_lens / q_start / q_lens must be int32 (seqs,) like the block tables' rows, got " +
                              dims_text(d));
     }
   }
-  const auto td = tables.dimensions();
-  if (tables.element_type() != ffi::DataType::S32 || td.size() != 2 || td[0] != qd[0]) {
-    return invalid(op, "block_tables must be int32 (batch, nb), got " + dims_text(td));
-  }
-  for (const ffi::AnyBuffer* x : {&ctx_lens, &new_lens}) {
-    const auto d = x->dimensions();
-    if (x->element_type() != ffi::DataType::S32 || d.size() != 1 || d[0] != qd[0]) {
-      return invalid(op, "ctx_lens / new_lens must be int32 (batch,), got " + dims_text(d));
-    }
-  }
-  const auto* nl = static_cast<const int32_t*>(new_lens.untyped_data());
-  for (int64_t b = 0; b < qd[0]; ++b) {
-    if (nl[b] < 0 || nl[b] > qd[1]) {
-      return invalid(op, "new_lens[" + std::to_string(b) + "] = " + std::to_string(nl[b]) +
-                             " out of range [0, " + std::to_string(qd[1]) + "]");
-    }
-  }
-  if (out->element_count() != q.element_count() || mx->element_count() * qd[4] != q.element_count() ||
-      sm->element_count() != mx->element_count()) {
-    return invalid(op, "the result shapes do not match q");
-  }
-  AttendArgs a{layer, qd[0], qd[1], qd[2], qd[3], qd[4], td[1], scale,
+  if (out->element_count() != q.element_count()) return invalid(op, "the result shape does not match q");
+  AttendArgs a{layer, qd[0], td[0], qd[1], qd[2], qd[3], td[1], scale,
                static_cast<const float*>(q.untyped_data()),
-               static_cast<const float*>(k_new.untyped_data()),
-               static_cast<const float*>(v_new.untyped_data()),
                static_cast<const int32_t*>(tables.untyped_data()),
-               static_cast<const int32_t*>(ctx_lens.untyped_data()), nl,
-               static_cast<float*>(out->untyped_data()), static_cast<float*>(mx->untyped_data()),
-               static_cast<float*>(sm->untyped_data())};
+               static_cast<const int32_t*>(kv_lens.untyped_data()),
+               static_cast<const int32_t*>(q_start.untyped_data()),
+               static_cast<const int32_t*>(q_lens.untyped_data()),
+               static_cast<float*>(out->untyped_data())};
   try {
     const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-    attend_host(*buf, a, workers, [&pool](std::function<void()> f) { pool.Schedule(std::move(f)); });
+    const std::string err =
+        attend_host(*buf, a, workers, [&pool](std::function<void()> f) { pool.Schedule(std::move(f)); });
+    if (!err.empty()) return invalid(op, err);
   } catch (const std::exception& e) {
     return to_ffi_error(op, e);
   }
@@ -177,15 +160,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_paged_attention_cpu, PagedAttentionCpu,
                                   .Attr<int64_t>("layer")
                                   .Attr<float>("scale")
                                   .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k_new
-                                  .Arg<ffi::AnyBuffer>()  // v_new
                                   .Arg<ffi::AnyBuffer>()  // block tables
-                                  .Arg<ffi::AnyBuffer>()  // ctx_lens
-                                  .Arg<ffi::AnyBuffer>()  // new_lens
+                                  .Arg<ffi::AnyBuffer>()  // kv_lens
+                                  .Arg<ffi::AnyBuffer>()  // q_start
+                                  .Arg<ffi::AnyBuffer>()  // q_lens
                                   .Arg<ffi::AnyBuffer>()  // token
-                                  .Ret<ffi::AnyBuffer>()  // out
-                                  .Ret<ffi::AnyBuffer>()  // max score
-                                  .Ret<ffi::AnyBuffer>());  // sum of exp
+                                  .Ret<ffi::AnyBuffer>());  // out
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cpu, WriteKvCpu,
                               ffi::Ffi::Bind()

@@ -134,6 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the JAX device indices to use (default: the first --tensor-parallel ones)",
     )  # fmt: skip
     s.add_argument("--max-batch", type=int, default=8, help="requests run at once per model")
+    s.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, metavar="N",
+        help="new tokens in one step per model: every running decode first, then chunks of "
+        "waiting prompts (default: 64 on a CPU, 2048 on a GPU; at least --max-batch)",
+    )  # fmt: skip
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
     s.add_argument(
         "--max-cached-tokens", type=int, default=None, metavar="N",
@@ -342,6 +347,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_batch <= 0 or args.max_queue < 0:
             print("error: --max-batch must be > 0 and --max-queue >= 0", file=sys.stderr)
             return 2
+        if args.max_num_batched_tokens is not None and (
+            args.max_num_batched_tokens < args.max_batch
+        ):
+            print("error: --max-num-batched-tokens must be at least --max-batch "
+                  f"({args.max_batch}): every running request decodes in each step",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         if not args.shutdown_timeout >= 0:
             print("error: --shutdown-timeout must be >= 0", file=sys.stderr)
             return 2
@@ -376,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
             serve(
                 specs, memory=args.memory, host=args.host, port=args.port, backend=args.backend,
                 group=args.group, page_size=args.page_size, max_batch=args.max_batch,
-                max_queue=args.max_queue,
+                max_queue=args.max_queue, max_num_batched_tokens=args.max_num_batched_tokens,
                 max_cached_tokens=args.max_cached_tokens, eviction=args.eviction, seed=args.seed,
                 warmup=not args.no_warmup, compile_cache=args.compile_cache, auth=auth,
                 shutdown_timeout=args.shutdown_timeout, tensor_parallel=args.tensor_parallel,

@@ -41,7 +41,14 @@ class CausalLM(Protocol):
     dtype: Any
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
-        """Logits (tokens, vocab_size) in float32."""
+        """Logits (tokens, vocab_size) in float32: ``logits(hidden_states(...))``."""
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
+        """The hidden states the logits are computed from (the engine computes logits
+        only for the rows that sample or score)."""
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """fp32 logits of hidden states."""
 
     def hf_weights(self) -> dict[str, tuple[object, str, bool]]:
         """Hugging Face tensor name -> (module, attribute, transpose)."""

@@ -132,11 +132,18 @@ class LlamaModel(nnx.Module):
         )
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
+        return self.logits(self.hidden_states(tokens, positions, attend))
+
+    def hidden_states(self, tokens: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
+        """The final-normed hidden states ``(..., hidden)`` of tokens ``(B, T)``."""
         inv_freq = rope_inv_freq(self.config)
         x = self.embed_tokens(tokens)
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, inv_freq, lambda q, k, v, i=i: attend(i, q, k, v))
-        x = self.norm(x)
+        return self.norm(x)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """fp32 logits of hidden states ``(..., hidden)`` (only the rows that need them)."""
         if self.lm_head is None:
             logits = self.embed_tokens.attend(x)
         else:

@@ -63,7 +63,7 @@ def _pool(limit="128MiB"):
 
 def test_greedy_matches_dense_reference(model):
     pool = _pool()
-    eng = Engine(model, pool, max_batch=4, prefill_chunk=8)
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=8)
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs, strict=True):
         ref, _ = _reference(model, prompt, 12)
@@ -77,7 +77,7 @@ def test_greedy_matches_dense_reference(model):
 def test_logits_close_for_prefill_and_every_decode_step(kv_dtype, atol):
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1)
     pool = _pool()
-    eng = Engine(model, pool, max_batch=2, prefill_chunk=16, kv_dtype=kv_dtype)
+    eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, kv_dtype=kv_dtype)
     prompt = PROMPTS[1]
     ref_tokens, ref_logits = _reference(model, prompt, 10)
     cache, runner = eng.cache, eng.runner
@@ -101,12 +101,13 @@ def test_logits_close_for_prefill_and_every_decode_step(kv_dtype, atol):
 def test_steady_state_decode_never_recompiles():
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
     pool = _pool()
-    eng = Engine(model, pool, max_batch=4, prefill_chunk=32)
-    shapes = []
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=32)
+    shapes, seqs = [], []
     run = eng.runner.run_padded
 
     def recording_run(batch):
         shapes.append(eng.runner.shapes_for(batch))
+        seqs.append(len(batch))
         return run(batch)
 
     eng.runner.run_padded = recording_run
@@ -116,10 +117,8 @@ def test_steady_state_decode_never_recompiles():
     assert eng.runner.num_compiled == len(set(shapes))
     assert set(shapes) <= set(eng.runner.step_shapes())
     # Sampling compiles once per power-of-two row count, not per number of sampled rows.
-    assert set(eng.runner.compiled_sampler_sizes) == {
-        1 << (sh[0] - 1).bit_length() for sh in shapes
-    }
-    decode = [sh for sh in shapes if sh[1] == 1]
+    assert set(eng.runner.compiled_sampler_sizes) == {1 << (n - 1).bit_length() for n in seqs}
+    decode = [sh for sh in shapes if sh[0] <= 4]  # 3 sequences: at most 4 tokens
     assert len(decode) >= 59 and len(set(decode)) <= 3  # 60 decode steps, <= 3 buckets
     pool.close()
 
@@ -134,7 +133,7 @@ def test_preemption_under_a_tiny_budget_gives_the_same_outputs():
     small = kv.Pool(
         6 * 16384, page_size=16384, backend="host", min_reserved_pages=0, max_reserved_pages=0
     )
-    eng = Engine(model, small, max_batch=4, prefill_chunk=16)
+    eng = Engine(model, small, max_batch=4, max_num_batched_tokens=16)
     assert eng.cache.num_free_blocks < sum(-(-(len(p) + 40) // 16) for p in PROMPTS)
     outs = eng.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

@@ -274,7 +274,7 @@ def run_rounds(host_tokens, params, pages=40):  # params: one per prefix
     most of round 1's blocks before round 2 asks for them again."""
     pool = small_pool(pages)
     eng = Engine(
-        build_model(LLAMA, seed=3), pool, max_batch=4, prefill_chunk=32,
+        build_model(LLAMA, seed=3), pool, max_batch=4, max_num_batched_tokens=32,
         max_cached_tokens=64, host_cache_tokens=host_tokens,
     )  # fmt: skip
     heads = [prompts(10 + i, 1, 70, [])[0] for i in range(3)]
@@ -313,7 +313,8 @@ def test_outputs_are_identical_with_the_tier_on_and_off():
 def test_a_restored_block_is_byte_identical_to_the_evicted_one():
     pool = small_pool(40)
     eng = Engine(
-        build_model(LLAMA, seed=3), pool, max_batch=2, prefill_chunk=32, host_cache_tokens=1024
+        build_model(LLAMA, seed=3), pool, max_batch=2, max_num_batched_tokens=32,
+        host_cache_tokens=1024
     )
     p = prompts(1, 1, 70, [])[0]
     eng.generate([p + [5]], SamplingParams(max_tokens=2))

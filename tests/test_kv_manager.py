@@ -197,24 +197,55 @@ class FakeKV:
         return True
 
 
-def test_scheduler_admits_in_order_up_to_max_batch_and_prefills_first():
+def test_scheduler_admits_in_order_and_chunks_prompts_within_the_token_budget():
     fake = FakeKV(capacity=100)
-    sch = Scheduler(fake, max_batch=2, prefill_chunk=32, max_model_len=4096)
+    sch = Scheduler(fake, max_batch=2, max_num_batched_tokens=32, max_model_len=4096)
     for i in range(3):
         sch.add(seq(i, range(40)))
     out = sch.schedule()
-    assert [s.request_id for s in out.sequences] == [0, 1] and out.prefill
-    assert [len(x.tokens) for x in out.inputs] == [32, 32]  # chunked
+    # Two admitted (max_batch); the first prompt's chunk takes the whole budget.
+    assert [s.request_id for s in out.sequences] == [0]
+    assert [len(x.tokens) for x in out.inputs] == [32]
+    assert [s.request_id for s in sch.running] == [0, 1]
     assert [s.request_id for s in sch.waiting] == [2]
     for s, x in zip(out.sequences, out.inputs, strict=True):
         fake.computed(s, x.start + len(x.tokens))
+    out = sch.schedule()  # the rest of the first, then the second's chunk fills the budget
+    assert [s.request_id for s in out.sequences] == [0, 1]
+    assert [(x.start, len(x.tokens)) for x in out.inputs] == [(32, 8), (0, 24)]
+
+
+def test_scheduler_puts_every_decode_first_and_fills_the_budget_with_a_chunk():
+    """A long prompt never stalls running streams: each step holds every decode row
+    (one token each) and a chunk of the prompt in the rest of the budget."""
+    fake = FakeKV(capacity=1000)
+    sch = Scheduler(fake, max_batch=4, max_num_batched_tokens=16, max_model_len=4096)
+    streams = [seq(i, range(5)) for i in range(2)]
+    for s in streams:
+        sch.add(s)
     out = sch.schedule()
-    assert [len(x.tokens) for x in out.inputs] == [8, 8] and out.prefill
+    for s, x in zip(out.sequences, out.inputs, strict=True):
+        fake.computed(s, x.start + len(x.tokens))
+        s.token_ids.append(7)  # its first token arrived: it decodes now
+    sch.add(seq(9, range(100)))  # a long prompt arrives
+    chunks: list[int] = []
+    while sum(chunks) < 100:
+        out = sch.schedule()
+        ids = [s.request_id for s in out.sequences]
+        assert ids == [0, 1, 9]  # the streams first, one token each, then the prompt
+        assert [len(x.tokens) for x in out.inputs[:2]] == [1, 1]
+        assert sum(len(x.tokens) for x in out.inputs) <= 16
+        for s, x in zip(out.sequences, out.inputs, strict=True):
+            fake.computed(s, x.start + len(x.tokens))
+            if s.request_id < 2:
+                s.token_ids.append(7)
+        chunks.append(len(out.inputs[2].tokens))
+    assert chunks == [14] * 7 + [2]  # budget 16 - 2 decode rows
 
 
 def test_scheduler_preempts_the_newest_when_memory_runs_out():
     fake = FakeKV(capacity=7)
-    sch = Scheduler(fake, max_batch=4, prefill_chunk=64, max_model_len=4096)
+    sch = Scheduler(fake, max_batch=4, max_num_batched_tokens=64, max_model_len=4096)
     a, b = seq(0, range(47)), seq(1, range(47))  # 3 blocks each with the next token
     sch.add(a)
     sch.add(b)
@@ -233,7 +264,7 @@ def test_scheduler_preempts_the_newest_when_memory_runs_out():
 
 def test_scheduler_reports_rejections_and_goes_on():
     fake = FakeKV(capacity=100, too_big=5)
-    sch = Scheduler(fake, max_batch=4, prefill_chunk=64, max_model_len=4096)
+    sch = Scheduler(fake, max_batch=4, max_num_batched_tokens=64, max_model_len=4096)
     sch.add(seq(0, range(200)))  # 14 blocks: can never fit
     sch.add(seq(1, range(20)))
     out = sch.schedule()
@@ -241,16 +272,6 @@ def test_scheduler_reports_rejections_and_goes_on():
     assert out.rejected[0].finish_reason == "error"
     assert isinstance(out.rejected[0].error, kv.PoolExhausted)
     assert [s.request_id for s in out.sequences] == [1]
-
-
-def test_scheduler_respects_the_compiled_prefill_shapes():
-    fake = FakeKV(capacity=100)
-    fits = lambda rows, tokens: rows * tokens <= 64  # noqa: E731
-    sch = Scheduler(fake, max_batch=4, prefill_chunk=32, max_model_len=4096, prefill_fits=fits)
-    for i in range(4):
-        sch.add(seq(i, range(40)))
-    out = sch.schedule()
-    assert len(out.sequences) == 2  # 2 x 32 tokens fill the budget; the rest wait a step
 
 
 # -- eviction policies -------------------------------------------------------------------

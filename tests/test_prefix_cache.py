@@ -189,7 +189,8 @@ def _engine(caching, bound=None, seed=5):
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=seed)
     pool = kv.Pool("128MiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
     return pool, Engine(
-        model, pool, max_batch=4, prefill_chunk=32, prefix_caching=caching, max_cached_tokens=bound
+        model, pool, max_batch=4, max_num_batched_tokens=32, prefix_caching=caching,
+        max_cached_tokens=bound
     )
 
 
@@ -246,7 +247,7 @@ def test_cached_prefixes_are_evicted_under_pressure_before_preempting():
     pool = kv.Pool(
         6 * 16384, page_size=16384, backend="host", min_reserved_pages=0, max_reserved_pages=0
     )
-    eng = Engine(model, pool, max_batch=2, prefill_chunk=16, max_cached_tokens=-1)
+    eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, max_cached_tokens=-1)
     eng.generate([list(range(1, 50))], SamplingParams(max_tokens=2))
     assert eng.prefix_cache.num_cached_blocks == 3
     eng.generate([list(range(200, 280))], SamplingParams(max_tokens=4))  # needs 6 blocks

@@ -349,7 +349,7 @@ def test_a_server_in_a_group_gives_memory_back_and_obeys_ctl(group, tmp_path):
         (a,) = pool.group_records()
         assert a.pid == proc.pid and a.mapped_pages >= 6 * 8  # most of the budget, idle
         eng = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1), pool, name="p",
-                     max_batch=1, prefill_chunk=128)  # fmt: skip
+                     max_batch=1, max_num_batched_tokens=128)  # fmt: skip
         (out,) = eng.generate([rng.integers(0, 256, 700).tolist()], SamplingParams(max_tokens=2))
         assert len(out.token_ids) == 2  # 3 KV pages the server gave back on request
         a, p = pool.group_records()

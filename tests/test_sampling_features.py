@@ -128,7 +128,7 @@ def _accounting_exact(eng, pool):
 
 def test_greedy_with_penalties_biases_and_min_tokens_matches_a_reference(model, dense):
     pool = _pool()
-    eng = Engine(model, pool, max_batch=4, prefill_chunk=16)
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16)
     eos = model.config.eos_ids[0]
     cases = [
         dict(presence_penalty=1.5, frequency_penalty=0.7),
@@ -164,7 +164,7 @@ def test_greedy_with_penalties_biases_and_min_tokens_matches_a_reference(model, 
 
 def test_logprobs_and_prompt_logprobs_equal_the_log_softmax(model, dense):
     pool = _pool()
-    eng = Engine(model, pool, max_batch=4, prefill_chunk=16)
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16)
     eng.generate([PROMPT], SamplingParams(max_tokens=2))  # the prompt's blocks are cached
     p = SamplingParams(max_tokens=5, temperature=0.8, seed=4, logprobs=3, prompt_logprobs=True)
     out = eng.generate([PROMPT], p)[0]
@@ -189,7 +189,7 @@ def test_logprobs_and_prompt_logprobs_equal_the_log_softmax(model, dense):
 @pytest.mark.parametrize("caching", [True, False])
 def test_n_samples_fork_the_prompt_and_equal_single_seeded_runs(model, caching):
     pool = _pool()
-    eng = Engine(model, pool, max_batch=6, prefill_chunk=16, prefix_caching=caching)
+    eng = Engine(model, pool, max_batch=6, max_num_batched_tokens=16, prefix_caching=caching)
 
     def params(i):
         return SamplingParams(max_tokens=12, temperature=1.0, seed=40 + i, ignore_eos=True)
@@ -219,7 +219,7 @@ def test_n_samples_fork_the_prompt_and_equal_single_seeded_runs(model, caching):
 
 def test_a_fork_copies_the_partial_block_and_shares_the_full_ones(model):
     pool = _pool()
-    eng = Engine(model, pool, max_batch=4, prefill_chunk=64, prefix_caching=False)
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=64, prefix_caching=False)
     p = SamplingParams(max_tokens=3, ignore_eos=True)
     first = eng.add_request(PROMPT, p)
     kid = eng.add_request(PROMPT, p, fork_of=first)
@@ -243,7 +243,7 @@ def test_a_fork_copies_the_partial_block_and_shares_the_full_ones(model):
 
 def test_forks_of_an_aborted_parent_run_on_their_own(model):
     pool = _pool()
-    eng = Engine(model, pool, max_batch=4, prefill_chunk=16)
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16)
     p = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     want = eng.generate([PROMPT], p)[0].token_ids
     eng.reset_prefix_cache()
@@ -259,7 +259,7 @@ def test_forks_of_an_aborted_parent_run_on_their_own(model):
 
 def test_processing_and_logprobs_compile_nothing_after_warm_up(model):
     pool = _pool()
-    eng = Engine(model, pool, max_batch=2, prefill_chunk=16, max_model_len=256)
+    eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, max_model_len=256)
     eng.compile()
     sizes = eng.runner.jit_cache_sizes
     params = [

@@ -139,7 +139,7 @@ def test_overlapped_loop_equals_the_synchronous_one_under_preemption(params):
             6 * 16384, page_size=16384, backend="host", min_reserved_pages=0,
             max_reserved_pages=0,
         )  # fmt: skip
-        eng = Engine(model, pool, max_batch=4, prefill_chunk=16, overlap=overlap)
+        eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16, overlap=overlap)
         got = eng.generate(PROMPTS[:4], params)
         outs.append([o.token_ids for o in got])
         stats.append(eng.scheduler.num_preemptions)
@@ -201,7 +201,7 @@ def test_a_waiting_prompt_is_hashed_once(monkeypatch):
     pool = kv.Pool(
         6 * 16384, page_size=16384, backend="host", min_reserved_pages=0, max_reserved_pages=0
     )
-    eng = Engine(model, pool, max_batch=4, prefill_chunk=16)
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16)
     long = [1 + i % 200 for i in range(64)]  # 4 blocks: waits while two others run
     outs = eng.generate([PROMPTS[1], PROMPTS[3], long], SamplingParams(max_tokens=16))
     assert all(o.token_ids for o in outs)
@@ -223,11 +223,17 @@ def test_buckets_step_by_at_most_a_quarter_and_are_few():
     assert len(ladder(1, 256)) <= 25 and len(widths) <= 25
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
     pool = _pool()
-    eng = Engine(model, pool, max_batch=32, prefill_chunk=128, max_model_len=2048)
+    eng = Engine(model, pool, max_batch=32, max_num_batched_tokens=128, max_model_len=2048)
     r = eng.runner
-    decode = [s for s in r.step_shapes() if s[1] == 1]
-    assert len(decode) == len(r.batch_sizes)  # the host kernel walks only the context
-    assert len(r.step_shapes()) <= 64
+    # Token buckets x one width (the host kernel walks only the context): no batch x chunk
+    # product, whatever max_batch is.
+    assert r.token_sizes == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert r.step_shapes() == [(t, 128) for t in r.token_sizes]
+    eng.close()
+    xla = Engine(model, pool, max_batch=32, max_num_batched_tokens=96, max_model_len=2048,
+                 attention="xla")  # fmt: skip
+    assert xla.runner.token_sizes[-1] == 96  # the budget itself is the largest bucket
+    assert len(xla.runner.step_shapes()) <= 8 * 5  # widths double: 8 .. 128
     pool.close()
 
 
@@ -236,7 +242,7 @@ def test_a_served_run_compiles_nothing_after_warm_up():
     1 to 200 tokens, alone and in bursts, with prefix hits, compile nothing."""
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
     pool = _pool()
-    eng = Engine(model, pool, max_batch=4, prefill_chunk=32, max_model_len=256)
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=32, max_model_len=256)
     eng.runner.compile()
     compiled = eng.runner.num_compiled
     executables = eng.runner.jit_cache_sizes

@@ -227,17 +227,16 @@ def test_ops_run_under_vmap_once_per_element(pool):
     got = np.asarray(c.view[1, 0, ids]).reshape(-1, 2, 64)[:8]
     np.testing.assert_array_equal(got, np.asarray(k).reshape(8, 2, 64))
 
-    q = jnp.asarray(rng.standard_normal((3, 1, 1, 2, 1, 64)), jnp.float32)
-    kn = jnp.zeros((3, 1, 1, 2, 64), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((3, 2, 2, 1, 64)), jnp.float32)
     table = jnp.asarray(np.tile(ids, (1, 1)), jnp.int32)
     lens = jnp.asarray([8], jnp.int32)
-    new = jnp.asarray([0], jnp.int32)
+    starts, q_lens = jnp.asarray([0], jnp.int32), jnp.asarray([2], jnp.int32)
 
-    def attend(q, kn):
-        return ops.paged_attention(c, 1, q, kn, kn, table, lens, new, tokens[0])[0]
+    def attend(q):
+        return ops.paged_attention(c, 1, q, table, lens, starts, q_lens, tokens[0])
 
-    batched = jax.vmap(attend)(q, kn)
-    single = jnp.stack([attend(q[i], kn[i]) for i in range(3)])
+    batched = jax.vmap(attend)(q)
+    single = jnp.stack([attend(q[i]) for i in range(3)])
     np.testing.assert_allclose(np.asarray(batched), np.asarray(single), rtol=1e-6)
     c.free(ids)
 

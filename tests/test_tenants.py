@@ -189,7 +189,7 @@ def test_waiting_tenant_runs_when_the_other_frees_and_run_does_not_hang():
         pool,
         name="a",
         max_batch=4,
-        prefill_chunk=256,
+        max_num_batched_tokens=256,
         prefix_caching=False,
     )
     b = Engine(build_model(LLAMA, seed=2), pool, name="b", max_batch=4, prefix_caching=False)

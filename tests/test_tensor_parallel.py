@@ -52,7 +52,7 @@ def test_a_mesh_other_than_the_pools_or_heads_that_do_not_split_are_errors():
 # -- engines ----------------------------------------------------------------------------
 def _generate(cfg, tp, attention="host", params=None, **kw):
     pool = tp_pool(tp)
-    eng = Engine(build_model(cfg, seed=0), pool, max_batch=4, prefill_chunk=32,
+    eng = Engine(build_model(cfg, seed=0), pool, max_batch=4, max_num_batched_tokens=32,
                  max_model_len=256, attention=attention, **kw)  # fmt: skip
     outs = eng.generate(PROMPTS, params or SamplingParams(max_tokens=10))
     return [o.token_ids for o in outs], eng, pool
@@ -95,7 +95,8 @@ def test_a_warm_engine_compiles_nothing_more(tp):
     # run under jax.default_device, which jit's cache keys on, and warm-up compiles in
     # worker threads outside it: the runner pins its own.)
     with tp_pool(tp) as pool:
-        eng = Engine(build_model(LLAMA), pool, max_batch=2, prefill_chunk=16, max_model_len=32)
+        eng = Engine(build_model(LLAMA), pool, max_batch=2, max_num_batched_tokens=16,
+                     max_model_len=32)  # fmt: skip
         eng.compile()
         executables = eng.runner.jit_cache_sizes
         eng.generate([[1, 2, 3, 4, 5], list(range(9, 29))], SamplingParams(max_tokens=6))
@@ -118,9 +119,11 @@ def test_prefix_caching_preemption_and_two_tenants_under_tp():
     params = SamplingParams(max_tokens=16)
 
     def run(pool):
-        a = Engine(build_model(LLAMA, seed=0), pool, name="a", max_batch=6, prefill_chunk=32,
+        a = Engine(build_model(LLAMA, seed=0), pool, name="a", max_batch=6,
+                   max_num_batched_tokens=32,
                    max_model_len=128)  # fmt: skip
-        b = Engine(build_model(QWEN2, seed=1), pool, name="b", max_batch=6, prefill_chunk=32,
+        b = Engine(build_model(QWEN2, seed=1), pool, name="b", max_batch=6,
+                   max_num_batched_tokens=32,
                    max_model_len=128)  # fmt: skip
         out_a = a.generate(prompts, params)
         out_b = b.generate(prompts, params)
@@ -154,7 +157,7 @@ def test_the_real_model_over_three_devices_equals_one():
     out, logits = {}, {}
     for tp in (1, 3):
         pool = tp_pool(tp, "256MiB")
-        eng = Engine(pre.model, pool, max_batch=2, prefill_chunk=32, max_model_len=128)
+        eng = Engine(pre.model, pool, max_batch=2, max_num_batched_tokens=32, max_model_len=128)
         out[tp] = eng.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
         blocks = eng.cache.alloc(2).tolist()
         logits[tp] = np.asarray(eng.runner.run([StepInput(prompt, 0, blocks)]))
@@ -179,7 +182,7 @@ WORKER = textwrap.dedent(
     from jax_kvcached.models import BUILTIN_CONFIGS, build_model
     cfg = dataclasses.replace(BUILTIN_CONFIGS["tiny-llama"], **json.loads(sys.argv[3]))
     pool = kv.Pool("64MiB", backend="host", devices=jax.devices())
-    eng = Engine(build_model(cfg, seed=0), pool, max_batch=4, prefill_chunk=32,
+    eng = Engine(build_model(cfg, seed=0), pool, max_batch=4, max_num_batched_tokens=32,
                  max_model_len=256)
     outs = eng.generate(json.loads(sys.argv[4]), SamplingParams(max_tokens=10))
     print("RESULT", json.dumps({"tokens": [o.token_ids for o in outs],

@@ -1,15 +1,26 @@
-"""Attention over the paged KV buffer (and the dense references it is tested against).
+"""Ragged paged attention over the KV buffer (and the dense references it is tested against).
 
-Shapes: q ``(B, T, H, D)``, new k / v ``(B, T, Hkv, D)``, with ``H = G * Hkv`` (GQA).
-Scores and softmax are computed in fp32 whatever the KV dtype.
+A step's queries lie on one flat token axis ``q`` ``(T, H, D)`` (``H = G * Hkv``, GQA):
+sequence ``s`` owns the rows ``q_start[s] .. q_start[s] + q_lens[s] - 1``, the queries at
+positions ``kv_lens[s] - q_lens[s] .. kv_lens[s] - 1``, and each row sees its sequence's
+cached tokens at positions up to its own. Decode rows (one token) and prefill chunks mix
+freely in one step. The step's own K/V are written to the cache before attention reads
+it, so all keys come from the cache, read through the block tables ``(S, nb)``.
+
+The XLA path and the Pallas kernel work on *items*: tiles of up to ``Q`` consecutive query
+rows of one sequence (:func:`ragged_layout` builds them on the host), each attending its
+sequence's blocks; the host custom call takes the layout as it is. Scores and softmax are
+computed in fp32 whatever the KV dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 if TYPE_CHECKING:
     from jax_kvcached.memory.kv_cache import KVCache
@@ -37,116 +48,134 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arra
     return gqa_attention(q, k, v, mask)
 
 
-def _attend_part(qg, k, v, valid, scale):
-    """Unnormalised softmax attention of ``qg`` ``(B, T, Hkv, G, D)`` over one part of the
-    keys: ``k`` / ``v`` ``(B, *S, Hkv, D)`` (S: one or more key axes), ``valid``
-    broadcastable to ``(B, T, 1, 1, *S)``. Returns (max, sum of exp, exp-weighted values)
-    in fp32, for a log-sum-exp merge with the other parts."""
-    ks = "".join("nsuv"[: k.ndim - 3])  # the key axes' letters
-    s = jnp.einsum(f"btkgd,b{ks}kd->btkg{ks}", qg, k, preferred_element_type=jnp.float32)
-    s = jnp.where(valid, s * scale, _MASKED)
-    axes = tuple(range(4, 4 + len(ks)))
-    m = jnp.max(s, axis=axes)
-    p = jnp.exp(s - jnp.expand_dims(m, axes))
-    # p in the KV dtype: a bf16 cache is read as bf16 (no fp32 copy of V), accumulated in fp32.
-    o = jnp.einsum(
-        f"btkg{ks},b{ks}kd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32
-    )
-    return m, jnp.sum(p, axis=axes), o
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Ragged:
+    """The layout of a ragged step (int32 device arrays; see the module docstring).
+
+    Per sequence slot ``(S,)``: ``tables`` ``(S, nb)``, ``kv_lens``, ``q_start``,
+    ``q_lens`` (0: an unused slot). Items ``(I, Q)``: ``item_seq`` ``(I,)`` the slot of each
+    item, ``item_rows`` the flat row of each of its queries (``T``: none) and ``item_pos``
+    their positions (-1: none); ``token_slot`` ``(T,)`` where each flat row's output lies
+    in the items' ``(I * Q)`` rows."""
+
+    tables: jax.Array
+    kv_lens: jax.Array
+    q_start: jax.Array
+    q_lens: jax.Array
+    item_seq: jax.Array
+    item_rows: jax.Array
+    item_pos: jax.Array
+    token_slot: jax.Array
 
 
-def merge_new_tokens(q, k_new, v_new, kv_dtype, new_lens, m_c, l_c, o_c) -> jax.Array:
-    """Attends the step's new tokens (causal within the chunk, padding masked) and merges
-    them by log-sum-exp with the cached context's partials ``m_c``, ``l_c``
-    ``(B, T, Hkv, G)`` and ``o_c`` ``(B, T, Hkv, G, D)``. Returns ``(B, T, H, D)``."""
-    b, t, h, d = q.shape
-    kvh = k_new.shape[2]
-    qg = q.reshape(b, t, kvh, h // kvh, d)
-    ti = jnp.arange(t)
-    causal = (ti[None, :] <= ti[:, None])[None] & (ti[None, None, :] < new_lens[:, None, None])
-    scale = 1.0 / jnp.sqrt(jnp.float32(d))
-    kn, vn = k_new.astype(kv_dtype), v_new.astype(kv_dtype)
-    m_n, l_n, o_n = _attend_part(qg, kn, vn, causal[:, :, None, None], scale)
-    m = jnp.maximum(m_c, m_n)
-    a_c, a_n = jnp.exp(m_c - m), jnp.exp(m_n - m)
-    o = (o_c * a_c[..., None] + o_n * a_n[..., None]) / (l_c * a_c + l_n * a_n)[..., None]
-    return o.reshape(b, t, h, d).astype(q.dtype)
+def num_items(tokens: int, seqs: int, tile: int) -> int:
+    """Items a step of ``tokens`` rows over at most ``seqs`` sequences needs with tiles of
+    ``tile`` rows (each sequence adds at most one partial tile)."""
+    if tile == 1:
+        return tokens
+    return -(-tokens // tile) + min(seqs, tokens)
 
 
-def paged_attention(
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    view: jax.Array,
-    layer: int,
-    block_tables: jax.Array,
-    ctx_lens: jax.Array,
-    new_lens: jax.Array,
-) -> jax.Array:
-    """Attention of T new tokens per sequence over their cached context plus themselves,
-    in XLA (any platform: the portable fallback).
+def ragged_layout(
+    q_lens: list[int], kv_lens: list[int], tables: np.ndarray, tokens: int, tile: int
+) -> dict[str, np.ndarray]:
+    """The host-side arrays of :class:`Ragged` for sequences laid out in order on a flat
+    axis of ``tokens`` rows; ``tables`` ``(S, nb)`` (unused slots: zeros)."""
+    seqs = tables.shape[0]
+    q_lens_a = np.zeros(seqs, np.int32)
+    kv_a = np.zeros(seqs, np.int32)
+    q_lens_a[: len(q_lens)] = q_lens
+    kv_a[: len(kv_lens)] = kv_lens
+    q_start = np.zeros(seqs, np.int32)
+    q_start[1:] = np.cumsum(q_lens_a)[:-1]
+    q_start[len(q_lens) :] = tokens  # unused slots: past the rows
+    if int(q_lens_a.sum()) > tokens:
+        raise ValueError(f"{int(q_lens_a.sum())} query rows do not fit a step of {tokens}")
+    n_items = num_items(tokens, seqs, tile)
+    item_seq = np.zeros(n_items, np.int32)
+    item_rows = np.full((n_items, tile), tokens, np.int32)
+    item_pos = np.full((n_items, tile), -1, np.int32)
+    token_slot = np.zeros(tokens, np.int32)
+    i = 0
+    for s, n in enumerate(q_lens):
+        first = int(kv_a[s]) - n  # position of the sequence's first query row
+        for t0 in range(0, n, tile):
+            c = min(tile, n - t0)
+            item_seq[i] = s
+            item_rows[i, :c] = q_start[s] + t0 + np.arange(c)
+            item_pos[i, :c] = first + t0 + np.arange(c)
+            token_slot[q_start[s] + t0 : q_start[s] + t0 + c] = i * tile + np.arange(c)
+            i += 1
+    return dict(
+        tables=tables, kv_lens=kv_a, q_start=q_start, q_lens=q_lens_a, item_seq=item_seq,
+        item_rows=item_rows, item_pos=item_pos, token_slot=token_slot,
+    )  # fmt: skip
 
-    ``view`` is ``KVCache.view``; ``block_tables`` ``(B, nb)`` hold each sequence's blocks
-    (padding: the null block 0); ``ctx_lens`` ``(B,)`` tokens already cached;
-    ``new_lens`` ``(B,)`` valid new tokens (the rest of T is padding). Covers chunked
-    prefill (T > 1, causal within the chunk, on top of cached blocks) and decode (T = 1).
 
-    The cached blocks and the new tokens are attended separately and merged with
-    log-sum-exp (online softmax): the gathered blocks are never concatenated with the new
-    tokens. Decode (memory-bound) never copies them into another layout either; a prefill
-    chunk (compute-bound: T x G query rows per key) feeds them to a dense dot.
-    """
-    b, t, h, d = q.shape
-    nb = block_tables.shape[1]
+def item_queries(q: jax.Array, lay: Ragged, kv_heads: int) -> jax.Array:
+    """The items' query rows ``(I, Q, Hkv, G, D)`` (rows of no query: the last row)."""
+    t, h, d = q.shape
+    qi = q[jnp.minimum(lay.item_rows, t - 1)]
+    return qi.reshape(*lay.item_rows.shape, kv_heads, h // kv_heads, d)
+
+
+def scatter_items(o: jax.Array, lay: Ragged, heads: int) -> jax.Array:
+    """Items' outputs ``(I, Q, Hkv, G, D)`` back on the flat axis ``(T, H, D)``."""
+    i, q = o.shape[:2]
+    d = o.shape[-1]
+    return o.reshape(i * q, heads, d)[lay.token_slot]
+
+
+def paged_attention(q: jax.Array, view: jax.Array, layer: int, lay: Ragged) -> jax.Array:
+    """Ragged attention in XLA (any platform: the portable fallback). Each item gathers
+    its sequence's blocks straight from the view, ``(I, nb, bs, Hkv, D)``. Items of one row
+    (decode) multiply and reduce elementwise over the gathered blocks, which XLA fuses
+    into reduction loops (a dot would first transpose them); longer items (prefill
+    chunks: Q x G rows share each key) feed them to a dense dot."""
+    t, h, d = q.shape
+    nb = lay.tables.shape[1]
     bs, kvh = view.shape[3], view.shape[4]
-    qg = q.reshape(b, t, kvh, h // kvh, d)
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
-    # Cached context: one gather per plane straight from the view, (B, nb, bs, Hkv, D).
-    kc = view[layer, 0, block_tables]
-    vc = view[layer, 1, block_tables]
+    tables = lay.tables[lay.item_seq]  # (I, nb)
+    kc = view[layer, 0, tables]
+    vc = view[layer, 1, tables]
+    qi = item_queries(q, lay, kvh)  # (I, Q, Hkv, G, D)
     pos = jnp.arange(nb * bs).reshape(nb, bs)
-    valid = pos[None] < ctx_lens[:, None, None]  # (B, nb, bs)
-    if t > 1:  # prefill: T x G rows share each key, a dense dot is worth its operand copy
-        m_c, l_c, o_c = _attend_part(qg, kc, vc, valid[:, None, None, None], scale)
-        return merge_new_tokens(q, k_new, v_new, view.dtype, new_lens, m_c, l_c, o_c)
-    # Decode: scores and the weighted sum multiply and reduce elementwise over the gathered
-    # blocks, which XLA fuses into reduction loops (a dot would first transpose them).
+    valid = pos[None, None] <= lay.item_pos[:, :, None, None]  # (I, Q, nb, bs)
     f32 = jnp.float32
-    qe = qg.astype(f32)[:, :, None, None]  # (B, T, 1, 1, Hkv, G, D)
-    s = jnp.sum(qe * kc[:, None, :, :, :, None, :].astype(f32), axis=-1)  # (B,T,nb,bs,Hkv,G)
-    s = jnp.where(valid[:, None, :, :, None, None], s * scale, _MASKED)
-    m_c = s.max(axis=(2, 3))
-    p = jnp.exp(s - m_c[:, :, None, None])
-    l_c = p.sum(axis=(2, 3))
-    o_c = jnp.sum(p[..., None] * vc[:, None, :, :, :, None, :].astype(f32), axis=(2, 3))
-    return merge_new_tokens(q, k_new, v_new, view.dtype, new_lens, m_c, l_c, o_c)
+    if qi.shape[1] == 1:  # decode items
+        qe = qi[:, 0].astype(f32)[:, None, None]  # (I, 1, 1, Hkv, G, D)
+        s = jnp.sum(qe * kc[..., None, :].astype(f32), axis=-1)  # (I, nb, bs, Hkv, G)
+        s = jnp.where(valid[:, 0, :, :, None, None], s * scale, _MASKED)
+        m = s.max(axis=(1, 2))
+        p = jnp.exp(s - m[:, None, None])
+        den = p.sum(axis=(1, 2))
+        o = jnp.sum(p[..., None] * vc[..., None, :].astype(f32), axis=(1, 2)) / den[..., None]
+        o = o[:, None]  # (I, 1, Hkv, G, D)
+    else:
+        s = jnp.einsum("iqkgd,inskd->iqkgns", qi, kc, preferred_element_type=f32)
+        s = jnp.where(valid[:, :, None, None], s * scale, _MASKED)
+        m = s.max(axis=(4, 5), keepdims=True)
+        p = jnp.exp(s - m)
+        den = p.sum(axis=(4, 5))
+        o = jnp.einsum("iqkgns,inskd->iqkgd", p.astype(vc.dtype), vc, preferred_element_type=f32)
+        o = o / den[..., None]
+    return scatter_items(o, lay, h).astype(q.dtype)
 
 
 def host_paged_attention(
-    cache: KVCache,
-    token: jax.Array,
-    q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
-    view: jax.Array,
-    layer: int,
-    block_tables: jax.Array,
-    ctx_lens: jax.Array,
-    new_lens: jax.Array,
+    cache: KVCache, token: jax.Array, q: jax.Array, view: jax.Array, layer: int, lay: Ragged
 ) -> jax.Array:
-    """:func:`paged_attention` with decode computed by the host backend's custom call
-    (:func:`jax_kvcached.ops.paged_attention`): the cached context read in place, no
-    gather, no copy of the KV, all cores. A prefill chunk (T > 1) is compute-bound and
-    goes to the XLA path's dense dots. ``token`` orders the call after earlier writes
-    (the XLA path is ordered by its block tables, as the runner passes them)."""
+    """:func:`paged_attention` computed by the host backend's custom call
+    (:func:`jax_kvcached.ops.paged_attention`): decode rows and prefill chunks alike, the
+    cached context read in place, no gather, no copy of the KV, all cores. ``token``
+    orders the call after the step's write."""
     from jax_kvcached.memory import ops
 
-    b, t, h, d = q.shape
-    if t > 1:  # prefill is compute-bound: XLA's dense dots beat the call's row loops
-        return paged_attention(q, k_new, v_new, view, layer, block_tables, ctx_lens, new_lens)
+    t, h, d = q.shape
     kvh = view.shape[4]
-    qg = q.reshape(b, t, kvh, h // kvh, d).astype(jnp.float32)
-    # New K/V rounded to the cache dtype, as the other paths (and later steps) see them.
-    kn, vn = (x.astype(view.dtype).astype(jnp.float32) for x in (k_new, v_new))
-    o, _, _ = ops.paged_attention(cache, layer, qg, kn, vn, block_tables, ctx_lens, new_lens, token)
-    return o.reshape(b, t, h, d).astype(q.dtype)
+    qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32)
+    o = ops.paged_attention(cache, layer, qg, lay.tables, lay.kv_lens, lay.q_start, lay.q_lens,
+                            token)  # fmt: skip
+    return o.reshape(t, h, d).astype(q.dtype)

@@ -109,7 +109,8 @@ class PendingStep:
     tokens: Any  # device array of the step's sampled tokens, or None
     rows: list[int] = dataclasses.field(default_factory=list)  # their rows in ``tokens``
     logprobs: Any = None  # device arrays of the sampled tokens' log-probabilities
-    # Prompt log-probabilities: device array (1 + 2K, b, t) and (sequence, row, start, n).
+    # Prompt log-probabilities: device array (1 + 2K, tokens) and (sequence, first column
+    # on the step's token axis, start, n).
     scores: Any = None
     scored: list[tuple[Sequence, int, int, int]] = dataclasses.field(default_factory=list)
 
@@ -122,7 +123,9 @@ class Engine:
       pool: the pool its KV cache is created in.
       name: the KV cache's name in the pool.
       max_batch: sequences running at once.
-      prefill_chunk: new tokens per sequence in one prefill step.
+      max_num_batched_tokens: new tokens in one step, decode rows and prompt chunks
+        together (at least ``max_batch``); default 64 on a CPU, 2048 on a GPU
+        (:func:`~jax_kvcached.engine.runner.default_token_budget`).
       max_model_len: prompt + output limit (default: the model's max positions).
       kv_dtype: KV cache dtype (default: the model's dtype).
       tokenizer: optional, for string prompts, stop strings and ``RequestOutput.text``.
@@ -158,7 +161,7 @@ class Engine:
         *,
         name: str = "model",
         max_batch: int = 8,
-        prefill_chunk: int = 128,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         kv_dtype: Any = None,
         block_size: int = 16,
@@ -184,8 +187,8 @@ class Engine:
                 f"{type(model).__name__}"
             )
         cfg = model.config
-        if max_batch <= 0 or prefill_chunk <= 0:
-            raise ValueError("max_batch and prefill_chunk must be positive")
+        if max_batch <= 0 or (max_num_batched_tokens is not None and max_num_batched_tokens <= 0):
+            raise ValueError("max_batch and max_num_batched_tokens must be positive")
         if mesh is not None and not _same_mesh(mesh, pool.mesh):
             raise ValueError(
                 f"Engine mesh {_mesh_text(mesh)} does not match the pool's "
@@ -213,7 +216,7 @@ class Engine:
         try:
             self.runner = ModelRunner(
                 model, self.cache, attention, max_batch=max_batch,
-                prefill_tokens=prefill_chunk, max_model_len=self.max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
             )  # fmt: skip
         except BaseException:
             self.cache.close()  # a model that cannot run here leaves the pool as it was
@@ -241,11 +244,10 @@ class Engine:
             raise
         self.kv.set_fence(self.runner.token)
         self.scheduler = Scheduler(
-            self.kv, max_batch, prefill_chunk, self.max_model_len,
-            prefill_fits=self.runner.prefill_fits,
-        )  # fmt: skip
+            self.kv, max_batch, self.runner.max_num_batched_tokens, self.max_model_len
+        )
         self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
+        self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self.log_every = log_every
         self.overlap = overlap
         self._ids = itertools.count()
@@ -603,6 +605,8 @@ class Engine:
                     x.targets = want + [-1] * (n - len(want))
                     scored.append((s, i, x.start, n))
             _, tokens = self.runner.run_padded(inputs)
+            starts = self.runner.last_starts
+            scored = [(s, starts[i], start, n) for s, i, start, n in scored]
             self.kv.set_fence(self.runner.token)  # frees wait for this step from now on
             self.steps += 1
             for s, x in zip(seqs, inputs, strict=True):
@@ -683,12 +687,12 @@ class Engine:
         recomputation after preemption writes the same entries)."""
         scores = self.runner.fetch(step.scores)
         top = (scores.shape[0] - 1) // 2
-        for s, row, start, n in step.scored:
+        for s, first, start, n in step.scored:
             k = s.params.logprobs or 0
             for j in range(n):
                 pos = start + 1 + j  # the token this position's logits predict
                 if pos < s.num_prompt:
-                    col = scores[:, row, j]
+                    col = scores[:, first + j]
                     alts = _alternatives(col[1 : 1 + top], col[1 + top :], k)
                     s.prompt_logprobs[pos] = (float(col[0]), alts)
 

@@ -1,19 +1,20 @@
-"""ModelRunner: one compiled, shape-bucketed step of a Flax model over a paged KV cache.
+"""ModelRunner: one compiled step of a Flax model over a paged KV cache, on a ragged batch.
 
-A step takes, per sequence, a run of new tokens (a prefill chunk or one decode token), its
-cached context length, its block table and its sampling parameters; it attends over the
-cached blocks plus the new tokens, writes the new K/V of every layer with one
-``ops.write_kv`` call after all reads, and samples each row's next token on the device.
-Every integer and float input travels as one packed array (one transfer). A decode row
-whose input token is still being sampled by the previous step takes it from that step's
-device output (``StepInput.src``), so the host never waits for a step before preparing
-the next one.
+A step takes up to ``max_num_batched_tokens`` new tokens from up to ``max_batch``
+sequences laid out on one flat token axis: decode rows (one token) and prefill chunks
+alike, each sequence with its own cached length and block table
+(:mod:`jax_kvcached.engine.attention`). Every layer writes the step's K/V into the cache
+(one ``ops.write_kv_async`` call) and then attends over the cache; each sequence's last
+row gives its logits and the next token is sampled on the device. Every integer input
+travels as one packed array (one transfer). A decode row whose input token is still being
+sampled by the previous step takes it from that step's device output (``StepInput.src``),
+so the host never waits for a step before preparing the next one.
 
-Shapes come from a fixed, bounded set (:meth:`ModelRunner.step_shapes`): batch sizes
-step by at most 1.25x, prefill chunks by two blocks (32 tokens) within a token budget,
-block-table widths by 8 blocks then 1.25x (decode with attention that walks only the
-context, the host custom call and the Pallas kernel, uses one width). Each shape is
-compiled once, ahead of time (:meth:`ModelRunner.compile`), and counted.
+Shapes come from a fixed, bounded set (:meth:`ModelRunner.step_shapes`): token counts in
+powers of two up to the budget, times block-table widths (one width for attention that
+walks only the context: the host custom call and the Pallas kernel). No batch x chunk
+product: the sequence slots are fixed. Each shape is compiled once, ahead of time
+(:meth:`ModelRunner.compile`), and counted.
 
 Over a cache split across a mesh (tensor parallelism) the model's parameters are placed
 by its plan (:func:`jax_kvcached.models.shard_model`), the paged attention and the KV
@@ -37,7 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_kvcached.engine.attention import host_paged_attention, paged_attention
+from jax_kvcached.engine.attention import (
+    Ragged,
+    host_paged_attention,
+    num_items,
+    paged_attention,
+    ragged_layout,
+)
 from jax_kvcached.engine.logit_inputs import Entries, entry_sizes, pack_rows
 from jax_kvcached.engine.sampling import (
     MAX_LOGPROBS,
@@ -71,8 +78,9 @@ def resolve_attention(impl: str, cache: KVCache) -> str:
 
 
 def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
-    """The paged attention of a resolved choice (:func:`resolve_attention`): ``xla`` is
-    the portable fallback; ``pallas-interpret`` runs the kernel interpreted (tests)."""
+    """The ragged paged attention of a resolved choice (:func:`resolve_attention`):
+    ``(q, view, layer, layout) -> out``. ``xla`` is the portable fallback;
+    ``pallas-interpret`` runs the kernel interpreted (tests)."""
     if impl == "xla":
         return paged_attention
     if impl == "host":
@@ -83,6 +91,13 @@ def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
     return functools.partial(
         pallas_paged_attention, num_splits=splits, interpret=impl == "pallas-interpret"
     )
+
+
+def default_token_budget(backend: str) -> int:
+    """The default ``max_num_batched_tokens``: a CPU step of 64 tokens keeps a running
+    stream's gap near its decode gap while prompts prefill; a GPU step takes 2048 (the
+    launch floor hides below that)."""
+    return 2048 if backend == "cuda" else 64
 
 
 def ladder(lo: int, hi: int, multiple: int = 1, ratio: float = 1.25) -> tuple[int, ...]:
@@ -105,15 +120,15 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
-TOKEN_MULTIPLE = 16  # prefill chunks are padded to a multiple of this many tokens
-
-
-def packed_sizes(b: int, t: int, nb: int) -> tuple[int, ...]:
-    """The segments of a step's packed int32 input, in order: tokens, positions (b x t),
-    block tables (b x nb), context lengths, new lengths (b), slots (b x t), src rows (b),
-    and for prefill steps (t > 1) the targets of prompt log-probabilities (b x t: the
-    token after each position, -1 where not wanted)."""
-    return (b * t, b * t, b * nb, b, b, b * t, b) + ((b * t,) if t > 1 else ())
+def packed_sizes(t: int, seqs: int, nb: int, items: int, tile: int) -> tuple[int, ...]:
+    """The segments of a step's packed int32 input, in order. Per token (t each): tokens,
+    positions, slots, prompt log-probability targets (the token after each position, -1
+    where not wanted), where each token's output lies among the items' rows. Per sequence
+    slot: block tables (seqs x nb), kv lengths, first rows, query lengths, src rows, last
+    rows. Items (see :class:`~jax_kvcached.engine.attention.Ragged`): sequence, rows and
+    positions (items x tile each)."""
+    return (t, t, t, t, t, seqs * nb, seqs, seqs, seqs, seqs, seqs, items,
+            items * tile, items * tile)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -147,9 +162,9 @@ class ModelRunner:
     """``attention``: ``auto`` (the Pallas kernel for a CUDA cache, the host custom call
     for a host cache), ``host``, ``xla``, ``pallas`` or ``pallas-interpret``.
 
-    ``max_batch`` sequences per step, prefill steps of at most ``prefill_tokens`` new
-    tokens in all (one sequence may always take a whole chunk), contexts up to
-    ``max_model_len`` tokens: these bound the shape set."""
+    Steps of at most ``max_batch`` sequences and ``max_num_batched_tokens`` new tokens in
+    all (default: :func:`default_token_budget`), contexts up to ``max_model_len`` tokens:
+    these bound the shape set."""
 
     def __init__(
         self,
@@ -158,7 +173,7 @@ class ModelRunner:
         attention: str = "auto",
         *,
         max_batch: int = 8,
-        prefill_tokens: int = 128,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         num_candidates: int = NUM_CANDIDATES,
     ) -> None:
@@ -169,8 +184,14 @@ class ModelRunner:
             cfg.head_dim,
         ):
             raise ValueError("the KV cache's layers / KV heads / head_dim do not match the model")
-        if max_batch <= 0 or prefill_tokens <= 0:
-            raise ValueError("max_batch and prefill_tokens must be positive")
+        budget = max_num_batched_tokens or default_token_budget(cache.backend)
+        if max_batch <= 0 or budget <= 0:
+            raise ValueError("max_batch and max_num_batched_tokens must be positive")
+        if budget < max_batch:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) must be at least max_batch ({max_batch}): "
+                "every running sequence decodes one token in each step"
+            )
         self.config = cfg
         self.cache = cache
         self.attention = resolve_attention(attention, cache)
@@ -202,23 +223,20 @@ class ModelRunner:
         max_len = max_model_len or cfg.max_position_embeddings
         bs = cache.block_size
         self.max_blocks = -(-max_len // bs)
-        self.batch_sizes = ladder(1, max_batch)
-        self.prefill_batch_sizes = tuple(b for b in self.batch_sizes if b & (b - 1) == 0)
-        chunk = -(-prefill_tokens // TOKEN_MULTIPLE) * TOKEN_MULTIPLE
-        self.prefill_tokens = chunk
-        # 16 tokens, then steps of two blocks (32 tokens): few shapes, little padding.
-        self.chunk_sizes = tuple(sorted({TOKEN_MULTIPLE, chunk, *range(32, chunk + 1, 32)}))
-        top = -(-self.max_blocks // 8) * 8
-        self.widths = ladder(8, top, 8)
-        self.decode_widths = (top,) if self.attention in _WALKS_CONTEXT else self.widths
-        self.prefill_widths = ladder(8, top, 8, ratio=4.0)
-        # Samplers come in powers of two (the step pads its logits to one): fewer compiles.
+        self.max_batch = max_batch
+        self.max_num_batched_tokens = budget
+        # Samplers come in powers of two (their rows: the step's sequences): few compiles.
         self.sampler_sizes = tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
-        self.max_rows = self.sampler_sizes[-1]
+        self.max_rows = self.sampler_sizes[-1]  # the step's sequence slots
+        # Token counts: powers of two up to the budget (the budget itself the largest).
+        self.token_sizes = tuple(sorted({1 << i for i in range(budget.bit_length())
+                                         if (1 << i) < budget} | {budget}))  # fmt: skip
+        top = -(-self.max_blocks // 8) * 8
+        self.widths = (top,) if self.attention in _WALKS_CONTEXT else ladder(8, top, 8, 2.0)
         # Logit processing: token lists of these widths (prompt + output + biases).
         self.entry_sizes = entry_sizes(max_len + 64)
         step, sample_rows, process_rows, logprob_rows = self._make_step()
-        self._jitted = jax.jit(step, static_argnums=(4, 5, 6))
+        self._jitted = jax.jit(step, static_argnums=(4, 5))
         self._jitted_sample = jax.jit(sample_rows)
         self._jitted_process = jax.jit(process_rows)
         self._jitted_logprobs = jax.jit(logprob_rows)
@@ -226,7 +244,7 @@ class ModelRunner:
             lambda src, dst, token: ops.copy_blocks(cache, src, dst, token), (None,) * 3, None
         )
         self._jitted_copy = jax.jit(copy)
-        self._compiled: set[tuple[int, int, int]] = set()  # step shapes compiled
+        self._compiled: set[tuple[int, int]] = set()  # step shapes compiled
         self._samplers: set[int] = set()  # sampler row counts compiled (powers of two)
         self._extras: set[tuple] = set()  # logit processing / log-probability functions
         self.warm = False  # set by compile(): a shape compiled later is counted and logged
@@ -236,75 +254,83 @@ class ModelRunner:
         self.last_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._device)
         self.last_logprobs: tuple | None = None  # of the newest step (run_padded)
         self.last_scores: jax.Array | None = None
+        self.last_starts: list[int] = []  # each row's first token on the newest step's axis
+
+    def tile(self, t: int) -> int:
+        """Query rows per attention item in a step of ``t`` tokens (0: the host call,
+        which takes the layout without items). One row per item when the step can only
+        be decode rows; else the most a Pallas program holds, or t / 8 for XLA."""
+        if self.attention == "host":
+            return 0
+        if t <= self.max_rows:
+            return 1
+        if self.attention in ("pallas", "pallas-interpret"):
+            from jax_kvcached.engine.pallas_attention import item_tile
+
+            return item_tile(self.config.num_heads // self.config.num_kv_heads)
+        return min(64, max(8, 1 << ((t // 8).bit_length() - 1)))
+
+    def _items(self, t: int) -> tuple[int, int]:
+        tile = self.tile(t)
+        return (0, 1) if tile == 0 else (num_items(t, self.max_rows, tile), tile)
 
     def _make_step(self):
         graphdef, cache = self.graphdef, self.cache
-        layers = self.config.num_layers
         num_candidates = self.num_candidates
         max_rows = self.max_rows
-
         weights_def = self._weights_def
         per_device = self._per_device
-        heads = self._head_spec  # (B, T, heads, D) split over the heads on a mesh
+        heads = self._head_spec  # (T, heads, D) split over the heads on a mesh
 
-        def step(weights, view, packed, prev, b, t, nb, token):
+        def step(weights, view, packed, prev, t, nb, token):
             state = jax.tree.unflatten(weights_def, weights)
-            bounds = np.cumsum((0, *packed_sizes(b, t, nb)))
+            n_items, tile = self._items(t)
+            bounds = np.cumsum((0, *packed_sizes(t, max_rows, nb, n_items, tile)))
             parts = [packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-            tokens, positions = parts[0].reshape(b, t), parts[1].reshape(b, t)
-            tables, ctx_lens, new_lens = parts[2].reshape(b, nb), parts[3], parts[4]
-            slots, src = parts[5], parts[6]
-            targets = parts[7].reshape(b, t) if t > 1 else None
-            # Rows fed by the previous step's samples (still on the device).
-            fed = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)], tokens[:, 0])
-            tokens = tokens.at[:, 0].set(fed)
+            tokens, positions, slots, targets, token_slot = parts[:5]
+            tables = parts[5].reshape(max_rows, nb)
+            kv_lens, q_start, q_lens, src, last = parts[6:11]
+            lay = Ragged(tables, kv_lens, q_start, q_lens, parts[11],
+                         parts[12].reshape(n_items, tile), parts[13].reshape(n_items, tile),
+                         token_slot)  # fmt: skip
+            # Decode rows fed by the previous step's samples (still on the device).
+            fed = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)],
+                            tokens[jnp.clip(q_start, 0, t - 1)])  # fmt: skip
+            tokens = tokens.at[q_start].set(fed, mode="drop")  # unused slots: past the axis
             model = nnx.merge(graphdef, state)
-            tables = ops.after(tables, token)  # reads see every earlier step's writes
-            new_k: list = [None] * layers
-            new_v: list = [None] * layers
+            chain = [token]
 
             def attend(i, q, k, v):
-                new_k[i], new_v[i] = k, v
+                # This step's K/V first (the reads below see them), then the attention.
+                write = per_device(
+                    lambda k, v, slots, token: ops.write_kv_async(cache, i, k, v, slots, token),
+                    (heads, heads, None, None), None,
+                )  # fmt: skip
+                kv_new = k[0].astype(cache.dtype), v[0].astype(cache.dtype)
+                chain[0] = write(*kv_new, slots, chain[0])
+                after = dataclasses.replace(lay, tables=ops.after(lay.tables, chain[0]))
                 fn = per_device(
-                    lambda q, k, v, view, tables, ctx_lens, new_lens, token: attention_fn(
-                        self.attention, cache, nb, token
-                    )(q, k, v, view, i, tables, ctx_lens, new_lens),
-                    (heads, heads, heads, cache.sharding.spec if self.mesh else None) + (None,) * 4,
-                    heads,
-                )
-                return fn(q, k, v, view, tables, ctx_lens, new_lens, token)
+                    lambda q, view, lay, token: attention_fn(self.attention, cache, nb, token)(
+                        q, view, i, lay
+                    ),
+                    (heads, cache.sharding.spec if self.mesh else None, None, None), heads,
+                )  # fmt: skip
+                return fn(q[0], view, after, chain[0])[None]
 
-            logits = model(tokens, positions, attend)
-            last = logits[jnp.arange(b), jnp.maximum(new_lens - 1, 0)]
-            scores = prompt_scores(logits, targets)
-            kvh, d = cache.num_kv_heads, cache.head_dim
-            k_all = jnp.stack(new_k).reshape(layers, -1, kvh, d).astype(cache.dtype)
-            v_all = jnp.stack(new_v).reshape(layers, -1, kvh, d).astype(cache.dtype)
-            # After every read of this step (`last` depends on all of them).
-            # No host round trip on CUDA: slots were checked here on the host, the kernel
-            # checks them again against the page map.
-            rows = bucket(b, self.sampler_sizes)
-            out = jnp.pad(last, ((0, rows - b), (0, 0)))
+            hidden = model.hidden_states(tokens[None], positions[None], attend)[0]  # (t, E)
+            logits = model.logits(hidden[jnp.clip(last, 0, t - 1)])  # (max_rows, vocab)
+            scores = prompt_scores(model, hidden, targets)
             if self.mesh is not None:  # the logits gathered onto every device
-                out = jax.lax.with_sharding_constraint(out, self._device)
-            write = per_device(
-                lambda k, v, slots, token, out: ops.write_kv_async(
-                    cache, 0, k, v, slots, token, out
-                ),
-                (heads, heads, None, None, None),
-                None,
-            )
-            return (out, scores), write(k_all, v_all, slots, token, out)
+                logits = jax.lax.with_sharding_constraint(logits, self._device)
+            return (logits, scores), chain[0]
 
-        def prompt_scores(logits, targets):
-            """Prompt log-probabilities of a prefill step ``(1 + 2K, b, t)`` f32, per
-            position: the target's log-probability, then the K most likely ids (exact
-            below 2^24) and their log-probabilities. Computed only when a row wants them."""
-            if targets is None:
-                return jnp.zeros((1 + 2 * MAX_LOGPROBS, 1, 1), jnp.float32)
+        def prompt_scores(model, hidden, targets):
+            """Prompt log-probabilities ``(1 + 2K, t)`` f32, per position: the target's
+            log-probability, then the K most likely ids (exact below 2^24) and their
+            log-probabilities. Computed (every position's logits) only when a row asks."""
 
             def score(_):
-                lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+                lp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
                 want = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], -1)
                 vals, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
                 out = jnp.concatenate([want, ids.astype(jnp.float32), vals], axis=-1)
@@ -316,18 +342,25 @@ class ModelRunner:
             )
 
         def process_rows(logits, ids, counts, row_params, prev, src):
-            """Logits after each row's penalties and biases; ``prev``/``src``: the
-            previous step's samples and the row each row's input token came from."""
+            """The logits with the first ``ids.shape[0]`` rows after each row's penalties and
+            biases; ``prev``/``src``: the previous step's samples and the row each row's
+            input token came from."""
+            n = ids.shape[0]
             prev_token = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)], -1)
-            return process_logits(logits, ids, counts, row_params, prev_token)
+            out = process_logits(logits[:n], ids, counts, row_params, prev_token)
+            return logits.at[:n].set(out)  # every slot's row: the sampler's one input shape
 
-        def logprob_rows(logits, tokens):
-            """Each row's sampled token's log-probability and its top alternatives."""
-            return token_logprobs(logits, tokens[: logits.shape[0]], MAX_LOGPROBS)
+        def logprob_rows(logits, tokens, rows):
+            """Each of the first ``rows.shape[0]`` rows' sampled token's log-probability
+            and its top alternatives."""
+            n = rows.shape[0]
+            return token_logprobs(logits[:n], tokens[:n], MAX_LOGPROBS)
 
         def sample_rows(logits, params):
-            """Next tokens of every row, padded to ``(max_rows,)``; ``params`` ``(5, b)``:
-            temperature and top_p as float32 bits, top_k, seed, tokens generated."""
+            """Next tokens of the first ``params.shape[1]`` rows, padded to
+            ``(max_rows,)``; ``params`` ``(5, rows)``: temperature and top_p as float32
+            bits, top_k, seed, tokens generated."""
+            logits = logits[: params.shape[1]]
             temperature = jax.lax.bitcast_convert_type(params[0], jnp.float32)
             top_p = jax.lax.bitcast_convert_type(params[2], jnp.float32)
             seeds = jax.lax.bitcast_convert_type(params[3], jnp.uint32)
@@ -343,15 +376,15 @@ class ModelRunner:
             step,
             per_device(sample_rows, (None, None), None),
             per_device(process_rows, (None,) * 6, None),
-            per_device(logprob_rows, (None, None), None),
+            per_device(logprob_rows, (None, None, None), None),
         )
 
     @property
     def _head_spec(self):
-        """The partition of a (B, T, heads, D) or (layers, N, heads, D) array on a mesh."""
+        """The partition of a (T, heads, D) array on a mesh."""
         if self.mesh is None:
             return None
-        return jax.sharding.PartitionSpec(None, None, self.mesh.axis_names[0], None)
+        return jax.sharding.PartitionSpec(None, self.mesh.axis_names[0], None)
 
     def _per_device(self, fn, in_specs, out_specs):
         """``fn`` run on each device of the mesh over its slice (specs: a PartitionSpec,
@@ -373,50 +406,30 @@ class ModelRunner:
         )
 
     # -- shapes --------------------------------------------------------------------------
-    def step_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (batch, new tokens, table width) a step can take: decode, then prefill."""
-        shapes = [(b, 1, nb) for b in self.batch_sizes for nb in self.decode_widths]
-        for b in self.prefill_batch_sizes:
-            for t in self.chunk_sizes:
-                if self.prefill_fits(b, t):
-                    shapes += [(b, t, nb) for nb in self.prefill_widths]
-        return shapes
+    def step_shapes(self) -> list[tuple[int, int]]:
+        """Every (tokens, block-table width) a step can take."""
+        return [(t, nb) for t in self.token_sizes for nb in self.widths]
 
-    def prefill_fits(self, rows: int, tokens: int) -> bool:
-        """Whether a prefill step of ``rows`` sequences, the longest ``tokens`` new
-        tokens, has a shape (see :meth:`step_shapes`)."""
-        if rows == 1:
-            return tokens <= self.prefill_tokens
-        if rows > self.prefill_batch_sizes[-1]:
-            return False
-        if tokens > self.chunk_sizes[-1]:
-            return False
-        t = bucket(tokens, self.chunk_sizes)
-        return bucket(rows, self.prefill_batch_sizes) * t <= self.prefill_tokens
-
-    def shapes_for(self, batch: list[StepInput]) -> tuple[int, int, int]:
-        t = max(len(x.tokens) for x in batch)
-        width = max(-(-x.start // self.cache.block_size) for x in batch)
-        if len(batch) > self.batch_sizes[-1]:
+    def shapes_for(self, batch: list[StepInput]) -> tuple[int, int]:
+        bs = self.cache.block_size
+        total = sum(len(x.tokens) for x in batch)
+        width = max(-(-(x.start + len(x.tokens)) // bs) for x in batch)
+        if len(batch) > self.max_batch:
             raise ValueError(
                 f"a step of {len(batch)} sequences exceeds the runner's max_batch "
-                f"{self.batch_sizes[-1]}"
+                f"{self.max_batch}"
+            )
+        if total > self.max_num_batched_tokens:
+            raise ValueError(
+                f"a step of {total} new tokens exceeds the runner's max_num_batched_tokens "
+                f"{self.max_num_batched_tokens}"
             )
         if width > self.max_blocks:
             raise ValueError(
                 f"a context of {width} blocks exceeds the runner's max_model_len "
                 f"({self.max_blocks} blocks)"
             )
-        if t == 1:
-            return bucket(len(batch), self.batch_sizes), 1, bucket(width, self.decode_widths)
-        if not self.prefill_fits(len(batch), t):
-            raise ValueError(
-                f"a prefill step of {len(batch)} sequences x {t} tokens exceeds the "
-                f"runner's prefill budget of {self.prefill_tokens} tokens"
-            )
-        b = bucket(len(batch), self.prefill_batch_sizes)
-        t = bucket(t, self.chunk_sizes)
-        return b, t, bucket(width, self.prefill_widths)
+        return bucket(total, self.token_sizes), bucket(width, self.widths)
 
     @property
     def num_compiled(self) -> int:
@@ -452,15 +465,18 @@ class ModelRunner:
         keys += [("process", r, p) for r in self.sampler_sizes for p in self.entry_sizes]
         return keys
 
-    def lower(self, key: tuple[int, int, int] | int):
+    def _packed_sizes(self, t: int, nb: int) -> tuple[int, ...]:
+        return packed_sizes(t, self.max_rows, nb, *self._items(t))
+
+    def lower(self, key: tuple[int, int] | int):
         """The lowered step of a shape, or sampler of ``key`` rows (for inspection)."""
         if isinstance(key, int):  # the sampler of that many rows
-            logits = jax.ShapeDtypeStruct((key, self.config.vocab_size), jnp.float32)
+            logits = jax.ShapeDtypeStruct((self.max_rows, self.config.vocab_size), jnp.float32)
             params = jax.ShapeDtypeStruct((5, key), jnp.int32)
             return self._jitted_sample.lower(logits, params)
-        b, t, nb = key
-        packed = jax.ShapeDtypeStruct((sum(packed_sizes(b, t, nb)),), jnp.int32)
-        args = (self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token)
+        t, nb = key
+        packed = jax.ShapeDtypeStruct((sum(self._packed_sizes(t, nb)),), jnp.int32)
+        args = (self._weights, self.cache.view, packed, self.last_tokens, t, nb, self.token)
         with self._context():
             return self._jitted.lower(*args)
 
@@ -500,13 +516,14 @@ class ModelRunner:
             return
         rows = key if isinstance(key, int) else key[1]
         if isinstance(key, int) or isinstance(key[0], str):
-            logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
+            logits = jnp.zeros((self.max_rows, self.config.vocab_size), jnp.float32)
             logits = jax.device_put(logits, self._device)  # placed like a step's output
         if isinstance(key, int):
             jax.block_until_ready(self._jitted_sample(logits, np.zeros((5, key), np.int32)))
             return
         if key[0] == "logprobs":
-            jax.block_until_ready(self._jitted_logprobs(logits, self.last_tokens))
+            hint = np.full(rows, -1, np.int32)
+            jax.block_until_ready(self._jitted_logprobs(logits, self.last_tokens, hint))
             return
         if key[0] == "process":
             p = key[2]
@@ -515,20 +532,28 @@ class ModelRunner:
                     np.full(rows, -1, np.int32))  # fmt: skip
             jax.block_until_ready(self._jitted_process(logits, *args))
             return
-        b, t, nb = key
-        sizes = packed_sizes(b, t, nb)
-        new = sum(sizes[:4])  # the new-lengths segment: one token per row, its slot -1
-        packed = np.zeros(sum(sizes), np.int32)
-        packed[new : new + b] = 1
-        packed[new + b :] = -1  # slots and src
-        out = self._jitted(
-            self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token
-        )
+        t, nb = key  # a step of no sequence: reads nothing, writes nothing
+        packed = self._pack(ragged_layout([], [], np.zeros((self.max_rows, nb), np.int32), t,
+                                          self._items(t)[1] or 1),
+                            np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32),
+                            np.full(t, -1, np.int32), np.full(self.max_rows, -1, np.int32),
+                            np.zeros(self.max_rows, np.int32), t)  # fmt: skip
+        out = self._jitted(self._weights, self.cache.view, packed, self.last_tokens, t, nb,
+                           self.token)  # fmt: skip
         jax.block_until_ready(out)
+
+    def _pack(self, lay: dict, tokens, positions, slots, targets, src, last, t) -> np.ndarray:
+        """The step's packed int32 input (see :func:`packed_sizes`)."""
+        items = [lay["item_seq"], lay["item_rows"], lay["item_pos"]]
+        if self.tile(t) == 0:  # the host call: no items
+            items = [np.zeros(0, np.int32)] * 3
+        segments = [tokens, positions, slots, targets, lay["token_slot"], lay["tables"],
+                    lay["kv_lens"], lay["q_start"], lay["q_lens"], src, last, *items]  # fmt: skip
+        return np.concatenate([np.asarray(a, np.int32).ravel() for a in segments])
 
     def compile(
         self,
-        shapes: list[tuple[int, int, int]] | None = None,
+        shapes: list[tuple[int, int]] | None = None,
         progress: Callable[[int, int], None] | None = None,
         threads: int | None = None,
     ) -> float:
@@ -538,7 +563,7 @@ class ModelRunner:
         (:attr:`compiles_after_warmup`)."""
         t0 = time.perf_counter()
         shapes = shapes or self.step_shapes()
-        rows = {bucket(s[0], self.sampler_sizes) for s in shapes}
+        rows = set(self.sampler_sizes)
         todo: list = [r for r in sorted(rows) if r not in self._samplers]
         todo += [
             k
@@ -604,55 +629,59 @@ class ModelRunner:
         return self.run_padded(batch)[0][: len(batch)]
 
     def run_padded(self, batch: list[StepInput]) -> tuple[jax.Array, jax.Array]:
-        """Runs one step; returns the logits of the bucketed batch padded to its sampler
-        ``(rows, vocab)`` and the sampled next tokens ``(max_rows,)`` (rows past
-        ``len(batch)`` and rows without ``params`` are padding), both on the device.
-        :attr:`last_logprobs` and :attr:`last_scores` hold the step's log-probabilities
-        (None when no row asked for them)."""
+        """Runs one step; returns the logits of every sequence slot ``(max_rows, vocab)``
+        and the sampled next tokens ``(max_rows,)`` (rows past ``len(batch)`` and rows
+        without ``params`` are padding), both on the device. :attr:`last_logprobs` and
+        :attr:`last_scores` hold the step's log-probabilities (None when no row asked for
+        them); :attr:`last_starts` each row's first token on the step's flat axis (the
+        columns of :attr:`last_scores`)."""
         if not batch:
             raise ValueError("empty batch")
         bsz = self.cache.block_size
-        b, t, nb = shape = self.shapes_for(batch)
-        rows = bucket(b, self.sampler_sizes)
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.zeros((b, t), np.int32)
-        tables = np.zeros((b, nb), np.int32)
-        ctx = np.zeros(b, np.int32)
-        new = np.zeros(b, np.int32)
-        slots = np.full((b, t), -1, np.int32)
-        src = np.full(b, -1, np.int32)
+        t, nb = shape = self.shapes_for(batch)
+        rows = bucket(len(batch), self.sampler_sizes)
+        tokens = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        slots = np.full(t, -1, np.int32)
+        targets = np.full(t, -1, np.int32)
+        tables = np.zeros((self.max_rows, nb), np.int32)
+        src = np.full(self.max_rows, -1, np.int32)
+        last = np.zeros(self.max_rows, np.int32)
         temperature = np.zeros(rows, np.float32)
         top_k = np.zeros(rows, np.int32)
         top_p = np.ones(rows, np.float32)
         seeds = np.zeros(rows, np.uint32)
         steps = np.zeros(rows, np.int32)
-        targets = np.full((b, t), -1, np.int32) if t > 1 else None
         written: set[int] = set()
+        at = 0
+        starts: list[int] = []
         for i, x in enumerate(batch):
             n = len(x.tokens)
             if n == 0 or len(x.blocks) * bsz < x.start + n:
                 raise ValueError("a step input needs tokens and blocks covering them")
             if x.src >= self.max_rows or (x.src >= 0 and n != 1):
                 raise ValueError(f"bad src row {x.src} for a step of {n} tokens")
-            tokens[i, :n] = x.tokens
+            tokens[at : at + n] = x.tokens
             pos = np.arange(x.start, x.start + n)
-            positions[i, :n] = pos
-            cached_blocks = -(-x.start // bsz)
-            tables[i, :cached_blocks] = x.blocks[:cached_blocks]
-            ctx[i], new[i], src[i] = x.start, n, x.src
+            positions[at : at + n] = pos
+            used = -(-(x.start + n) // bsz)
+            tables[i, :used] = x.blocks[:used]
             blk = np.asarray(x.blocks, np.int64)[pos // bsz]
-            slots[i, :n] = blk * bsz + pos % bsz
+            slots[at : at + n] = blk * bsz + pos % bsz
             written.update(x.blocks[pos[0] // bsz : pos[-1] // bsz + 1])
+            src[i], last[i] = x.src, at + n - 1
             p = x.params or _GREEDY
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
             seeds[i], steps[i] = p.seed or 0, x.sample_step
-            if x.targets is not None and targets is not None:
-                targets[i, :n] = x.targets
+            if x.targets is not None:
+                targets[at : at + n] = x.targets
+            starts.append(at)
+            at += n
         self.cache.check_writable(written)
-        segments = [tokens, positions, tables, ctx, new, slots, src]
-        if targets is not None:
-            segments.append(targets)
-        packed = np.concatenate([a.ravel() for a in segments])
+        lay = ragged_layout([len(x.tokens) for x in batch],
+                            [x.start + len(x.tokens) for x in batch], tables, t,
+                            self._items(t)[1] if self.tile(t) else 1)  # fmt: skip
+        packed = self._pack(lay, tokens, positions, slots, targets, src, last, t)
         params = np.stack(
             [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]
         )
@@ -667,21 +696,21 @@ class ModelRunner:
             self._seen(("process", rows, processing[0].shape[1]))
         if want_logprobs:
             self._seen(("logprobs", rows))
+        hint = src_rows(src[: len(batch)], rows)
         with self._context():
             (logits, scores), self.token = self._jitted(
-                self._weights, self.cache.view, packed, self.last_tokens, b, t, nb, self.token
+                self._weights, self.cache.view, packed, self.last_tokens, t, nb, self.token
             )
             # Dispatched right behind the step: no host round trip in between.
             sampled = logits
             if processing is not None:
-                sampled = self._jitted_process(
-                    logits, *processing, self.last_tokens, src_rows(src, rows)
-                )
+                sampled = self._jitted_process(logits, *processing, self.last_tokens, hint)
             self.last_tokens = self._jitted_sample(sampled, params)  # (numpy in: one transfer)
             self.last_logprobs = (
-                self._jitted_logprobs(logits, self.last_tokens) if want_logprobs else None
+                self._jitted_logprobs(logits, self.last_tokens, hint) if want_logprobs else None
             )
-        self.last_scores = scores if targets is not None and (targets >= 0).any() else None
+        self.last_scores = scores if (targets >= 0).any() else None
+        self.last_starts = starts
         return logits, self.last_tokens
 
     def copy_block(self, src: int, dst: int) -> None:

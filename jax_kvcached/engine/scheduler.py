@@ -1,8 +1,10 @@
 """Continuous-batching scheduler: queue policy only.
 
-Waiting / running queues, admission order, the prefill-or-decode choice, chunking within
-the compiled prefill shapes, and whom to preempt when the KV manager has no memory
-(the newest running sequence; it is recomputed when readmitted). Every question about
+Waiting / running queues, admission order, each step's token budget (vLLM v1's chunked
+prefill: every running decode first, one token each, then chunks of the prompts still
+being prefilled, so a long prompt never stalls the running streams), and whom to preempt
+when the KV manager has no memory (the newest running sequence; it is recomputed when
+readmitted). Every question about
 blocks goes to the :class:`~jax_kvcached.engine.kv_manager.KVManager`.
 """
 
@@ -10,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable
 
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.runner import StepInput
@@ -25,7 +26,6 @@ class SchedulerOutput:
 
     sequences: list[Sequence]
     inputs: list[StepInput]
-    prefill: bool = False
     rejected: list[Sequence] = dataclasses.field(default_factory=list)
 
 
@@ -34,15 +34,14 @@ class Scheduler:
         self,
         kv: KVManager,
         max_batch: int,
-        prefill_chunk: int,
+        max_num_batched_tokens: int,
         max_model_len: int,
-        prefill_fits: Callable[[int, int], bool] | None = None,
     ) -> None:
+        if max_num_batched_tokens < max_batch:
+            raise ValueError("max_num_batched_tokens must be at least max_batch")
         self.kv = kv
-        # Whether a prefill step of (sequences, longest chunk) has a compiled shape.
-        self.prefill_fits = prefill_fits or (lambda rows, tokens: True)
         self.max_batch = max_batch
-        self.prefill_chunk = prefill_chunk
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -125,18 +124,21 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
 
-    def _step_len(self, seq: Sequence, prefill: bool) -> int:
-        """New tokens seq feeds this step: a prefill chunk, or its one decode token."""
-        return min(seq.num_tokens - seq.num_computed, self.prefill_chunk) if prefill else 1
-
     def _done_when_pending_arrives(self, seq: Sequence) -> bool:
         """Its pending token ends it by length: nothing more to compute for it."""
         return seq.num_pending > 0 and (
             seq.num_output >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
         )
 
+    @staticmethod
+    def prefilling(seq: Sequence) -> bool:
+        """More than its last known token is still to be computed (a prompt, or a
+        sequence recomputed after preemption)."""
+        return seq.num_computed < seq.num_tokens - 1
+
     def schedule(self) -> SchedulerOutput:
-        """The next step: a prefill batch if any running sequence needs one, else decode.
+        """The next step, within ``max_num_batched_tokens``: every running decode (one
+        token each), then chunks of the sequences still prefilling, in arrival order.
 
         A decode input whose token is still being sampled names the row of the step that
         samples it (``StepInput.src``): the device feeds it, the host does not wait for it.
@@ -144,26 +146,24 @@ class Scheduler:
         rejected: list[Sequence] = []
         self.shrink_to_limit()
         self._admit(rejected)
-        prefill = [s for s in self.running if s.num_computed < s.num_tokens - 1]
-        group = prefill if prefill else list(self.running)
-        seqs: list[Sequence] = []
-        longest = 0
-        for seq in group:
+        decodes = [s for s in self.running if not self.prefilling(s)]
+        prefills = [s for s in self.running if self.prefilling(s)]
+        budget = self.max_num_batched_tokens
+        plan: list[tuple[Sequence, int]] = []
+        for seq in decodes + prefills:
+            if budget <= 0:
+                break
             if seq not in self.running or self._done_when_pending_arrives(seq):
                 continue  # (preempted while growing an earlier one)
-            n = self._step_len(seq, bool(prefill))
-            if prefill:
-                if seqs and not self.prefill_fits(len(seqs) + 1, max(longest, n)):
-                    break  # the prefill token budget is full: the rest go next step
-                longest = max(longest, n)
+            n = min(seq.num_tokens - seq.num_computed, budget) if self.prefilling(seq) else 1
             if not self._grow(seq, seq.num_computed + n):
                 continue
-            seqs.append(seq)
+            plan.append((seq, n))
+            budget -= n
         # Growing a later sequence may have preempted an earlier one.
-        seqs = [s for s in seqs if s in self.running]
+        plan = [(s, n) for s, n in plan if s in self.running]
         inputs: list[StepInput] = []
-        for seq in seqs:
-            n = self._step_len(seq, bool(prefill))
+        for seq, n in plan:
             start = seq.num_computed
             known = len(seq.token_ids)
             if start + n <= known:
@@ -171,4 +171,4 @@ class Scheduler:
             else:  # a decode step on the token the in-flight step samples
                 assert n == 1 and start == known and seq.last_row >= 0, "one token in flight"
                 inputs.append(StepInput([0], start, list(seq.blocks), src=seq.last_row))
-        return SchedulerOutput(seqs, inputs, bool(prefill), rejected)
+        return SchedulerOutput([s for s, _ in plan], inputs, rejected)

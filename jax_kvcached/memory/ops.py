@@ -260,43 +260,41 @@ def paged_attention(
     cache: KVCache,
     layer: int,
     q: jax.Array,
-    k_new: jax.Array,
-    v_new: jax.Array,
     block_tables: Any,
-    ctx_lens: Any,
-    new_lens: Any,
+    kv_lens: Any,
+    q_start: Any,
+    q_lens: Any,
     token: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attention of ``q`` ``(B, T, Hkv, G, D)`` over each sequence's first ``ctx_lens[b]``
-    cached tokens, read in place from the view through ``block_tables`` ``(B, nb)``, and
-    over the step's new keys / values ``(B, T, Hkv, D)`` (row t sees new tokens
-    ``u <= t``, ``u < new_lens[b]``): a host-platform custom call, multi-threaded, with
-    no gathered copy of the KV. All float32. Returns the attention ``(B, T, Hkv, G, D)``
-    and, per row ``(B, T, Hkv, G)``, the max score and the sum of ``exp(score - max)``:
-    with ``new_lens`` 0 they let the caller merge other keys by log-sum-exp.
+) -> jax.Array:
+    """Ragged causal attention over the paged cache: a host-platform custom call,
+    multi-threaded, that reads K/V in place (no gathered copy). All float32.
 
-    ``token`` orders the read after earlier writes. Every block holding a cached token
-    must be a mapped block of this cache and ``ctx_lens`` must fit the table, else the
-    call fails with an FFI error. Host backend only (CPU).
+    ``q`` ``(T, Hkv, G, D)`` holds the query rows of up to ``S`` sequences on one flat token
+    axis: sequence ``s`` owns rows ``q_start[s] .. q_start[s] + q_lens[s] - 1``, the queries
+    at positions ``kv_lens[s] - q_lens[s] ..  kv_lens[s] - 1``; each sees its sequence's
+    cached tokens at positions up to its own, through ``block_tables`` ``(S, nb)``. The
+    step's own K/V must already be written (``token`` orders the call after that write).
+    Rows of no sequence come back 0. Returns ``(T, Hkv, G, D)``.
+
+    Ranges that leave the token axis or overlap, ``q_lens > kv_lens``, and blocks under
+    ``kv_lens`` that are not mapped blocks of this cache fail with an FFI error. Host
+    backend only (CPU).
     """
-    b, t, kvh, g, d = q.shape
+    t, kvh, g, d = q.shape
     if why := _heads_error("paged_attention", cache, kvh):
         raise ValueError(why)
     if (kvh, d) != (cache.shard_kv_heads, cache.head_dim) or q.dtype != jnp.float32:
         raise ValueError(
-            f"paged_attention: q must be float32 (B, T, {cache.shard_kv_heads}, G, "
+            f"paged_attention: q must be float32 (T, {cache.shard_kv_heads}, G, "
             f"{cache.head_dim}), got {q.dtype} {tuple(q.shape)}"
         )
-    if (k_new.shape, v_new.shape) != ((b, t, kvh, d),) * 2:
-        raise ValueError(f"paged_attention: k_new / v_new must be {(b, t, kvh, d)}")
     if not 0 <= layer < cache.num_layers:
         raise ValueError(f"paged_attention: layer {layer} out of range")
-    i32, f32 = jnp.int32, jnp.float32
-    rows = jax.ShapeDtypeStruct(q.shape[:-1], f32)
-    out = (jax.ShapeDtypeStruct(q.shape, f32), rows, rows)
+    i32 = jnp.int32
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("kvcached_paged_attention", out, vmap_method=VMAP_METHOD)(
-        q, k_new.astype(f32), v_new.astype(f32), jnp.asarray(block_tables, i32),
-        jnp.asarray(ctx_lens, i32), jnp.asarray(new_lens, i32), token,
+        q, jnp.asarray(block_tables, i32), jnp.asarray(kv_lens, i32),
+        jnp.asarray(q_start, i32), jnp.asarray(q_lens, i32), token,
         handle=_handle("paged_attention", cache), layer=np.int64(layer),
         scale=np.float32(1 / np.sqrt(d)),
     )  # fmt: skip

@@ -257,6 +257,7 @@ def serve(
     page_size: str | None = None,
     max_batch: int = 8,
     max_queue: int = 64,
+    max_num_batched_tokens: int | None = None,
     max_cached_tokens: int | None = None,
     max_model_len: int | None = None,
     eviction: str = "lru",
@@ -338,6 +339,7 @@ def serve(
                 dtype=dtype, chat_template=chat_template, generation_config=generation_config,
                 default_sampling=default_sampling, max_cached_tokens=max_cached_tokens,
                 max_model_len=max_model_len, eviction=eviction,
+                max_num_batched_tokens=max_num_batched_tokens,
                 host_cache_tokens=host_cache_tokens, host_cache_bytes=host_cache_bytes,
             )  # fmt: skip
             loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)

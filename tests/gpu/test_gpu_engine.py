@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
-from jax_kvcached.engine.attention import paged_attention
+from jax_kvcached.engine.attention import Ragged, paged_attention, ragged_layout
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.pallas_attention import pallas_paged_attention
 from jax_kvcached.engine.sampling import SamplingParams
@@ -71,35 +71,36 @@ def test_tensor_parallel_engine_on_cuda_matches_the_cpu_run():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("bs,groups,splits", [(16, 1, 1), (32, 4, 2), (64, 8, 4)])
-def test_pallas_kernel_matches_the_xla_path_on_gpu(dtype, bs, groups, splits):
+@pytest.mark.parametrize("bs,groups,splits,tile", [(16, 1, 1, 1), (32, 4, 2, 16), (64, 8, 4, 8)])
+def test_pallas_kernel_matches_the_xla_path_on_gpu(dtype, bs, groups, splits, tile):
+    """Ragged steps on the GPU: decode rows and chunks of several sequences, the kernel
+    against the XLA path over the same layout."""
     with jax.default_device(_gpus()[0]):
         pool = kv.Pool("512MiB", backend="cuda", min_reserved_pages=0, max_reserved_pages=0)
         c = pool.create_kv_cache("a", 1, 2, 64, dtype, block_size=bs)
         rng = np.random.default_rng(bs)
-        ctx = [0, 5, bs * 3 + 1, 700]
-        nb = -(-max(ctx) // bs)
+        kv_lens = [1, 5, bs * 3 + 1, 700]
+        q_lens = [1, 5, 1, 40] if tile > 1 else [1, 1, 1, 1]
+        nb = -(-max(kv_lens) // bs)
         tables = np.zeros((4, nb), np.int32)
         from jax_kvcached.memory import ops
 
-        for i, n in enumerate(ctx):
+        for i, n in enumerate(kv_lens):
             k = -(-n // bs)
-            if k:
-                tables[i, :k] = c.alloc(k)
-                kv_ = jnp.asarray(rng.standard_normal((1, n, 2, 64)), dtype)
-                slots = c.slot_mapping(tables[i, :k], np.arange(n))
-                ops.write_kv(
-                    c, 0, kv_, -kv_, jnp.asarray(slots), ops.new_token()
-                ).block_until_ready()
-        q = jnp.asarray(rng.standard_normal((4, 1, 2 * groups, 64)), jnp.float32)
-        kn = jnp.asarray(rng.standard_normal((4, 1, 2, 64)), jnp.float32)
-        args = (q, kn, kn, c.view, 0, jnp.asarray(tables), jnp.asarray(ctx), jnp.ones(4, jnp.int32))
-        want = jax.jit(paged_attention, static_argnums=4)(*args)
-        got = jax.jit(lambda *a: pallas_paged_attention(*a, num_splits=splits), static_argnums=4)(
-            *args
-        )
+            tables[i, :k] = c.alloc(k)
+            kv_ = jnp.asarray(rng.standard_normal((1, n, 2, 64)), dtype)
+            slots = c.slot_mapping(tables[i, :k], np.arange(n))
+            ops.write_kv(c, 0, kv_, -kv_, jnp.asarray(slots), ops.new_token()).block_until_ready()
+        tokens = 64 if tile > 1 else 4
+        q = jnp.asarray(rng.standard_normal((tokens, 2 * groups, 64)), jnp.float32)
+        lay = Ragged(**{k: jnp.asarray(v) for k, v in
+                        ragged_layout(q_lens, kv_lens, tables, tokens, tile).items()})  # fmt: skip
+        want = jax.jit(paged_attention, static_argnums=2)(q, c.view, 0, lay)
+        got = jax.jit(lambda *a: pallas_paged_attention(*a, num_splits=splits),
+                      static_argnums=2)(q, c.view, 0, lay)  # fmt: skip
         tol = 1e-4 if dtype == "float32" else 2e-2
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=tol)
+        n = sum(q_lens)
+        np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=tol, rtol=tol)
         pool.close()
 
 
