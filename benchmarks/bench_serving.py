@@ -149,9 +149,13 @@ def part_stall(args, url: str) -> dict:
             "prefill_alone_s": alone, "prefill_tokens_per_s": n / alone,
             "median_gap_ms": med * 1e3, "longest_gap_ms": max(during) * 1e3,
             "ratio": max(during) / med, "tokens_during": len(during),
+            "median_gap_during_ms": statistics.median(during) * 1e3,
+            "top_gaps_during_ms": sorted((g * 1e3 for g in during), reverse=True)[:5],
+            "gaps_during_ms": [round(g * 1e3, 1) for g in during],
         }  # fmt: skip
         print(f"stall, {n}-token prompt: stream median gap {med * 1e3:.1f} ms, longest gap "
-              f"while it prefills {max(during) * 1e3:.1f} ms ({max(during) / med:.1f}x); the "
+              f"while it prefills {max(during) * 1e3:.1f} ms ({max(during) / med:.1f}x; median "
+              f"{statistics.median(during) * 1e3:.1f} ms over {len(during)} tokens); the "
               f"prompt alone prefills at {n / alone:.0f} tokens/s")  # fmt: skip
     if len(args.stall_prompts) >= 2:
         a, b = args.stall_prompts[0], args.stall_prompts[-1]

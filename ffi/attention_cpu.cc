@@ -124,6 +124,7 @@ struct Rows {
   }
 
  private:
+  // Scores of four rows at once: each K load feeds four FMAs.
   void scores4(int64_t r) {
     const float *q0 = q[r], *q1 = q[r + 1], *q2 = q[r + 2], *q3 = q[r + 3];
     float a0[kLanes] = {}, a1[kLanes] = {}, a2[kLanes] = {}, a3[kLanes] = {};

@@ -136,8 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests run at once per model")
     s.add_argument(
         "--max-num-batched-tokens", type=int, default=None, metavar="N",
-        help="new tokens in one step per model: every running decode first, then chunks of "
-        "waiting prompts (default: 64 on a CPU, 2048 on a GPU; at least --max-batch)",
+        help="new tokens in one step per model while requests decode: every running decode "
+        "first, then chunks of waiting prompts (default: 16 on a CPU, 2048 on a GPU; at "
+        "least --max-batch)",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-prefill-tokens", type=int, default=None, metavar="N",
+        help="new tokens in a step when no request decodes (default: 256 on a CPU, "
+        "--max-num-batched-tokens on a GPU)",
     )  # fmt: skip
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
     s.add_argument(
@@ -354,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"({args.max_batch}): every running request decodes in each step",
                   file=sys.stderr)  # fmt: skip
             return 2
+        if args.max_prefill_tokens is not None and args.max_prefill_tokens < (
+            args.max_num_batched_tokens or 1
+        ):
+            print("error: --max-prefill-tokens must be at least --max-num-batched-tokens",
+                  file=sys.stderr)  # fmt: skip
+            return 2
         if not args.shutdown_timeout >= 0:
             print("error: --shutdown-timeout must be >= 0", file=sys.stderr)
             return 2
@@ -389,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                 specs, memory=args.memory, host=args.host, port=args.port, backend=args.backend,
                 group=args.group, page_size=args.page_size, max_batch=args.max_batch,
                 max_queue=args.max_queue, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_prefill_tokens=args.max_prefill_tokens,
                 max_cached_tokens=args.max_cached_tokens, eviction=args.eviction, seed=args.seed,
                 warmup=not args.no_warmup, compile_cache=args.compile_cache, auth=auth,
                 shutdown_timeout=args.shutdown_timeout, tensor_parallel=args.tensor_parallel,

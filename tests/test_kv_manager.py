@@ -219,7 +219,8 @@ def test_scheduler_puts_every_decode_first_and_fills_the_budget_with_a_chunk():
     """A long prompt never stalls running streams: each step holds every decode row
     (one token each) and a chunk of the prompt in the rest of the budget."""
     fake = FakeKV(capacity=1000)
-    sch = Scheduler(fake, max_batch=4, max_num_batched_tokens=16, max_model_len=4096)
+    sch = Scheduler(fake, max_batch=4, max_num_batched_tokens=16, max_model_len=4096,
+                    max_prefill_tokens=64)  # fmt: skip
     streams = [seq(i, range(5)) for i in range(2)]
     for s in streams:
         sch.add(s)
@@ -229,7 +230,7 @@ def test_scheduler_puts_every_decode_first_and_fills_the_budget_with_a_chunk():
         s.token_ids.append(7)  # its first token arrived: it decodes now
     sch.add(seq(9, range(100)))  # a long prompt arrives
     chunks: list[int] = []
-    while sum(chunks) < 100:
+    while sum(chunks) < 60:
         out = sch.schedule()
         ids = [s.request_id for s in out.sequences]
         assert ids == [0, 1, 9]  # the streams first, one token each, then the prompt
@@ -240,7 +241,11 @@ def test_scheduler_puts_every_decode_first_and_fills_the_budget_with_a_chunk():
             if s.request_id < 2:
                 s.token_ids.append(7)
         chunks.append(len(out.inputs[2].tokens))
-    assert chunks == [14] * 7 + [2]  # budget 16 - 2 decode rows
+    assert chunks == [14] * 5  # budget 16 - 2 decode rows
+    for s in streams:
+        sch.finish(s, "stop")
+    out = sch.schedule()  # no stream decodes: the prompt takes the prefill budget
+    assert [(x.start, len(x.tokens)) for x in out.inputs] == [(70, 30)]
 
 
 def test_scheduler_preempts_the_newest_when_memory_runs_out():

@@ -89,7 +89,8 @@ def test_nothing_compiles_after_warm_up_for_prompts_up_to_3000_tokens_mixed_with
     decode compile nothing more (not even a retrace)."""
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
     pool = _pool("128MiB")
-    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=64, max_model_len=3200)
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16, max_prefill_tokens=64,
+                 max_model_len=3200)  # fmt: skip
     info = eng.compile()
     assert info["shapes"] == len(eng.runner.token_sizes) == 7  # 1, 2, .., 64: no products
     compiled, executables = eng.runner.num_compiled, eng.runner.jit_cache_sizes

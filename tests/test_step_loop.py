@@ -227,11 +227,11 @@ def test_buckets_step_by_at_most_a_quarter_and_are_few():
     r = eng.runner
     # Token buckets x one width (the host kernel walks only the context): no batch x chunk
     # product, whatever max_batch is.
-    assert r.token_sizes == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert r.token_sizes == (1, 2, 4, 8, 16, 32, 64, 128, 256)  # up to the prefill budget
     assert r.step_shapes() == [(t, 128) for t in r.token_sizes]
     eng.close()
-    xla = Engine(model, pool, max_batch=32, max_num_batched_tokens=96, max_model_len=2048,
-                 attention="xla")  # fmt: skip
+    xla = Engine(model, pool, max_batch=32, max_num_batched_tokens=96, max_prefill_tokens=96,
+                 max_model_len=2048, attention="xla")  # fmt: skip
     assert xla.runner.token_sizes[-1] == 96  # the budget itself is the largest bucket
     assert len(xla.runner.step_shapes()) <= 8 * 5  # widths double: 8 .. 128
     pool.close()

@@ -123,9 +123,11 @@ class Engine:
       pool: the pool its KV cache is created in.
       name: the KV cache's name in the pool.
       max_batch: sequences running at once.
-      max_num_batched_tokens: new tokens in one step, decode rows and prompt chunks
-        together (at least ``max_batch``); default 64 on a CPU, 2048 on a GPU
-        (:func:`~jax_kvcached.engine.runner.default_token_budget`).
+      max_num_batched_tokens: new tokens in one step while any sequence decodes, decode
+        rows first, then prompt chunks (at least ``max_batch``); default 16 on a CPU,
+        2048 on a GPU (:func:`~jax_kvcached.engine.runner.default_token_budget`).
+      max_prefill_tokens: new tokens in a step without decode rows (nobody waits for it);
+        default 256 on a CPU, the step budget on a GPU.
       max_model_len: prompt + output limit (default: the model's max positions).
       kv_dtype: KV cache dtype (default: the model's dtype).
       tokenizer: optional, for string prompts, stop strings and ``RequestOutput.text``.
@@ -162,6 +164,7 @@ class Engine:
         name: str = "model",
         max_batch: int = 8,
         max_num_batched_tokens: int | None = None,
+        max_prefill_tokens: int | None = None,
         max_model_len: int | None = None,
         kv_dtype: Any = None,
         block_size: int = 16,
@@ -187,8 +190,11 @@ class Engine:
                 f"{type(model).__name__}"
             )
         cfg = model.config
-        if max_batch <= 0 or (max_num_batched_tokens is not None and max_num_batched_tokens <= 0):
-            raise ValueError("max_batch and max_num_batched_tokens must be positive")
+        budgets = (max_num_batched_tokens, max_prefill_tokens)
+        if max_batch <= 0 or any(b is not None and b <= 0 for b in budgets):
+            raise ValueError(
+                "max_batch, max_num_batched_tokens and max_prefill_tokens must be positive"
+            )
         if mesh is not None and not _same_mesh(mesh, pool.mesh):
             raise ValueError(
                 f"Engine mesh {_mesh_text(mesh)} does not match the pool's "
@@ -216,7 +222,8 @@ class Engine:
         try:
             self.runner = ModelRunner(
                 model, self.cache, attention, max_batch=max_batch,
-                max_num_batched_tokens=max_num_batched_tokens, max_model_len=self.max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
             )  # fmt: skip
         except BaseException:
             self.cache.close()  # a model that cannot run here leaves the pool as it was
@@ -244,8 +251,9 @@ class Engine:
             raise
         self.kv.set_fence(self.runner.token)
         self.scheduler = Scheduler(
-            self.kv, max_batch, self.runner.max_num_batched_tokens, self.max_model_len
-        )
+            self.kv, max_batch, self.runner.max_num_batched_tokens, self.max_model_len,
+            self.runner.max_prefill_tokens,
+        )  # fmt: skip
         self.max_batch = max_batch
         self.max_num_batched_tokens = self.runner.max_num_batched_tokens
         self.log_every = log_every

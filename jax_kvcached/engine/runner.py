@@ -1,14 +1,14 @@
 """ModelRunner: one compiled step of a Flax model over a paged KV cache, on a ragged batch.
 
-A step takes up to ``max_num_batched_tokens`` new tokens from up to ``max_batch``
-sequences laid out on one flat token axis: decode rows (one token) and prefill chunks
-alike, each sequence with its own cached length and block table
-(:mod:`jax_kvcached.engine.attention`). Every layer writes the step's K/V into the cache
-(one ``ops.write_kv_async`` call) and then attends over the cache; each sequence's last
-row gives its logits and the next token is sampled on the device. Every integer input
-travels as one packed array (one transfer). A decode row whose input token is still being
-sampled by the previous step takes it from that step's device output (``StepInput.src``),
-so the host never waits for a step before preparing the next one.
+A step takes up to ``max_num_batched_tokens`` new tokens (``max_prefill_tokens`` when no
+sequence decodes) from up to ``max_batch`` sequences laid out on one flat token axis:
+decode rows (one token) and prefill chunks alike, each sequence with its own cached length
+and block table (:mod:`jax_kvcached.engine.attention`). Every layer writes the step's K/V
+into the cache (one ``ops.write_kv_async`` call) and then attends over the cache; each
+sequence's last row gives its logits and the next token is sampled on the device. Every
+integer input travels as one packed array (one transfer). A decode row whose input token
+is still being sampled by the previous step takes it from that step's device output
+(``StepInput.src``), so the host never waits for a step before preparing the next one.
 
 Shapes come from a fixed, bounded set (:meth:`ModelRunner.step_shapes`): token counts in
 powers of two up to the budget, times block-table widths (one width for attention that
@@ -16,10 +16,10 @@ walks only the context: the host custom call and the Pallas kernel). No batch x 
 product: the sequence slots are fixed. Each shape is compiled once, ahead of time
 (:meth:`ModelRunner.compile`), and counted.
 
-Over a cache split across a mesh (tensor parallelism) the model's parameters are placed
-by its plan (:func:`jax_kvcached.models.shard_model`), the paged attention and the KV
-write run per device under ``jax.shard_map`` (each device over its KV heads, in its own
-buffer), and the logits come back replicated: the host side is unchanged.
+Over a cache split across a mesh (tensor parallelism) the model's parameters are placed by
+its plan (:func:`jax_kvcached.models.shard_model`), the paged attention and the KV write
+run per device under ``jax.shard_map`` (each device over its KV heads, in its own buffer),
+and the logits come back replicated: the host side is unchanged.
 """
 
 from __future__ import annotations
@@ -94,10 +94,18 @@ def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
 
 
 def default_token_budget(backend: str) -> int:
-    """The default ``max_num_batched_tokens``: a CPU step of 64 tokens keeps a running
-    stream's gap near its decode gap while prompts prefill; a GPU step takes 2048 (the
-    launch floor hides below that)."""
-    return 2048 if backend == "cuda" else 64
+    """The default ``max_num_batched_tokens`` (the step budget while a sequence decodes):
+    on a CPU 16 tokens (SmolLM2-135M: a decode row and a 15-token chunk take under 3x a
+    decode step, so running streams keep near their pace while prompts prefill); on a
+    GPU 2048 (a step's cost there hardly grows below that)."""
+    return 2048 if backend == "cuda" else 16
+
+
+def default_prefill_budget(backend: str, budget: int) -> int:
+    """The default ``max_prefill_tokens`` (the budget of a step with no decode rows: no
+    stream waits for it, so bigger chunks prefill faster): 256 on a CPU, else the step
+    budget; never below it."""
+    return budget if backend == "cuda" else max(budget, 256)
 
 
 def ladder(lo: int, hi: int, multiple: int = 1, ratio: float = 1.25) -> tuple[int, ...]:
@@ -163,8 +171,9 @@ class ModelRunner:
     for a host cache), ``host``, ``xla``, ``pallas`` or ``pallas-interpret``.
 
     Steps of at most ``max_batch`` sequences and ``max_num_batched_tokens`` new tokens in
-    all (default: :func:`default_token_budget`), contexts up to ``max_model_len`` tokens:
-    these bound the shape set."""
+    all (default: :func:`default_token_budget`), or ``max_prefill_tokens`` when no row
+    decodes (default: :func:`default_prefill_budget`), contexts up to ``max_model_len``
+    tokens: these bound the shape set."""
 
     def __init__(
         self,
@@ -174,6 +183,7 @@ class ModelRunner:
         *,
         max_batch: int = 8,
         max_num_batched_tokens: int | None = None,
+        max_prefill_tokens: int | None = None,
         max_model_len: int | None = None,
         num_candidates: int = NUM_CANDIDATES,
     ) -> None:
@@ -191,6 +201,12 @@ class ModelRunner:
             raise ValueError(
                 f"max_num_batched_tokens ({budget}) must be at least max_batch ({max_batch}): "
                 "every running sequence decodes one token in each step"
+            )
+        prefill = max_prefill_tokens or default_prefill_budget(cache.backend, budget)
+        if prefill < budget:
+            raise ValueError(
+                f"max_prefill_tokens ({prefill}) must be at least max_num_batched_tokens "
+                f"({budget})"
             )
         self.config = cfg
         self.cache = cache
@@ -225,12 +241,13 @@ class ModelRunner:
         self.max_blocks = -(-max_len // bs)
         self.max_batch = max_batch
         self.max_num_batched_tokens = budget
+        self.max_prefill_tokens = prefill
         # Samplers come in powers of two (their rows: the step's sequences): few compiles.
         self.sampler_sizes = tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
         self.max_rows = self.sampler_sizes[-1]  # the step's sequence slots
-        # Token counts: powers of two up to the budget (the budget itself the largest).
-        self.token_sizes = tuple(sorted({1 << i for i in range(budget.bit_length())
-                                         if (1 << i) < budget} | {budget}))  # fmt: skip
+        # Token counts: powers of two, and the two budgets themselves.
+        self.token_sizes = tuple(sorted({1 << i for i in range(prefill.bit_length())
+                                         if (1 << i) < prefill} | {budget, prefill}))  # fmt: skip
         top = -(-self.max_blocks // 8) * 8
         self.widths = (top,) if self.attention in _WALKS_CONTEXT else ladder(8, top, 8, 2.0)
         # Logit processing: token lists of these widths (prompt + output + biases).
@@ -419,10 +436,10 @@ class ModelRunner:
                 f"a step of {len(batch)} sequences exceeds the runner's max_batch "
                 f"{self.max_batch}"
             )
-        if total > self.max_num_batched_tokens:
+        if total > self.max_prefill_tokens:
             raise ValueError(
-                f"a step of {total} new tokens exceeds the runner's max_num_batched_tokens "
-                f"{self.max_num_batched_tokens}"
+                f"a step of {total} new tokens exceeds the runner's max_prefill_tokens "
+                f"{self.max_prefill_tokens}"
             )
         if width > self.max_blocks:
             raise ValueError(

@@ -36,12 +36,15 @@ class Scheduler:
         max_batch: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        max_prefill_tokens: int | None = None,
     ) -> None:
         if max_num_batched_tokens < max_batch:
             raise ValueError("max_num_batched_tokens must be at least max_batch")
         self.kv = kv
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A step with no decode row keeps no stream waiting: it may take bigger chunks.
+        self.max_prefill_tokens = max(max_prefill_tokens or 0, max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -138,7 +141,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """The next step, within ``max_num_batched_tokens``: every running decode (one
-        token each), then chunks of the sequences still prefilling, in arrival order.
+        token each), then chunks of the sequences still prefilling, in arrival order. A
+        step without decode rows takes up to ``max_prefill_tokens``.
 
         A decode input whose token is still being sampled names the row of the step that
         samples it (``StepInput.src``): the device feeds it, the host does not wait for it.
@@ -148,7 +152,7 @@ class Scheduler:
         self._admit(rejected)
         decodes = [s for s in self.running if not self.prefilling(s)]
         prefills = [s for s in self.running if self.prefilling(s)]
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if decodes else self.max_prefill_tokens
         plan: list[tuple[Sequence, int]] = []
         for seq in decodes + prefills:
             if budget <= 0:

@@ -258,6 +258,7 @@ def serve(
     max_batch: int = 8,
     max_queue: int = 64,
     max_num_batched_tokens: int | None = None,
+    max_prefill_tokens: int | None = None,
     max_cached_tokens: int | None = None,
     max_model_len: int | None = None,
     eviction: str = "lru",
@@ -340,6 +341,7 @@ def serve(
                 default_sampling=default_sampling, max_cached_tokens=max_cached_tokens,
                 max_model_len=max_model_len, eviction=eviction,
                 max_num_batched_tokens=max_num_batched_tokens,
+                max_prefill_tokens=max_prefill_tokens,
                 host_cache_tokens=host_cache_tokens, host_cache_bytes=host_cache_bytes,
             )  # fmt: skip
             loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
