@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests run at once per model")
     s.add_argument(
         "--max-num-batched-tokens", type=int, default=None, metavar="N",
-        help="new tokens in one step per model while requests decode: every running decode "
-        "first, then chunks of waiting prompts (default: 16 on a CPU, 2048 on a GPU; at "
+        help="the most new tokens of a step per model while requests decode: every running "
+        "decode first, then chunks of waiting prompts (default: 64 on a CPU, where a step "
+        "with D decoding requests also stays within 16 + 4 D tokens; 2048 on a GPU; at "
         "least --max-batch)",
     )  # fmt: skip
     s.add_argument(

@@ -248,6 +248,25 @@ def test_scheduler_puts_every_decode_first_and_fills_the_budget_with_a_chunk():
     assert [(x.start, len(x.tokens)) for x in out.inputs] == [(70, 30)]
 
 
+def test_scheduler_scales_a_cpu_step_with_its_decode_rows():
+    """On a CPU a step with D decode rows takes 16 + 4 D tokens (rounded down to 16): one
+    stream gets a 15-token chunk beside it, eight streams a 40-token one."""
+    from jax_kvcached.engine.runner import cpu_decode_budget
+
+    assert [cpu_decode_budget(d) for d in (1, 3, 4, 8, 12)] == [16, 16, 32, 48, 64]
+    for streams, chunk in ((1, 15), (8, 40)):
+        fake = FakeKV(capacity=1000)
+        sch = Scheduler(fake, max_batch=9, max_num_batched_tokens=64, max_model_len=4096,
+                        max_prefill_tokens=256, decode_budget=cpu_decode_budget)  # fmt: skip
+        for i in range(streams):
+            s = seq(i, range(3))
+            fake.computed(s, 2)  # it decodes
+            sch.running.append(s)
+        sch.add(seq(99, range(500)))
+        out = sch.schedule()
+        assert [len(x.tokens) for x in out.inputs] == [1] * streams + [chunk]
+
+
 def test_scheduler_preempts_the_newest_when_memory_runs_out():
     fake = FakeKV(capacity=7)
     sch = Scheduler(fake, max_batch=4, max_num_batched_tokens=64, max_model_len=4096)

@@ -123,9 +123,11 @@ class Engine:
       pool: the pool its KV cache is created in.
       name: the KV cache's name in the pool.
       max_batch: sequences running at once.
-      max_num_batched_tokens: new tokens in one step while any sequence decodes, decode
-        rows first, then prompt chunks (at least ``max_batch``); default 16 on a CPU,
-        2048 on a GPU (:func:`~jax_kvcached.engine.runner.default_token_budget`).
+      max_num_batched_tokens: the most new tokens of a step while any sequence decodes,
+        decode rows first, then prompt chunks (at least ``max_batch``); default 64 on a
+        CPU, 2048 on a GPU. On a CPU a step with D decode rows also stays within
+        :func:`~jax_kvcached.engine.runner.cpu_decode_budget` (16 + 4 D tokens, rounded
+        down to 16: one stream and a 15-token chunk), so streams keep their pace.
       max_prefill_tokens: new tokens in a step without decode rows (nobody waits for it);
         default 256 on a CPU, the step budget on a GPU.
       max_model_len: prompt + output limit (default: the model's max positions).
@@ -252,7 +254,7 @@ class Engine:
         self.kv.set_fence(self.runner.token)
         self.scheduler = Scheduler(
             self.kv, max_batch, self.runner.max_num_batched_tokens, self.max_model_len,
-            self.runner.max_prefill_tokens,
+            self.runner.max_prefill_tokens, self.runner.decode_budget,
         )  # fmt: skip
         self.max_batch = max_batch
         self.max_num_batched_tokens = self.runner.max_num_batched_tokens

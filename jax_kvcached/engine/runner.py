@@ -94,11 +94,10 @@ def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
 
 
 def default_token_budget(backend: str) -> int:
-    """The default ``max_num_batched_tokens`` (the step budget while a sequence decodes):
-    on a CPU 16 tokens (SmolLM2-135M: a decode row and a 15-token chunk take under 3x a
-    decode step, so running streams keep near their pace while prompts prefill); on a
-    GPU 2048 (a step's cost there hardly grows below that)."""
-    return 2048 if backend == "cuda" else 16
+    """The default ``max_num_batched_tokens`` (the most new tokens of a step while any
+    sequence decodes): 64 on a CPU, 2048 on a GPU (a step's cost there hardly grows
+    below that)."""
+    return 2048 if backend == "cuda" else 64
 
 
 def default_prefill_budget(backend: str, budget: int) -> int:
@@ -106,6 +105,18 @@ def default_prefill_budget(backend: str, budget: int) -> int:
     stream waits for it, so bigger chunks prefill faster): 256 on a CPU, else the step
     budget; never below it."""
     return budget if backend == "cuda" else max(budget, 256)
+
+
+TOKEN_STEP = 16  # a CPU step's budget beside decode rows comes in multiples of this
+
+
+def cpu_decode_budget(decodes: int) -> int:
+    """On a CPU, the tokens of a step that holds ``decodes`` decode rows: 16 + 4 per row,
+    rounded down to a multiple of 16. A decode step of SmolLM2-135M costs about
+    25 ms + 4 ms a row and a prompt token about 2 ms, so the prompt chunk added to it keeps
+    the step within about 2.5x the decode step it joins (one stream: 15 prompt tokens);
+    more rows buy bigger chunks, so prompts still prefill quickly under load."""
+    return max(TOKEN_STEP, (TOKEN_STEP + 4 * decodes) // TOKEN_STEP * TOKEN_STEP)
 
 
 def ladder(lo: int, hi: int, multiple: int = 1, ratio: float = 1.25) -> tuple[int, ...]:
@@ -245,9 +256,14 @@ class ModelRunner:
         # Samplers come in powers of two (their rows: the step's sequences): few compiles.
         self.sampler_sizes = tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
         self.max_rows = self.sampler_sizes[-1]  # the step's sequence slots
-        # Token counts: powers of two, and the two budgets themselves.
+        # Token counts: powers of two, multiples of 16 up to the decode-time budget (a CPU
+        # step's budget grows by 16: cpu_decode_budget), and the two budgets themselves.
         self.token_sizes = tuple(sorted({1 << i for i in range(prefill.bit_length())
-                                         if (1 << i) < prefill} | {budget, prefill}))  # fmt: skip
+                                         if (1 << i) < prefill}
+                                        | set(range(TOKEN_STEP, budget, TOKEN_STEP))
+                                        | {budget, prefill}))  # fmt: skip
+        # The budget of a step with decode rows, by their count (None: the fixed budget).
+        self.decode_budget = None if cache.backend == "cuda" else cpu_decode_budget
         top = -(-self.max_blocks // 8) * 8
         self.widths = (top,) if self.attention in _WALKS_CONTEXT else ladder(8, top, 8, 2.0)
         # Logit processing: token lists of these widths (prompt + output + biases).

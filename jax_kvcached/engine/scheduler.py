@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.runner import StepInput
@@ -37,6 +38,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         max_prefill_tokens: int | None = None,
+        decode_budget: Callable[[int], int] | None = None,
     ) -> None:
         if max_num_batched_tokens < max_batch:
             raise ValueError("max_num_batched_tokens must be at least max_batch")
@@ -45,6 +47,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         # A step with no decode row keeps no stream waiting: it may take bigger chunks.
         self.max_prefill_tokens = max(max_prefill_tokens or 0, max_num_batched_tokens)
+        # Tokens of a step with that many decode rows (within max_num_batched_tokens).
+        self.decode_budget = decode_budget
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -142,7 +146,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """The next step, within ``max_num_batched_tokens``: every running decode (one
         token each), then chunks of the sequences still prefilling, in arrival order. A
-        step without decode rows takes up to ``max_prefill_tokens``.
+        step without decode rows takes up to ``max_prefill_tokens``; with ``decode_budget``
+        a step with D decode rows takes at most ``decode_budget(D)``.
 
         A decode input whose token is still being sampled names the row of the step that
         samples it (``StepInput.src``): the device feeds it, the host does not wait for it.
@@ -153,6 +158,8 @@ class Scheduler:
         decodes = [s for s in self.running if not self.prefilling(s)]
         prefills = [s for s in self.running if self.prefilling(s)]
         budget = self.max_num_batched_tokens if decodes else self.max_prefill_tokens
+        if decodes and self.decode_budget is not None:
+            budget = max(len(decodes), min(budget, self.decode_budget(len(decodes))))
         plan: list[tuple[Sequence, int]] = []
         for seq in decodes + prefills:
             if budget <= 0:
