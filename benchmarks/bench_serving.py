@@ -209,7 +209,8 @@ def part_rates(args, url: str) -> dict:
     return res
 
 
-def plot(rates: dict, path: str) -> None:
+def plot(runs: list[tuple[str, dict]], path: str) -> None:
+    """TTFT, ITL and TPOT p50 / p99 against the request rate, one line style per run."""
     try:
         import matplotlib
 
@@ -218,14 +219,17 @@ def plot(rates: dict, path: str) -> None:
     except ImportError:
         print("(matplotlib not installed: no plot)")
         return
-    xs = [r["rate"] for r in rates.values()]
-    fig, ax = plt.subplots(1, 3, figsize=(12, 3.5))
-    for key, a in zip(("ttft", "itl", "tpot"), ax, strict=True):
-        for q in ("p50", "p99"):
-            a.plot(xs, [r[f"{key}_{q}_ms"] for r in rates.values()], "o-", label=q)
-        a.set_xlabel("requests/s")
-        a.set_ylabel(f"{key.upper()} (ms)")
-        a.legend()
+    fig, ax = plt.subplots(1, 3, figsize=(13, 3.8))
+    for (label, rates), style in zip(runs, ("o-", "s--", "^:"), strict=False):
+        xs = [r["rate"] for r in rates.values()]
+        for key, a in zip(("ttft", "itl", "tpot"), ax, strict=True):
+            for q in ("p50", "p99"):
+                a.plot(xs, [r[f"{key}_{q}_ms"] for r in rates.values()], style,
+                       label=f"{label} {q}".strip())  # fmt: skip
+            a.set_xlabel("requests/s")
+            a.set_ylabel(f"{key.upper()} (ms)")
+            a.set_yscale("log")
+    ax[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     print(f"plot: {path}")
@@ -245,11 +249,25 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_serving.json"))
     ap.add_argument("--plot", default=None, help="a PNG of the rates (default: none)")
+    ap.add_argument("--compare", default=None, metavar="JSON",
+                    help="another run's JSON (e.g. an older commit's) drawn beside this one")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="only draw --plot from this run's JSON (and --compare)")  # fmt: skip
     args = ap.parse_args()
     args.rates = [float(x) for x in args.rates.split(",")]
     args.stall_prompts = [int(x) for x in args.stall_prompts.split(",")]
     args.server_args = args.server_args.split()
     parts = args.parts.split(",")
+    if args.replot:
+        with open(args.replot) as f:
+            mine = json.load(f)
+        runs = [(mine.get("label", ""), mine["rates"])]
+        if args.compare:
+            with open(args.compare) as f:
+                other = json.load(f)
+            runs.append((other.get("label", "other"), other["rates"]))
+        plot(runs, args.plot or "bench_serving.png")
+        return
     result: dict = {"model": args.model, "label": args.label, "python": args.python}
     if "startup" in parts:
         result["startup"] = part_startup(args)
@@ -263,7 +281,12 @@ def main() -> None:
             if "rates" in parts:
                 result["rates"] = part_rates(args, srv.url)
                 if args.plot:
-                    plot(result["rates"], args.plot)
+                    runs = [(args.label, result["rates"])]
+                    if args.compare:
+                        with open(args.compare) as f:
+                            other = json.load(f)
+                        runs.append((other.get("label", "other"), other["rates"]))
+                    plot(runs, args.plot)
         finally:
             srv.stop()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

@@ -136,10 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-batch", type=int, default=8, help="requests run at once per model")
     s.add_argument(
         "--max-num-batched-tokens", type=int, default=None, metavar="N",
-        help="the most new tokens of a step per model while requests decode: every running "
-        "decode first, then chunks of waiting prompts (default: 64 on a CPU, where a step "
-        "with D decoding requests also stays within 16 + 4 D tokens; 2048 on a GPU; at "
-        "least --max-batch)",
+        help="new tokens of a step per model while requests decode: every running decode "
+        "first, then chunks of waiting prompts; a fixed budget, at least --max-batch "
+        "(default: on a CPU 16 + 4 per decoding request, rounded down to 16, at most 64; "
+        "2048 on a GPU)",
     )  # fmt: skip
     s.add_argument(
         "--max-prefill-tokens", type=int, default=None, metavar="N",

@@ -9,7 +9,7 @@ import pytest
 
 import jax_kvcached as kv
 from jax_kvcached.engine.engine import Engine
-from jax_kvcached.engine.runner import ModelRunner, StepInput, cpu_decode_budget
+from jax_kvcached.engine.runner import ModelRunner, StepInput
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.serve.loop import ServingLoop
@@ -73,15 +73,19 @@ def test_a_running_stream_gets_a_token_in_every_step_while_a_long_prompt_prefill
         eng.complete(eng.dispatch())
         prefill_steps += 1
         assert all(got[r] == before[r] + 1 for r in streams)  # a token in this very step
-    # 700 tokens in chunks of the step budget beside two decode rows, less their rows.
-    chunk = min(32, cpu_decode_budget(2)) - 2
-    assert chunk == 14 and prefill_steps == -(-700 // chunk)
+    # 700 tokens in chunks of at most 30 (the streams' rows take 2 of the 32: a budget
+    # given is fixed).
+    assert prefill_steps == -(-700 // 30)
     for r in (*streams, long):
         eng.abort(r)
     eng.drain()
     eng.reset_prefix_cache()
     assert eng.cache.num_mapped_pages == 0
     eng.close()
+    # By default a CPU step's budget follows the decode rows: 16 tokens beside 2 streams.
+    default = Engine(model, pool, max_batch=4, max_model_len=1024)
+    assert default.scheduler.decode_budget(2) == 16 and default.max_num_batched_tokens == 64
+    default.close()
     pool.close()
 
 

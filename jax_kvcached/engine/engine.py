@@ -124,10 +124,10 @@ class Engine:
       name: the KV cache's name in the pool.
       max_batch: sequences running at once.
       max_num_batched_tokens: the most new tokens of a step while any sequence decodes,
-        decode rows first, then prompt chunks (at least ``max_batch``); default 64 on a
-        CPU, 2048 on a GPU. On a CPU a step with D decode rows also stays within
-        :func:`~jax_kvcached.engine.runner.cpu_decode_budget` (16 + 4 D tokens, rounded
-        down to 16: one stream and a 15-token chunk), so streams keep their pace.
+        decode rows first, then prompt chunks (at least ``max_batch``). Default: on a CPU
+        :func:`~jax_kvcached.engine.runner.cpu_decode_budget` of the D decode rows (16 +
+        4 D tokens, rounded down to 16, at most 64: one stream and a 15-token chunk), so
+        streams keep their pace; 2048 on a GPU. A value given is a fixed budget.
       max_prefill_tokens: new tokens in a step without decode rows (nobody waits for it);
         default 256 on a CPU, the step budget on a GPU.
       max_model_len: prompt + output limit (default: the model's max positions).

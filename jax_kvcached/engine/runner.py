@@ -262,8 +262,10 @@ class ModelRunner:
                                          if (1 << i) < prefill}
                                         | set(range(TOKEN_STEP, budget, TOKEN_STEP))
                                         | {budget, prefill}))  # fmt: skip
-        # The budget of a step with decode rows, by their count (None: the fixed budget).
-        self.decode_budget = None if cache.backend == "cuda" else cpu_decode_budget
+        # The budget of a step with decode rows, by their count (None: the fixed budget):
+        # scaled on a CPU unless the caller fixed the budget.
+        adaptive = max_num_batched_tokens is None and cache.backend != "cuda"
+        self.decode_budget = cpu_decode_budget if adaptive else None
         top = -(-self.max_blocks // 8) * 8
         self.widths = (top,) if self.attention in _WALKS_CONTEXT else ladder(8, top, 8, 2.0)
         # Logit processing: token lists of these widths (prompt + output + biases).
