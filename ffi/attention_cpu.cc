@@ -98,7 +98,23 @@ inline float fast_exp(float x) {
   return y * scale;
 }
 
+// Eight independent partial sums: vectorises even without reassociation; a compile-time
+// head_dim unrolls.
+template <int64_t kD>
+inline float dot(const float* a, const float* b, int64_t runtime_n) {
+  const int64_t n = kD > 0 ? kD : runtime_n;
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int k = 0; k < 8; ++k) acc[k] += a[i + k] * b[i + k];
+  }
+  float s = 0;
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
 constexpr int64_t kLanes = 16;  // keys scored together: one AVX-512 / two AVX2 registers
+constexpr int64_t kFewRows = 4;  // fewer rows (decode): read K and V in place, no staging
 
 // The online-softmax state of some query rows of one (sequence, KV head). Keys come in
 // groups of kLanes: K transposed (head_dim x kLanes) so a row's kLanes scores are
@@ -179,8 +195,64 @@ struct Rows {
     }
   }
 
+  // Few rows (decode: memory-bound): each key and value row is read once where it lies
+  // and used for every row; staging them (transposing K) would cost more than it saves.
+  template <typename Key, typename Val, typename Visible>
+  void group_few(int64_t j0, int64_t c, Key key, Val val, Visible visible) {
+    for (int64_t j = 0; j < c; ++j) {
+      const float* k = key(j0 + j, tmp.data());
+      for (int64_t r = 0; r < n; ++r) s[static_cast<size_t>(r * kLanes + j)] = dot<kD>(q[r], k, d);
+    }
+    float corr[kFewRows];
+    for (int64_t r = 0; r < n; ++r) corr[r] = softmax_row(r, j0, c, visible);
+    for (int64_t r = 0; r < n; ++r) {
+      if (corr[r] < 0.f) continue;  // nothing visible to this row here
+      for (int64_t x = 0; x < d; ++x) o[r][x] *= corr[r];
+    }
+    for (int64_t j = 0; j < c; ++j) {
+      const float* v = val(j0 + j, tmp.data());
+      for (int64_t r = 0; r < n; ++r) {
+        const float p = corr[r] < 0.f ? 0.f : s[static_cast<size_t>(r * kLanes + j)];
+        if (p == 0.f) continue;
+        float* out = o[r];
+        for (int64_t x = 0; x < (kD > 0 ? kD : d); ++x) out[x] += p * v[x];
+      }
+    }
+  }
+
+  // Masks, scales and exponentiates row r's scores of keys [j0, j0 + c) against its
+  // running max; returns the factor for what it accumulated before (-1: it sees none).
+  template <typename Visible>
+  float softmax_row(int64_t r, int64_t j0, int64_t c, Visible visible) {
+    float* sr = &s[static_cast<size_t>(r * kLanes)];
+    float mb = kMasked;
+    for (int64_t j = 0; j < c; ++j) {
+      sr[j] = visible(r, j0 + j) ? sr[j] * scale : kMasked;
+      mb = std::max(mb, sr[j]);
+    }
+    if (mb <= kMasked) return -1.f;
+    float corr = 1.f;
+    if (mb > m[r]) {  // rescale what was accumulated under the old max
+      corr = fast_exp(m[r] - mb);
+      l[r] *= corr;
+      m[r] = mb;
+    }
+    float sum = 0;
+    const float mr = m[r];
+    for (int64_t j = 0; j < c; ++j) {
+      sr[j] = sr[j] <= kMasked ? 0.f : fast_exp(sr[j] - mr);
+      sum += sr[j];
+    }
+    l[r] += sum;
+    return corr;
+  }
+
   template <typename Key, typename Val, typename Visible>
   void group(int64_t j0, int64_t c, Key key, Val val, Visible visible) {
+    if (n < kFewRows) {
+      group_few(j0, c, key, val, visible);
+      return;
+    }
     for (int64_t j = 0; j < kLanes; ++j) {
       if (j < c) {
         const float* k = key(j0 + j, tmp.data());
@@ -195,27 +267,8 @@ struct Rows {
     for (; r + 4 <= n; r += 4) scores4(r);
     for (; r < n; ++r) scores1(r);
     for (r = 0; r < n; ++r) {
-      float* sr = &s[static_cast<size_t>(r * kLanes)];
-      float mb = kMasked;
-      for (int64_t j = 0; j < c; ++j) {
-        sr[j] = visible(r, j0 + j) ? sr[j] * scale : kMasked;
-        mb = std::max(mb, sr[j]);
-      }
-      if (mb <= kMasked) continue;  // nothing visible to this row here
-      float corr = 1.f;
-      if (mb > m[r]) {  // rescale what was accumulated under the old max
-        corr = fast_exp(m[r] - mb);
-        l[r] *= corr;
-        m[r] = mb;
-      }
-      float sum = 0;
-      const float mr = m[r];
-      for (int64_t j = 0; j < c; ++j) {
-        sr[j] = sr[j] <= kMasked ? 0.f : fast_exp(sr[j] - mr);
-        sum += sr[j];
-      }
-      l[r] += sum;
-      accumulate(r, corr, sr, c);
+      const float corr = softmax_row(r, j0, c, visible);
+      if (corr >= 0.f) accumulate(r, corr, &s[static_cast<size_t>(r * kLanes)], c);
     }
   }
 };
