@@ -122,14 +122,14 @@ def part_stall(args, url: str) -> dict:
     res = {}
     for n in args.stall_prompts:
         # The prompt alone: its prefill rate.
-        long = rng.integers(100, 40000, n).tolist()
+        long = rng.integers(3, args.max_id, n).tolist()
         t0 = time.perf_counter()
         r = httpx.post(url + "/v1/completions", json={
             "model": "m", "prompt": long, "max_tokens": 1}, timeout=1800)  # fmt: skip
         r.raise_for_status()
         alone = time.perf_counter() - t0
         # A stream decoding; the long prompt (a new one: no prefix hit) arrives mid-stream.
-        long = rng.integers(100, 40000, n).tolist()
+        long = rng.integers(3, args.max_id, n).tolist()
         out: dict = {}
         th = threading.Thread(target=stream, args=(url, [5, 6, 7], args.stall_tokens, out))
         th.start()
@@ -165,19 +165,19 @@ def part_stall(args, url: str) -> dict:
     return res
 
 
-def sharegpt_like(rng, n: int) -> list[tuple[list[int], int]]:
+def sharegpt_like(rng, n: int, max_id: int, max_len: int) -> list[tuple[list[int], int]]:
     """(prompt ids, output length) pairs: lognormal lengths around ShareGPT's shape
     (prompts median ~120 tokens with a long tail, outputs median ~60), clipped."""
-    ins = np.clip(rng.lognormal(np.log(120), 0.9, n), 4, 1500).astype(int)
+    ins = np.clip(rng.lognormal(np.log(120), 0.9, n), 4, max_len).astype(int)
     outs = np.clip(rng.lognormal(np.log(60), 0.7, n), 4, 256).astype(int)
-    return [(rng.integers(100, 40000, i).tolist(), int(o)) for i, o in zip(ins, outs, strict=True)]
+    return [(rng.integers(3, max_id, i).tolist(), int(o)) for i, o in zip(ins, outs, strict=True)]
 
 
 def part_rates(args, url: str) -> dict:
     res = {}
     for rate in args.rates:
         rng = np.random.default_rng(args.seed + int(rate * 1000))
-        work = sharegpt_like(rng, args.num_prompts)
+        work = sharegpt_like(rng, args.num_prompts, args.max_id, args.max_prompt_len)
         outs = [dict() for _ in work]
         threads = []
         t0 = time.perf_counter()
@@ -246,6 +246,8 @@ def main() -> None:
     ap.add_argument("--stall-prompts", default="1290,6000", help="long prompt lengths")
     ap.add_argument("--stall-tokens", type=int, default=400, help="the stream's length")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-id", type=int, default=40000, help="prompt token ids below this")
+    ap.add_argument("--max-prompt-len", type=int, default=1500, help="the longest prompt")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_serving.json"))
     ap.add_argument("--plot", default=None, help="a PNG of the rates (default: none)")

@@ -137,14 +137,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--max-num-batched-tokens", type=int, default=None, metavar="N",
         help="new tokens of a step per model while requests decode: every running decode "
-        "first, then chunks of waiting prompts; a fixed budget, at least --max-batch "
+        "first, then chunks of waiting prompts; a fixed budget, at least the batch size "
         "(default: on a CPU 16 + 4 per decoding request, rounded down to 16, at most 64; "
         "2048 on a GPU)",
     )  # fmt: skip
     s.add_argument(
         "--max-prefill-tokens", type=int, default=None, metavar="N",
-        help="new tokens in a step when no request decodes (default: 256 on a CPU, "
-        "--max-num-batched-tokens on a GPU)",
+        help="new tokens in a step when no request decodes (default: 256 on a CPU, the "
+        "step budget on a GPU or when that budget is given)",
     )  # fmt: skip
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests per model")
     s.add_argument(

@@ -8,7 +8,8 @@
 # the decode step paged (CUDA pages, Pallas kernel) vs a dense donated cache; the
 # attention benchmark (Pallas vs XLA vs jax's decode kernel vs dense); the cost of
 # logprobs / penalties and of n samples forked vs independent; the VMM benchmark (with the
-# host tier's copy bandwidth); the step's K/V write with and without the host sync.
+# host tier's copy bandwidth); the step's K/V write with and without the host sync; the
+# serving benchmark (ragged steps: the stall case and two request rates).
 # The bf16-vs-fp32 greedy check needs SmolLM2's GGUF (98 MB, over what a run carries):
 # put it under .models/ in the checkout (`KVCACHED_MODEL_CACHE=.models jax-kvcached download`)
 # where the carry limit allows, else that one test fails saying the file is missing.
@@ -39,4 +40,9 @@ timeout 45 python3 "$B/bench_vmm.py" --out "$J/bench_vmm_gpu.json" 2>&1 \
 # The step's K/V write with the old host round trip (write_kv) vs without (write_kv_async).
 timeout 30 python3 "$B/bench_decode.py" --parts write --backend cuda \
   --out "$J/bench_write_gpu.json" 2>&1 | tee "$OUT/bench_write_gpu.log"
+# The ragged step served on the GPU (tiny-llama: no checkpoint to carry): the stall case
+# and two Poisson rates through the OpenAI route.
+timeout 120 python3 "$B/bench_serving.py" --model m=tiny-llama --parts stall,rates \
+  --stall-prompts 200,900 --stall-tokens 100 --rates 4,16 --num-prompts 24 --max-id 300 --max-prompt-len 600 \
+  --out "$J/bench_serving_gpu.json" 2>&1 | tee "$OUT/bench_serving_gpu.log"
 tar czf "$OUT/json.tgz" -C "$J" .

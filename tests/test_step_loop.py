@@ -227,8 +227,8 @@ def test_buckets_step_by_at_most_a_quarter_and_are_few():
     r = eng.runner
     # Token buckets x one width (the host kernel walks only the context): no batch x chunk
     # product, whatever max_batch is.
-    # Powers of two up to the prefill budget, multiples of 16 up to the step budget.
-    assert r.token_sizes == (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 256)
+    # Powers of two and multiples of 16 up to the budget (which, given, caps every step).
+    assert r.token_sizes == (1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128)
     assert r.step_shapes() == [(t, 128) for t in r.token_sizes]
     eng.close()
     xla = Engine(model, pool, max_batch=32, max_num_batched_tokens=96, max_prefill_tokens=96,

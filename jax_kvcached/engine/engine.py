@@ -129,7 +129,8 @@ class Engine:
         4 D tokens, rounded down to 16, at most 64: one stream and a 15-token chunk), so
         streams keep their pace; 2048 on a GPU. A value given is a fixed budget.
       max_prefill_tokens: new tokens in a step without decode rows (nobody waits for it);
-        default 256 on a CPU, the step budget on a GPU.
+        default 256 on a CPU, the step budget on a GPU or when ``max_num_batched_tokens``
+        is given.
       max_model_len: prompt + output limit (default: the model's max positions).
       kv_dtype: KV cache dtype (default: the model's dtype).
       tokenizer: optional, for string prompts, stop strings and ``RequestOutput.text``.

@@ -213,7 +213,10 @@ class ModelRunner:
                 f"max_num_batched_tokens ({budget}) must be at least max_batch ({max_batch}): "
                 "every running sequence decodes one token in each step"
             )
-        prefill = max_prefill_tokens or default_prefill_budget(cache.backend, budget)
+        # A budget given caps every step unless max_prefill_tokens says otherwise.
+        prefill = max_prefill_tokens or (
+            budget if max_num_batched_tokens else default_prefill_budget(cache.backend, budget)
+        )
         if prefill < budget:
             raise ValueError(
                 f"max_prefill_tokens ({prefill}) must be at least max_num_batched_tokens "
