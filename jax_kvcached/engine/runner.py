@@ -46,14 +46,8 @@ from jax_kvcached.engine.attention import (
     ragged_layout,
 )
 from jax_kvcached.engine.logit_inputs import Entries, entry_sizes, pack_rows
-from jax_kvcached.engine.sampling import (
-    MAX_LOGPROBS,
-    NUM_CANDIDATES,
-    SamplingParams,
-    process_logits,
-    sample,
-    token_logprobs,
-)
+from jax_kvcached.engine.sampler_programs import sampler_programs
+from jax_kvcached.engine.sampling import MAX_LOGPROBS, NUM_CANDIDATES, SamplingParams
 from jax_kvcached.engine.sleep import Offloaded, offload, restore
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.errors import PoolExhausted
@@ -273,11 +267,15 @@ class ModelRunner:
         self.widths = (top,) if self.attention in _WALKS_CONTEXT else ladder(8, top, 8, 2.0)
         # Logit processing: token lists of these widths (prompt + output + biases).
         self.entry_sizes = entry_sizes(max_len + 64)
-        step, sample_rows, process_rows, logprob_rows = self._make_step()
-        self._jitted = jax.jit(step, static_argnums=(4, 5))
-        self._jitted_sample = jax.jit(sample_rows)
-        self._jitted_process = jax.jit(process_rows)
-        self._jitted_logprobs = jax.jit(logprob_rows)
+        self._jitted = jax.jit(self._make_step(), static_argnums=(4, 5))
+        # On a mesh every device samples the same rows from the replicated logits (one
+        # program per device: XLA's partitioner then never sees the sampler's barriers).
+        sample_rows, process_rows, logprob_rows = sampler_programs(
+            self.max_rows, num_candidates, barrier=self.mesh is None
+        )
+        self._jitted_sample = jax.jit(self._per_device(sample_rows, (None, None), None))
+        self._jitted_process = jax.jit(self._per_device(process_rows, (None,) * 6, None))
+        self._jitted_logprobs = jax.jit(self._per_device(logprob_rows, (None,) * 3, None))
         copy = self._per_device(
             lambda src, dst, token: ops.copy_blocks(cache, src, dst, token), (None,) * 3, None
         )
@@ -314,7 +312,6 @@ class ModelRunner:
 
     def _make_step(self):
         graphdef, cache = self.graphdef, self.cache
-        num_candidates = self.num_candidates
         max_rows = self.max_rows
         weights_def = self._weights_def
         per_device = self._per_device
@@ -379,43 +376,7 @@ class ModelRunner:
                 jnp.any(targets >= 0), score, lambda _: jnp.zeros(shape, jnp.float32), None
             )
 
-        def process_rows(logits, ids, counts, row_params, prev, src):
-            """The logits with the first ``ids.shape[0]`` rows after each row's penalties and
-            biases; ``prev``/``src``: the previous step's samples and the row each row's
-            input token came from."""
-            n = ids.shape[0]
-            prev_token = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)], -1)
-            out = process_logits(logits[:n], ids, counts, row_params, prev_token)
-            return logits.at[:n].set(out)  # every slot's row: the sampler's one input shape
-
-        def logprob_rows(logits, tokens, rows):
-            """Each of the first ``rows.shape[0]`` rows' sampled token's log-probability
-            and its top alternatives."""
-            n = rows.shape[0]
-            return token_logprobs(logits[:n], tokens[:n], MAX_LOGPROBS)
-
-        def sample_rows(logits, params):
-            """Next tokens of the first ``params.shape[1]`` rows, padded to
-            ``(max_rows,)``; ``params`` ``(5, rows)``: temperature and top_p as float32
-            bits, top_k, seed, tokens generated."""
-            logits = logits[: params.shape[1]]
-            temperature = jax.lax.bitcast_convert_type(params[0], jnp.float32)
-            top_p = jax.lax.bitcast_convert_type(params[2], jnp.float32)
-            seeds = jax.lax.bitcast_convert_type(params[3], jnp.uint32)
-            nxt = sample(
-                logits, temperature, params[1], top_p, seeds, params[4], num_candidates,
-                barrier=self.mesh is None,
-            )  # fmt: skip
-            return jnp.zeros((max_rows,), jnp.int32).at[: logits.shape[0]].set(nxt)
-
-        # On a mesh every device samples the same rows from the replicated logits (one
-        # program per device: XLA's partitioner then never sees the sampler's barriers).
-        return (
-            step,
-            per_device(sample_rows, (None, None), None),
-            per_device(process_rows, (None,) * 6, None),
-            per_device(logprob_rows, (None, None, None), None),
-        )
+        return step
 
     @property
     def _head_spec(self):
