@@ -81,7 +81,8 @@ def ragged_layout(
     q_lens: list[int], kv_lens: list[int], tables: np.ndarray, tokens: int, tile: int
 ) -> dict[str, np.ndarray]:
     """The host-side arrays of :class:`Ragged` for sequences laid out in order on a flat
-    axis of ``tokens`` rows; ``tables`` ``(S, nb)`` (unused slots: zeros)."""
+    axis of ``tokens`` rows; ``tables`` ``(S, nb)`` (unused slots: zeros). ``tile`` 0: no
+    items (the host call takes the layout without them; none are built)."""
     seqs = tables.shape[0]
     q_lens_a = np.zeros(seqs, np.int32)
     kv_a = np.zeros(seqs, np.int32)
@@ -92,13 +93,13 @@ def ragged_layout(
     q_start[len(q_lens) :] = tokens  # unused slots: past the rows
     if int(q_lens_a.sum()) > tokens:
         raise ValueError(f"{int(q_lens_a.sum())} query rows do not fit a step of {tokens}")
-    n_items = num_items(tokens, seqs, tile)
+    n_items = num_items(tokens, seqs, tile) if tile else 0
     item_seq = np.zeros(n_items, np.int32)
-    item_rows = np.full((n_items, tile), tokens, np.int32)
-    item_pos = np.full((n_items, tile), -1, np.int32)
+    item_rows = np.full((n_items, max(tile, 1)), tokens, np.int32)
+    item_pos = np.full((n_items, max(tile, 1)), -1, np.int32)
     token_slot = np.zeros(tokens, np.int32)
     i = 0
-    for s, n in enumerate(q_lens):
+    for s, n in enumerate(q_lens if tile else ()):
         first = int(kv_a[s]) - n  # position of the sequence's first query row
         for t0 in range(0, n, tile):
             c = min(tile, n - t0)

@@ -533,21 +533,19 @@ class ModelRunner:
             return
         t, nb = key  # a step of no sequence: reads nothing, writes nothing
         packed = self._pack(ragged_layout([], [], np.zeros((self.max_rows, nb), np.int32), t,
-                                          self._items(t)[1] or 1),
+                                          self.tile(t)),
                             np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32),
                             np.full(t, -1, np.int32), np.full(self.max_rows, -1, np.int32),
-                            np.zeros(self.max_rows, np.int32), t)  # fmt: skip
+                            np.zeros(self.max_rows, np.int32))  # fmt: skip
         out = self._jitted(self._weights, self.cache.view, packed, self.last_tokens, t, nb,
                            self.token)  # fmt: skip
         jax.block_until_ready(out)
 
-    def _pack(self, lay: dict, tokens, positions, slots, targets, src, last, t) -> np.ndarray:
+    def _pack(self, lay: dict, tokens, positions, slots, targets, src, last) -> np.ndarray:
         """The step's packed int32 input (see :func:`packed_sizes`)."""
-        items = [lay["item_seq"], lay["item_rows"], lay["item_pos"]]
-        if self.tile(t) == 0:  # the host call: no items
-            items = [np.zeros(0, np.int32)] * 3
         segments = [tokens, positions, slots, targets, lay["token_slot"], lay["tables"],
-                    lay["kv_lens"], lay["q_start"], lay["q_lens"], src, last, *items]  # fmt: skip
+                    lay["kv_lens"], lay["q_start"], lay["q_lens"], src, last, lay["item_seq"],
+                    lay["item_rows"], lay["item_pos"]]  # fmt: skip
         return np.concatenate([np.asarray(a, np.int32).ravel() for a in segments])
 
     def compile(
@@ -679,8 +677,8 @@ class ModelRunner:
         self.cache.check_writable(written)
         lay = ragged_layout([len(x.tokens) for x in batch],
                             [x.start + len(x.tokens) for x in batch], tables, t,
-                            self._items(t)[1] if self.tile(t) else 1)  # fmt: skip
-        packed = self._pack(lay, tokens, positions, slots, targets, src, last, t)
+                            self.tile(t))  # fmt: skip
+        packed = self._pack(lay, tokens, positions, slots, targets, src, last)
         params = np.stack(
             [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]
         )
