@@ -51,8 +51,9 @@ class Server:
         cmd = [python, "-m", "jax_kvcached.cli", "serve", "--model", model, "--port",
                str(self.port), "--compile-cache", cache_dir, "--no-access-log", *extra]  # fmt: skip
         self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     cwd=tempfile.gettempdir())  # the interpreter's package
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir()
+        )  # the interpreter's package
 
     def first_answer(self, timeout: float = 900) -> float:
         """Seconds from launch to the first completed answer."""
@@ -251,8 +252,12 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_serving.json"))
     ap.add_argument("--plot", default=None, help="a PNG of the rates (default: none)")
-    ap.add_argument("--compare", default=None, metavar="JSON",
-                    help="another run's JSON (e.g. an older commit's) drawn beside this one")
+    ap.add_argument(
+        "--compare",
+        default=None,
+        metavar="JSON",
+        help="another run's JSON (e.g. an older commit's) drawn beside this one",
+    )
     ap.add_argument("--replot", default=None, metavar="JSON",
                     help="only draw --plot from this run's JSON (and --compare)")  # fmt: skip
     args = ap.parse_args()

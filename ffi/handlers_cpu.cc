@@ -46,16 +46,12 @@ ffi::Error WriteKvCpu(int32_t device, uint64_t handle, ffi::AnyBuffer layer, ffi
                           slots, token_out);
 }
 
-// write_kv with the layer as an attribute (the CUDA version validates slots on the
-// device; here the host validates them, as in write_kv).
-ffi::Error WriteKvAsyncCpu(int32_t device, uint64_t handle, int64_t layer, ffi::AnyBuffer key, ffi::AnyBuffer value,
-                           ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*after*/,
-                           ffi::Result<ffi::AnyBuffer> token_out) {
-  std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("write_kv", handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
-  int64_t num_layers = 0;
-  if (auto e = check_kv_shapes(*buf, key, value, slots, &num_layers); e.failure()) return e;
-  return write_kv_on_host(buf, layer, num_layers, key, value, slots, token_out);
+// write_kv_async: the same operands as write_kv (the CUDA version validates the layer
+// and the slots on the device; here the host validates them, as in write_kv).
+ffi::Error WriteKvAsyncCpu(int32_t device, uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
+                           ffi::AnyBuffer value, ffi::AnyBuffer slots, ffi::AnyBuffer token,
+                           ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> token_out) {
+  return WriteKvCpu(device, handle, layer, key, value, slots, token, after, token_out);
 }
 
 ffi::Error CopyBlocksCpu(int32_t device, uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst, ffi::AnyBuffer /*token*/,
@@ -106,8 +102,8 @@ ffi::Error UnmapPagesCpu(int32_t device, uint64_t handle, ffi::AnyBuffer ids, ff
 // paged_attention: ragged causal attention of the query rows of several sequences over
 // their cached tokens, read in place through the block tables (see attention_cpu.h); the
 // token orders it after the writes (this step's new K/V included).
-ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t handle, int64_t layer, float scale,
-                             ffi::AnyBuffer q, ffi::AnyBuffer tables, ffi::AnyBuffer kv_lens,
+ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t handle, float scale,
+                             ffi::AnyBuffer layer_buf, ffi::AnyBuffer q, ffi::AnyBuffer tables, ffi::AnyBuffer kv_lens,
                              ffi::AnyBuffer q_start, ffi::AnyBuffer q_lens, ffi::AnyBuffer /*token*/,
                              ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "paged_attention";
@@ -132,6 +128,10 @@ ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t hand
     }
   }
   if (out->element_count() != q.element_count()) return invalid(op, "the result shape does not match q");
+  if (layer_buf.element_type() != ffi::DataType::S32 || layer_buf.element_count() != 1) {
+    return invalid(op, "layer must be an int32 scalar");
+  }
+  const int64_t layer = *static_cast<const int32_t*>(layer_buf.untyped_data());  // checked by attend_host
   AttendArgs a{layer, qd[0], td[0], qd[1], qd[2], qd[3], td[1], scale,
                static_cast<const float*>(q.untyped_data()),
                static_cast<const int32_t*>(tables.untyped_data()),
@@ -157,8 +157,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_paged_attention_cpu, PagedAttentionCpu,
                                   .Ctx<ffi::ThreadPool>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
-                                  .Attr<int64_t>("layer")
                                   .Attr<float>("scale")
+                                  .Arg<ffi::AnyBuffer>()  // layer (int32 scalar)
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // block tables
                                   .Arg<ffi::AnyBuffer>()  // kv_lens
@@ -183,7 +183,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cpu, WriteKvAsyncCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
-                                  .Attr<int64_t>("layer")
+                                  .Arg<ffi::AnyBuffer>()  // layer
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Arg<ffi::AnyBuffer>()  // value
                                   .Arg<ffi::AnyBuffer>()  // slots

@@ -66,11 +66,25 @@ __device__ int slot_error(int64_t s, const SlotCheck& c) {
 
 // blockIdx.y: the layer (of the written range); planes of consecutive layers are
 // 2 * words_per_plane apart. Slot -1 skips a padded token.
+// layer_ptr != nullptr (write_kv_async): the first layer is read on the device and
+// checked against num_layers_total (code 5, recorded with the layer); k_plane0 is then
+// the buffer's base.
 template <typename Word>
 __global__ void write_rows(const Word* key, const Word* value, const int32_t* slots, int64_t n,
-                           int64_t words_per_row, int64_t words_per_plane, Word* k_plane0, SlotCheck check) {
+                           int64_t words_per_row, int64_t words_per_plane, Word* k_plane0, SlotCheck check,
+                           const int32_t* layer_ptr, int64_t num_layers_total) {
   const int64_t total = n * words_per_row;
   const int64_t j = blockIdx.y;
+  if (layer_ptr != nullptr) {
+    const int64_t first = *layer_ptr;
+    if (first < 0 || first + gridDim.y > num_layers_total) {
+      if (blockIdx.x == 0 && threadIdx.x == 0 && j == 0 && atomicCAS(check.error, 0, 5) == 0) {
+        check.error[1] = static_cast<int32_t>(first);
+      }
+      return;
+    }
+    k_plane0 += 2 * first * words_per_plane;
+  }
   key += j * total;
   value += j * total;
   Word* k_plane = k_plane0 + 2 * j * words_per_plane;
@@ -91,24 +105,27 @@ __global__ void write_rows(const Word* key, const Word* value, const int32_t* sl
   }
 }
 
-// Launches write_rows for num_layers layers from `layer` (32-bit words when rows allow).
+// Launches write_rows for num_layers layers from `layer` (32-bit words when rows allow);
+// layer_ptr != nullptr: from the layer it points to on the device (`layer` unused).
 cudaError_t launch_write(cudaStream_t stream, const KVBuffer& buf, int64_t layer, int64_t num_layers,
                          const void* key, const void* value, const int32_t* slots, int64_t n,
-                         const SlotCheck& check) {
+                         const SlotCheck& check, const int32_t* layer_ptr = nullptr) {
   const size_t row = buf.layout().row_bytes();
+  if (layer_ptr != nullptr) layer = 0;
+  const int64_t total_layers = buf.layout().num_layers;
   char* k_plane = reinterpret_cast<char*>(buf.base() + static_cast<size_t>(2 * layer) * buf.plane_bytes());
   if (row % 4 == 0) {
     const int64_t wpr = static_cast<int64_t>(row / 4);
     const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
     write_rows<uint32_t><<<grid, 256, 0, stream>>>(
         static_cast<const uint32_t*>(key), static_cast<const uint32_t*>(value), slots, n, wpr,
-        static_cast<int64_t>(buf.plane_bytes() / 4), reinterpret_cast<uint32_t*>(k_plane), check);
+        static_cast<int64_t>(buf.plane_bytes() / 4), reinterpret_cast<uint32_t*>(k_plane), check, layer_ptr, total_layers);
   } else {
     const int64_t wpr = static_cast<int64_t>(row / 2);
     const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
     write_rows<uint16_t><<<grid, 256, 0, stream>>>(
         static_cast<const uint16_t*>(key), static_cast<const uint16_t*>(value), slots, n, wpr,
-        static_cast<int64_t>(buf.plane_bytes() / 2), reinterpret_cast<uint16_t*>(k_plane), check);
+        static_cast<int64_t>(buf.plane_bytes() / 2), reinterpret_cast<uint16_t*>(k_plane), check, layer_ptr, total_layers);
   }
   return cudaGetLastError();
 }
@@ -152,17 +169,18 @@ ffi::Error WriteKvCuda(cudaStream_t stream, int32_t device, uint64_t handle, ffi
 }
 
 // write_kv without a host round trip: nothing is copied to the host and the stream is
-// never synchronized; the layer is an attribute and every slot is checked by the kernel.
-ffi::Error WriteKvAsyncCuda(cudaStream_t stream, int32_t device, uint64_t handle, int64_t layer, ffi::AnyBuffer key,
-                            ffi::AnyBuffer value, ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/,
+// never synchronized; the kernel reads the layer (an operand, so one handler serves
+// every layer of a scanned model) and checks it and every slot on the device.
+ffi::Error WriteKvAsyncCuda(cudaStream_t stream, int32_t device, uint64_t handle, ffi::AnyBuffer layer,
+                            ffi::AnyBuffer key, ffi::AnyBuffer value, ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/,
                             ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
   if (auto e = find_buffer("write_kv", handle, device, DeviceKind::kCuda, &buf); e.failure()) return e;
   int64_t num_layers = 0;
-  if (auto e = check_kv_shapes(*buf, key, value, slots, &num_layers); e.failure()) return e;
+  if (auto e = check_write_shapes(*buf, layer, key, value, slots, &num_layers); e.failure()) return e;
   if (auto e = check_token_out("write_kv", token_out); e.failure()) return e;
   std::shared_lock<std::shared_mutex> lock(buf->mutex());
-  const std::string err = buf->check_write(layer, num_layers, nullptr, 0);  // layer, open
+  const std::string err = buf->check_write(0, num_layers, nullptr, 0);  // the range fits; open
   if (!err.empty()) return invalid("write_kv", err);
   const int64_t n = slots.dimensions()[0];
   if (n > 0) {
@@ -171,8 +189,9 @@ ffi::Error WriteKvAsyncCuda(cudaStream_t stream, int32_t device, uint64_t handle
                           static_cast<int64_t>(buf->page_size()),
                           reinterpret_cast<const uint8_t*>(state + KVBuffer::kStateHeader),
                           reinterpret_cast<int32_t*>(state)};
-    const cudaError_t e = launch_write(stream, *buf, layer, num_layers, key.untyped_data(), value.untyped_data(),
-                                       static_cast<const int32_t*>(slots.untyped_data()), n, check);
+    const cudaError_t e = launch_write(stream, *buf, 0, num_layers, key.untyped_data(), value.untyped_data(),
+                                       static_cast<const int32_t*>(slots.untyped_data()), n, check,
+                                       static_cast<const int32_t*>(layer.untyped_data()));
     if (e != cudaSuccess) return cuda_error("write_kv", e);
   }
   return finish("write_kv", stream, token_out);
@@ -255,7 +274,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cuda, WriteKvAsyncCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
-                                  .Attr<int64_t>("layer")
+                                  .Arg<ffi::AnyBuffer>()  // layer (int32 scalar, read on the device)
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -48,16 +48,20 @@ def _reference(q, kc, vc, q_lens, kv_lens):
     bs=st.sampled_from([4, 16]),
     tile=st.sampled_from([1, 2, 4]),
     dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
-    impl=st.sampled_from(["host", "xla", "pallas"]),
+    impl=st.sampled_from(["host", "xla", "pallas", "pallas-flat"]),
+    layer=st.integers(0, 1),
     data=st.data(),
 )
-def test_ragged_attention_matches_dense(seqs, groups, kvh, bs, tile, dtype, impl, data):
+def test_ragged_attention_matches_dense(seqs, groups, kvh, bs, tile, dtype, impl, layer, data):
     """Decode rows and prefill chunks of several sequences on one flat axis (with padding
-    rows and unused slots), every implementation against dense causal attention."""
+    rows and unused slots), every implementation against dense causal attention, reading
+    one of two layers (the other holds other values) through a traced layer index.
+    ``pallas-flat``: the kernel's compiled (GPU) way to the layer, interpreted: the
+    layer's blocks found in the flat view by shifted ids."""
     d = 16
     pool = kv.Pool("16MiB", page_size="64KiB", backend="host", min_reserved_pages=0,
                    max_reserved_pages=0)  # fmt: skip
-    c = pool.create_kv_cache("a", 1, kvh, d, dtype, block_size=bs)
+    c = pool.create_kv_cache("a", 2, kvh, d, dtype, block_size=bs)
     kv_lens = [data.draw(st.integers(1, 40)) for _ in range(seqs)]
     q_lens = [data.draw(st.integers(1, min(k, 1 if tile == 1 else 9))) for k in kv_lens]
     tokens = sum(q_lens) + data.draw(st.integers(0, 3))
@@ -71,11 +75,14 @@ def test_ragged_attention_matches_dense(seqs, groups, kvh, bs, tile, dtype, impl
         n = -(-kv_lens[i] // bs)
         tables[i, :n] = c.alloc(n)
         slots = c.slot_mapping(tables[i, :n], np.arange(kv_lens[i]))
-        k = jnp.asarray(kc[i, : kv_lens[i]], dtype)[None]  # (layers, tokens, heads, dim)
-        v = jnp.asarray(vc[i, : kv_lens[i]], dtype)[None]
-        ops.write_kv(c, 0, k, v, slots, ops.new_token()).block_until_ready()
+        k = jnp.asarray(kc[i, : kv_lens[i]], dtype)  # (tokens, heads, dim)
+        v = jnp.asarray(vc[i, : kv_lens[i]], dtype)
+        kk, vv = jnp.stack([k, -v]), jnp.stack([v, -k])  # the other layer: other values
+        if layer:
+            kk, vv = kk[::-1], vv[::-1]
+        ops.write_kv(c, 0, kk, vv, slots, ops.new_token()).block_until_ready()
     q = jnp.asarray(rng.standard_normal((tokens, kvh * groups, d)), jnp.float32)
-    if impl == "pallas":
+    if impl.startswith("pallas"):
         tile = min(tile, item_tile(groups))
     lay = Ragged(**{k: jnp.asarray(v) for k, v in
                     ragged_layout(q_lens, kv_lens, tables, tokens, tile).items()})  # fmt: skip
@@ -84,8 +91,10 @@ def test_ragged_attention_matches_dense(seqs, groups, kvh, bs, tile, dtype, impl
         "host": functools.partial(host_paged_attention, c, ops.new_token()),
         "pallas": functools.partial(pallas_paged_attention, num_splits=2, blocks_per_step=2,
                                     interpret=True),
+        "pallas-flat": functools.partial(pallas_paged_attention, num_splits=2,
+                                         blocks_per_step=2, interpret=True, slice_layer=False),
     }[impl]  # fmt: skip
-    got = jax.jit(fn, static_argnums=2)(q, c.view, 0, lay)
+    got = jax.jit(fn)(q, c.view, jnp.int32(layer), lay)
     cast = lambda x: jnp.asarray(x, dtype).astype(jnp.float32)  # noqa: E731
     want = _reference(q, cast(kc), cast(vc), q_lens, kv_lens)
     tol = 1e-5 if dtype == "float32" else 3e-2 if dtype == "bfloat16" else 3e-3
@@ -223,6 +232,8 @@ def test_host_attention_validates_its_inputs():
         run(blocks.tolist(), 20, q_start=(0, 0), q_len=(1, 1))
     with pytest.raises(ValueError, match="layer"):
         run(blocks.tolist(), 20, layer=2)
+    with pytest.raises(FFI_ERRORS, match="layer 2 out of range"):  # an operand: the handler
+        run(blocks.tolist(), 20, layer=jnp.int32(2))
     with pytest.raises(ValueError, match="float32"):
         run(blocks.tolist(), 20, q=q.astype(jnp.bfloat16))
     c.free(blocks)

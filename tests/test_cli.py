@@ -165,11 +165,15 @@ def test_cli_serve_tensor_parallel(tmp_path):
 def test_cli_serve_rejects_bad_arguments(tmp_path):
     cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", "--no-warmup"]
     for args, msg in [
-        (["--model", "a=tiny-llama", "--model", "tiny-qwen2", "--served-model-name", "x"],
-         "--served-model-name names one --model"),
+        (
+            ["--model", "a=tiny-llama", "--model", "tiny-qwen2", "--served-model-name", "x"],
+            "--served-model-name names one --model",
+        ),
         (["--model", "tiny-llama", "--dtype", "int8"], "invalid choice"),
-        (["--model", "tiny-llama", "--generation-config", "/no/such/dir"],
-         "--generation-config must be"),
+        (
+            ["--model", "tiny-llama", "--generation-config", "/no/such/dir"],
+            "--generation-config must be",
+        ),
         (["--model", "tiny-llama", "--chat-template", "/no/such.jinja"], "--chat-template"),
         (["--model", "a=tiny-llama", "--limit", "b=1MiB"], "not a --model"),
         (["--model", "a=tiny-llama", "--limit", "a=lots"], "cannot parse"),

@@ -243,7 +243,7 @@ def test_version_and_help_defaults(capsys):
         with pytest.raises(SystemExit):
             main([command, "--help"])
         out = capsys.readouterr().out
-        options = out[out.index("options:"):].split("\n  -")[2:]  # after -h
+        options = out[out.index("options:") :].split("\n  -")[2:]  # after -h
         for opt in options:
             assert "default" in " ".join(opt.split()), (command, opt)
 

@@ -313,8 +313,11 @@ def test_outputs_are_identical_with_the_tier_on_and_off():
 def test_a_restored_block_is_byte_identical_to_the_evicted_one():
     pool = small_pool(40)
     eng = Engine(
-        build_model(LLAMA, seed=3), pool, max_batch=2, max_num_batched_tokens=32,
-        host_cache_tokens=1024
+        build_model(LLAMA, seed=3),
+        pool,
+        max_batch=2,
+        max_num_batched_tokens=32,
+        host_cache_tokens=1024,
     )
     p = prompts(1, 1, 70, [])[0]
     eng.generate([p + [5]], SamplingParams(max_tokens=2))

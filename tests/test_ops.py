@@ -246,7 +246,7 @@ def test_write_kv_many_layers_in_one_call(pool):
 
 
 def test_write_kv_async_writes_like_write_kv_and_validates(pool):
-    """The step loop's write (layer as an attribute). On the host backend the handler
+    """The step loop's write (layer an int or an int32 operand). On the host backend the handler
     validates at once, as write_kv; the device page map follows every map and unmap."""
     a, b = make_cache(pool, layers=3), make_cache(pool, name="b", layers=3)
     ids_a, ids_b = a.alloc(2), b.alloc(2)
@@ -255,8 +255,24 @@ def test_write_kv_async_writes_like_write_kv_and_validates(pool):
     ops.write_kv(a, 1, k, -k, jnp.asarray(slots), ops.new_token()).block_until_ready()
     ops.write_kv_async(b, 1, k, -k, jnp.asarray(slots), ops.new_token()).block_until_ready()
     np.testing.assert_array_equal(np.asarray(a.view), np.asarray(b.view))
+    # The layer as an operand: traced (a scanned model's loop index) writes the same.
+    traced = jax.jit(lambda i, k, v, s, t: ops.write_kv_async(b, i, k, v, s, t))
+    traced(jnp.int32(1), k[1], k[0], jnp.asarray(slots), ops.new_token()).block_until_ready()
+    view = np.asarray(b.view)
+    blocks, offs = slots // 16, slots % 16
+    np.testing.assert_array_equal(view[1, 0][blocks, offs], np.asarray(k[1]))
+    np.testing.assert_array_equal(view[1, 1][blocks, offs], np.asarray(k[0]))
+    with pytest.raises(FFI_ERRORS, match="layer 3 out of range"):
+        _run(lambda: traced(jnp.int32(3), k[0], k[0], jnp.asarray(slots), ops.new_token()))
+    with pytest.raises(FFI_ERRORS, match="layer -1 out of range"):
+        _run(lambda: traced(jnp.int32(-1), k[0], k[0], jnp.asarray(slots), ops.new_token()))
+    with pytest.raises(TypeError, match="layer must be int32"):
+        ops.write_kv_async(b, jnp.int16(0), k[0], k[0], jnp.asarray(slots), ops.new_token())
     with pytest.raises(TypeError, match="layer must be an int"):
-        ops.write_kv_async(b, jnp.int32(0), k[0], k[0], jnp.asarray(slots), ops.new_token())
+        ops.write_kv_async(b, True, k[0], k[0], jnp.asarray(slots), ops.new_token())
+    with pytest.raises(TypeError, match="layer must be an int"):
+        ops.write_kv_async(b, jnp.zeros(2, jnp.int32), k[0], k[0], jnp.asarray(slots),
+                           ops.new_token())  # fmt: skip
     with pytest.raises(ValueError, match="layer 2 \\(\\+2 layers\\) out of range"):
         ops.write_kv_async(b, 2, k, k, jnp.asarray(slots), ops.new_token())
     page = next(p for p in range(1, 99) if p not in b.mapped_page_ids())

@@ -189,8 +189,12 @@ def _engine(caching, bound=None, seed=5):
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=seed)
     pool = kv.Pool("128MiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
     return pool, Engine(
-        model, pool, max_batch=4, max_num_batched_tokens=32, prefix_caching=caching,
-        max_cached_tokens=bound
+        model,
+        pool,
+        max_batch=4,
+        max_num_batched_tokens=32,
+        prefix_caching=caching,
+        max_cached_tokens=bound,
     )
 
 

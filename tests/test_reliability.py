@@ -134,8 +134,14 @@ def test_every_route_answers_bad_input_with_an_openai_error(server):
             path = route.path.replace("{model:path}", "llama")
             for method in sorted(route.methods - {"HEAD"}):
                 if method == "POST":
-                    r = client.post(f"{server.url}{path}", content=b"{not json", headers={
-                        **H, "Authorization": f"Bearer {ADMIN if 'admin' in path else API}"})
+                    r = client.post(
+                        f"{server.url}{path}",
+                        content=b"{not json",
+                        headers={
+                            **H,
+                            "Authorization": f"Bearer {ADMIN if 'admin' in path else API}",
+                        },
+                    )
                     assert_openai_error(r, 400)
             wrong = "DELETE"
             r = client.request(wrong, f"{server.url}{path}", headers=H)
@@ -146,13 +152,18 @@ def test_every_route_answers_bad_input_with_an_openai_error(server):
 # -- the C++ core and create_kv_cache: size arithmetic ----------------------------------
 OVERFLOWS = [
     ("head_dim=2**62", "num_layers=1, num_kv_heads=1, head_dim=2**62, block_size=16", "page size"),
-    ("block_size=2**61", "num_layers=1, num_kv_heads=1, head_dim=64, block_size=2**61",
-     "page size"),
-    ("wraps to 0", "num_layers=1, num_kv_heads=2**32, head_dim=2**32, block_size=1",
-     "page size"),
+    (
+        "block_size=2**61",
+        "num_layers=1, num_kv_heads=1, head_dim=64, block_size=2**61",
+        "page size",
+    ),
+    ("wraps to 0", "num_layers=1, num_kv_heads=2**32, head_dim=2**32, block_size=1", "page size"),
     ("heads=2**63", "num_layers=1, num_kv_heads=2**63, head_dim=1, block_size=1", "page size"),
-    ("layers=2**62", "num_layers=2**62, num_kv_heads=1, head_dim=64, block_size=16",
-     "cannot hold one KV page"),
+    (
+        "layers=2**62",
+        "num_layers=2**62, num_kv_heads=1, head_dim=64, block_size=16",
+        "cannot hold one KV page",
+    ),
     ("handle=2**64-1", "HANDLE", "invalid KV cache handle"),
     ("core, wraps", "CORE", "overflows 64 bits"),
 ]

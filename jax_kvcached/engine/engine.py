@@ -805,8 +805,7 @@ class Engine:
         convs = [messages] if isinstance(messages[0], dict) else list(messages)
         template = self.chat_template or ChatTemplate()
         prompts = [
-            self.tokenizer.encode(template.render(list(c)), add_special_tokens=False)
-            for c in convs
+            self.tokenizer.encode(template.render(list(c)), add_special_tokens=False) for c in convs
         ]  # (the rendered template brings its own special tokens)
         return self.generate(prompts, params, **kwargs)
 

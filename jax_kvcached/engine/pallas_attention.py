@@ -31,7 +31,7 @@ def item_tile(groups: int) -> int:
 
 
 def _kernel(tables_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-            block_size: int, blocks_per_split: int, blocks_per_step: int,
+            block_size: int, blocks_per_split: int, blocks_per_step: int, v_offset: int,
             scale: float):  # fmt: skip
     split = pl.program_id(2)
     end = end_ref[0]  # keys the item's last row sees
@@ -50,11 +50,16 @@ def _kernel(tables_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_r
     def body(i, carry):
         m, den, acc = carry
         start = i * blocks_per_step  # within this split's table slice
-        ids = tables_ref[pl.ds(start, blocks_per_step)]
-        k = k_ref[ids].reshape(width, dim)  # (blocks, bs, D) in place from the plane
-        v = v_ref[ids].reshape(width, dim)
-        s = jax.lax.dot_general(q, k.astype(jnp.float32), (((1,), (1,)), ((), ())),
-                                precision=prec, preferred_element_type=jnp.float32)
+        ids = tables_ref[pl.ds(start, blocks_per_step)]  # rows of the layer's K plane
+        k = k_ref[ids].reshape(width, dim)  # (blocks, bs, D) in place from the planes
+        v = v_ref[ids + v_offset].reshape(width, dim)
+        s = jax.lax.dot_general(
+            q,
+            k.astype(jnp.float32),
+            (((1,), (1,)), ((), ())),
+            precision=prec,
+            preferred_element_type=jnp.float32,
+        )
         s = s * scale
         pos = (first + start) * block_size + jnp.arange(width)
         s = jnp.where(pos[None, :] <= row_pos[:, None], s, _MASKED)
@@ -81,20 +86,29 @@ def _kernel(tables_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_r
 def pallas_paged_attention(
     q: jax.Array,
     view: jax.Array,
-    layer: int,
+    layer: jax.Array | int,
     lay: Ragged,
     *,
     num_splits: int = 1,
     blocks_per_step: int = 4,
     interpret: bool = False,
+    slice_layer: bool | None = None,
 ) -> jax.Array:
     """:func:`jax_kvcached.engine.attention.paged_attention` with the blocks read by the
     Pallas kernel (same arguments and result). ``num_splits`` splits each context across
     that many programs (flash decoding: more parallelism for long contexts and small
     batches); ``interpret=True`` runs the kernel on any platform (tests). Items of up to
-    :func:`item_tile` rows keep a program's tiles within a GPU's shared memory."""
+    :func:`item_tile` rows keep a program's tiles within a GPU's shared memory.
+
+    ``layer`` may be traced (layers under ``jax.lax.scan``): the kernel sees the view as
+    one flat array of blocks, ``(layers x 2 x blocks, bs, Hkv, D)`` (a free reshape), and
+    reads the layer's K and V blocks at the table's ids shifted to that layer's planes.
+    ``slice_layer`` (default: when interpreted) first slices the layer out of the view
+    instead: an interpreted kernel copies its whole input per program."""
     t, h, d = q.shape
-    bs, kvh = view.shape[3], view.shape[4]
+    n_layers, nblk, bs, kvh = view.shape[0], view.shape[2], view.shape[3], view.shape[4]
+    if n_layers * 2 * nblk >= 1 << 31:
+        raise ValueError(f"{n_layers} layers x 2 x {nblk} blocks overflow int32 block ids")
     g = h // kvh
     n_items, tile = lay.item_rows.shape
     rows = tile * g
@@ -102,7 +116,7 @@ def pallas_paged_attention(
         raise ValueError(f"items of {tile} tokens x {g} groups exceed {MAX_KERNEL_ROWS} rows")
     if view.dtype == jnp.float32:  # f32 tiles (and f32 dots) take twice the shared memory
         blocks_per_step = max(1, min(blocks_per_step, MAX_F32_KEYS // bs))
-    if interpret:
+    if interpret if slice_layer is None else slice_layer:
         # Interpreted, the kernel's blocks become XLA slices of a copy of the view that
         # nothing orders after the step's write (XLA:CPU orders by buffers, and only the
         # tables come from it): read this layer's planes through an index that does.
@@ -110,6 +124,8 @@ def pallas_paged_attention(
         dep = jnp.minimum(lay.tables.min(), 0)  # 0, but XLA cannot know it
         view = jax.lax.dynamic_slice_in_dim(view, layer + dep, 1, axis=0)
         layer = 0
+    flat = view.reshape(-1, bs, kvh, d)  # (layers x 2 x blocks, bs, Hkv, D)
+    base = (2 * nblk) * jnp.asarray(layer, jnp.int32)  # the layer's K plane in `flat`
     rows_p = max(16, 1 << (rows - 1).bit_length())  # Triton dots want >= 16 rows
     qi = item_queries(q, lay, kvh)  # (I, Q, Hkv, G, D)
     qk = qi.transpose(0, 2, 1, 3, 4).reshape(n_items, kvh, rows, d)
@@ -123,9 +139,11 @@ def pallas_paged_attention(
     per_split = -(-per_split // step) * step  # whole steps per split
     padded = per_split * num_splits
     tables = jnp.pad(lay.tables[lay.item_seq], ((0, 0), (0, padded - nb)))  # null: never read
+    tables = tables + base
     kernel = functools.partial(_kernel, block_size=bs, blocks_per_split=per_split,
-                               blocks_per_step=step, scale=1.0 / float(d) ** 0.5)  # fmt: skip
-    plane = (None, None, view.shape[2], bs, None, d)  # one head of one (layer, K|V) plane
+                               blocks_per_step=step, v_offset=nblk,
+                               scale=1.0 / float(d) ** 0.5)  # fmt: skip
+    planes = (flat.shape[0], bs, None, d)  # one head of every block of every plane
     o, m, den = pl.pallas_call(
         kernel,
         grid=(n_items, kvh, num_splits),
@@ -134,8 +152,8 @@ def pallas_paged_attention(
             pl.BlockSpec((1,), lambda i, k, s: (i,)),
             pl.BlockSpec((None, rows_p), lambda i, k, s: (i, 0)),
             pl.BlockSpec((None, None, rows_p, d), lambda i, k, s: (i, k, 0, 0)),
-            pl.BlockSpec(plane, lambda i, k, s: (layer, 0, 0, 0, k, 0)),
-            pl.BlockSpec(plane, lambda i, k, s: (layer, 1, 0, 0, k, 0)),
+            pl.BlockSpec(planes, lambda i, k, s: (0, 0, k, 0)),
+            pl.BlockSpec(planes, lambda i, k, s: (0, 0, k, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, rows_p, d), lambda i, k, s: (i, s, k, 0, 0)),
@@ -149,7 +167,7 @@ def pallas_paged_attention(
         ],
         interpret=interpret,
         name="kvcached_paged_attention",
-    )(tables, end.astype(jnp.int32), pos.astype(jnp.int32), qk, view, view)
+    )(tables, end.astype(jnp.int32), pos.astype(jnp.int32), qk, flat, flat)
     # Merge the splits (log-sum-exp), normalise, back to (I, Q, Hkv, G, D).
     m_c = m.max(axis=1)
     a = jnp.exp(m - m_c[:, None])

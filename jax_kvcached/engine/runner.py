@@ -213,8 +213,7 @@ class ModelRunner:
         )
         if prefill < budget:
             raise ValueError(
-                f"max_prefill_tokens ({prefill}) must be at least max_num_batched_tokens "
-                f"({budget})"
+                f"max_prefill_tokens ({prefill}) must be at least max_num_batched_tokens ({budget})"
             )
         self.config = cfg
         self.cache = cache
@@ -415,8 +414,7 @@ class ModelRunner:
         width = max(-(-(x.start + len(x.tokens)) // bs) for x in batch)
         if len(batch) > self.max_batch:
             raise ValueError(
-                f"a step of {len(batch)} sequences exceeds the runner's max_batch "
-                f"{self.max_batch}"
+                f"a step of {len(batch)} sequences exceeds the runner's max_batch {self.max_batch}"
             )
         if total > self.max_prefill_tokens:
             raise ValueError(

@@ -59,7 +59,11 @@ class MemoryLimit:
 
 
 def limit_to_pages(
-    name: str, limit: int | str | None, page_size: int, pages_per_kv_page: int, guarantee: int,
+    name: str,
+    limit: int | str | None,
+    page_size: int,
+    pages_per_kv_page: int,
+    guarantee: int,
     budget: int,
 ) -> int | None:
     """A tenant's limit in physical pages, rounded down to whole KV pages (None: the

@@ -171,32 +171,48 @@ def write_kv(
 
 def write_kv_async(
     cache: KVCache,
-    layer: int,
+    layer: Any,
     key: jax.Array,
     value: jax.Array,
     slots: Any,
     token: jax.Array,
     *after: jax.Array,
 ) -> jax.Array:
-    """:func:`write_kv` for a step loop that never waits for the device: ``layer`` is a
-    Python int (an attribute, not an operand), and on CUDA the slots are checked by the
-    kernel against the cache's device page map instead of being copied to the host. A
-    bad slot's row is skipped and recorded; :func:`raise_device_errors` raises it at the
-    caller's next host sync. Callers validate slots on the host first (the runner does).
-    On the host backend the handler validates at once, as :func:`write_kv`."""
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
-        raise TypeError(f"write_kv_async: layer must be an int, got {type(layer).__name__}")
+    """:func:`write_kv` for a step loop that never waits for the device: on CUDA the
+    layer and the slots are checked by the kernel (against the cache's layers and device
+    page map) instead of being copied to the host. A bad slot's row (or a bad layer's
+    whole write) is skipped and recorded; :func:`raise_device_errors` raises it at the
+    caller's next host sync. ``layer``: a Python int (checked here) or an int32 scalar
+    array, traced or not (the loop index of layers under ``jax.lax.scan``). Callers
+    validate slots on the host first (the runner does). On the host backend the handler
+    validates at once, as :func:`write_kv`."""
     num_layers = key.shape[0] if key.ndim == 4 else 1
-    if not 0 <= layer <= cache.num_layers - num_layers:
-        raise ValueError(
-            f"write_kv_async: layer {layer} (+{num_layers} layers) out of range "
-            f"[0, {cache.num_layers})"
-        )
+    layer = _layer_operand("write_kv_async", cache, layer, num_layers)
     slots = _check_kv(cache, key, value, slots)
     return jax.ffi.ffi_call(
         "kvcached_write_kv_async", _TOKEN, has_side_effect=False, vmap_method=VMAP_METHOD
-    )(key, value, slots, token, *after, handle=_handle("write_kv_async", cache),
-      layer=np.int64(layer))  # fmt: skip
+    )(layer, key, value, slots, token, *after, handle=_handle("write_kv_async", cache))
+
+
+def _layer_operand(op: str, cache: KVCache, layer: Any, num_layers: int = 1) -> jax.Array:
+    """``layer`` as the int32 scalar operand of a custom call: a Python int is checked
+    against the cache's layers here; an array (possibly traced) must be an int32 scalar
+    and is checked by the handler."""
+    if isinstance(layer, bool):
+        raise TypeError(f"{op}: layer must be an int or an int32 scalar array, got bool")
+    if isinstance(layer, numbers.Integral):
+        if not 0 <= layer <= cache.num_layers - num_layers:
+            extra = f" (+{num_layers} layers)" if num_layers > 1 else ""
+            raise ValueError(f"{op}: layer {layer}{extra} out of range [0, {cache.num_layers})")
+        return jnp.int32(layer)
+    if not hasattr(layer, "dtype") or getattr(layer, "shape", None) != ():
+        raise TypeError(
+            f"{op}: layer must be an int or an int32 scalar array, got {type(layer).__name__} "
+            f"of shape {getattr(layer, 'shape', None)}"
+        )
+    if layer.dtype != jnp.int32:
+        raise TypeError(f"{op}: layer must be int32, got {layer.dtype}")
+    return layer
 
 
 _DEVICE_ERRORS = {
@@ -204,6 +220,7 @@ _DEVICE_ERRORS = {
     2: "is in the null block 0, which is never written",
     3: "is in a block that straddles two pages",
     4: "is in an unmapped page",
+    5: "is out of the cache's layers",  # (the "slot" recorded is the layer)
 }
 
 
@@ -213,8 +230,9 @@ def raise_device_errors(cache: KVCache) -> None:
     code, slot = cache.take_device_error()
     if code:
         why = _DEVICE_ERRORS.get(code, f"failed (code {code})")
+        what, skipped = ("layer", "the write") if code == 5 else ("slot", "the row")
         raise RuntimeError(
-            f"write_kv_async on {cache.name!r}: slot {slot} {why}; the row was skipped "
+            f"write_kv_async on {cache.name!r}: {what} {slot} {why}; {skipped} was skipped "
             "(checked on the device)"
         )
 
@@ -258,7 +276,7 @@ def unmap_pages(cache: KVCache, page_ids: Any, token: jax.Array, *after: jax.Arr
 
 def paged_attention(
     cache: KVCache,
-    layer: int,
+    layer: Any,
     q: jax.Array,
     block_tables: Any,
     kv_lens: Any,
@@ -288,13 +306,12 @@ def paged_attention(
             f"paged_attention: q must be float32 (T, {cache.shard_kv_heads}, G, "
             f"{cache.head_dim}), got {q.dtype} {tuple(q.shape)}"
         )
-    if not 0 <= layer < cache.num_layers:
-        raise ValueError(f"paged_attention: layer {layer} out of range")
+    layer = _layer_operand("paged_attention", cache, layer)
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("kvcached_paged_attention", out, vmap_method=VMAP_METHOD)(
-        q, jnp.asarray(block_tables, i32), jnp.asarray(kv_lens, i32),
+        layer, q, jnp.asarray(block_tables, i32), jnp.asarray(kv_lens, i32),
         jnp.asarray(q_start, i32), jnp.asarray(q_lens, i32), token,
-        handle=_handle("paged_attention", cache), layer=np.int64(layer),
+        handle=_handle("paged_attention", cache),
         scale=np.float32(1 / np.sqrt(d)),
     )  # fmt: skip

@@ -191,6 +191,17 @@ def test_write_kv_async_checks_slots_on_the_device(gpool):
         ops.raise_device_errors(c)
     ops.raise_device_errors(c)  # cleared: raised once
     assert float(jnp.abs(c.view[:, :, 7 * c.blocks_per_page].astype(jnp.float32)).sum()) == 0.0
+    # The layer as a traced operand (a scanned model): read and checked by the kernel.
+    write = jax.jit(lambda i, k, v, s, t: ops.write_kv_async(c, i, k, v, s, t))
+    good_j = _on_gpu(jnp.asarray(good, jnp.int32))
+    done = write(_on_gpu(jnp.int32(0)), 3 * k[:3], k[:3], good_j, _on_gpu(ops.new_token()))
+    done.block_until_ready()
+    assert float(c.view[0, 0, blocks, offs].astype(jnp.float32).sum()) == 3 * 3 * 8 * 128
+    ops.raise_device_errors(c)  # nothing recorded
+    write(_on_gpu(jnp.int32(2)), k[:3], k[:3], good_j, _on_gpu(ops.new_token())).block_until_ready()
+    with pytest.raises(RuntimeError, match="layer 2 is out of the cache's layers"):
+        ops.raise_device_errors(c)
+    assert float(c.view[1, 0, blocks, offs].astype(jnp.float32).sum()) == 3 * 8 * 128  # untouched
     c.free(ids)
 
 
