@@ -64,20 +64,18 @@ def make_dense_step(model, max_len: int):
 
     def step(state, cache, tokens, pos):
         m = nnx.merge(graphdef, state)
+        m.scan_layers = False  # the baseline as before: unrolled, every layer index static
         b = tokens.shape[0]
-        box = {"cache": cache}  # updated in place (donated) layer by layer
 
-        def attend(i, q, k, v):
-            c = box["cache"]
+        def attend(i, q, k, v, c):  # the cache is the layers' carry (donated: in place)
             c = jax.lax.dynamic_update_slice(c, k[None, None].astype(c.dtype), (i, 0, 0, pos, 0, 0))
             c = jax.lax.dynamic_update_slice(c, v[None, None].astype(c.dtype), (i, 1, 0, pos, 0, 0))
-            box["cache"] = c
             mask = jnp.broadcast_to(jnp.arange(max_len)[None, None] <= pos, (b, 1, max_len))
-            return gqa_attention(q, c[i, 0], c[i, 1], mask)
+            return gqa_attention(q, c[i, 0], c[i, 1], mask), c
 
         positions = jnp.full((b, 1), pos, jnp.int32)
-        logits = m(tokens, positions, attend)[:, -1]
-        return logits, box["cache"]
+        hidden, cache = m.hidden_states(tokens, positions, attend, cache)
+        return m.logits(hidden[:, -1]), cache
 
     fn = jax.jit(step, donate_argnums=1)
     shape = (cfg.num_layers, 2, 0, max_len, cfg.num_kv_heads, cfg.head_dim)

@@ -3,9 +3,13 @@
 An engine needs the config fields that shape the KV cache and the step (``vocab_size``,
 ``num_layers``, ``num_kv_heads``, ``head_dim``, ``max_position_embeddings``, ``eos_ids``),
 the parameter ``dtype``, and one pure call: ``model(tokens, positions, attend)`` -> fp32
-logits, where ``attend(layer, q, k, v)`` is the paged attention the engine supplies (it
-writes the new K/V into the cache and reads the context). Loaders fill the parameters
-through ``hf_weights()``: Hugging Face tensor name -> (module, attribute, transpose).
+logits, where ``attend(layer, q, k, v, carry) -> (out, carry)`` is the paged attention
+the engine supplies (it writes the new K/V into the cache and reads the context).
+``layer`` is an int32 scalar, traced when the layers run under ``jax.lax.scan`` (they do:
+see ``models.stack``), and ``carry`` the state the attention threads through the layers
+(the engine's ordering token; a dense cache; None). Loaders fill the parameters through
+``hf_weights()``: Hugging Face tensor name -> (module, attribute, transpose, index), the
+index a layer's row of a stacked parameter (None: the whole parameter).
 Tensor parallelism splits the parameters ``tensor_parallel_plan(tp)`` names along the
 axis it gives (see ``models.sharding``); ``attend`` then receives each device's heads.
 """
@@ -17,8 +21,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-# attend(layer, q, k, v) -> attention output, (tokens, heads, head_dim)
-Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+# attend(layer, q, k, v, carry) -> (attention output (B, T, heads, head_dim), carry)
+Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 @runtime_checkable
@@ -40,18 +44,22 @@ class CausalLM(Protocol):
     config: Any  # a ModelConfigLike
     dtype: Any
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
-        """Logits (tokens, vocab_size) in float32: ``logits(hidden_states(...))``."""
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, attend: Attend, carry: Any = None
+    ) -> jax.Array:
+        """Logits (tokens, vocab_size) in float32: ``logits(hidden_states(...)[0])``."""
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
+    def hidden_states(
+        self, tokens: jax.Array, positions: jax.Array, attend: Attend, carry: Any = None
+    ) -> tuple[jax.Array, Any]:
         """The hidden states the logits are computed from (the engine computes logits
-        only for the rows that sample or score)."""
+        only for the rows that sample or score) and the attention's final carry."""
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """fp32 logits of hidden states."""
 
-    def hf_weights(self) -> dict[str, tuple[object, str, bool]]:
-        """Hugging Face tensor name -> (module, attribute, transpose)."""
+    def hf_weights(self) -> dict[str, tuple[object, str, bool, int | None]]:
+        """Hugging Face tensor name -> (module, attribute, transpose, stacked index)."""
 
     def tensor_parallel_plan(self, tp: int) -> list[tuple[object, str, int]]:
         """(module, attribute, axis split over ``tp`` devices) per split parameter;

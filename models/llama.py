@@ -1,24 +1,26 @@
 """Llama-family decoder in Flax NNX: RMSNorm, RoPE (with llama3 scaling), GQA, SwiGLU,
 optional tied embeddings; Qwen2 is the same with biases on q/k/v.
 
-Attention is a pluggable function, ``attend(layer, q, k, v) -> out`` with q ``(B, T, H, D)``
-and k / v ``(B, T, Hkv, D)`` after RoPE, so the same module runs over a paged KV cache
-(jax_kvcached.engine.attention), a dense cache, or no cache at all.
+Attention is a pluggable function, ``attend(layer, q, k, v, carry) -> (out, carry)`` with
+q ``(B, T, H, D)`` and k / v ``(B, T, Hkv, D)`` after RoPE, so the same module runs over a
+paged KV cache (jax_kvcached.engine.attention), a dense cache, or no cache at all. The
+layers are stored stacked and run under ``jax.lax.scan`` (:mod:`.stack`): ``layer`` is
+an int32 scalar and ``carry`` whatever state the attention threads from layer to layer.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelConfig
+from .interface import Attend
 from .registry import register
-
-Attend = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+from .stack import run_layers, stack_layers
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -72,14 +74,14 @@ class Attention(nnx.Module):
         self.o_proj = nnx.Linear(h * d, cfg.hidden_size, use_bias=False, **kw)
         self.shape = (h, kvh, d)
 
-    def __call__(self, x, positions, inv_freq, attend_layer):
+    def __call__(self, x, positions, inv_freq, attend_layer, carry):
         b, t, _ = x.shape
         h, kvh, d = self.shape
         q = apply_rope(self.q_proj(x).reshape(b, t, h, d), positions, inv_freq)
         k = apply_rope(self.k_proj(x).reshape(b, t, kvh, d), positions, inv_freq)
         v = self.v_proj(x).reshape(b, t, kvh, d)
-        out = attend_layer(q, k, v)
-        return self.o_proj(out.reshape(b, t, h * d).astype(x.dtype))
+        out, carry = attend_layer(q, k, v, carry)
+        return self.o_proj(out.reshape(b, t, h * d).astype(x.dtype)), carry
 
 
 class MLP(nnx.Module):
@@ -100,15 +102,17 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, positions, inv_freq, attend_layer):
-        x = x + self.self_attn(self.input_layernorm(x), positions, inv_freq, attend_layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, x, positions, inv_freq, attend_layer, carry):
+        a, carry = self.self_attn(self.input_layernorm(x), positions, inv_freq, attend_layer, carry)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), carry
 
 
 @register("llama", "qwen2")
 class LlamaModel(nnx.Module):
     """Decoder-only LM (Llama family, Qwen2): a :class:`~.interface.CausalLM`.
-    ``model(tokens, positions, attend)`` returns fp32 logits."""
+    ``model(tokens, positions, attend)`` returns fp32 logits. ``layers`` is one
+    DecoderLayer with stacked parameters; ``scan_layers`` False unrolls them."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> None:
         self.config = cfg
@@ -116,7 +120,8 @@ class LlamaModel(nnx.Module):
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.layers = stack_layers(lambda: DecoderLayer(cfg, dtype, rngs), cfg.num_layers)
+        self.scan_layers = True
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
             None
@@ -131,16 +136,25 @@ class LlamaModel(nnx.Module):
             )
         )
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
-        return self.logits(self.hidden_states(tokens, positions, attend))
+    def __call__(
+        self, tokens: jax.Array, positions: jax.Array, attend: Attend, carry: Any = None
+    ) -> jax.Array:
+        return self.logits(self.hidden_states(tokens, positions, attend, carry)[0])
 
-    def hidden_states(self, tokens: jax.Array, positions: jax.Array, attend: Attend) -> jax.Array:
-        """The final-normed hidden states ``(..., hidden)`` of tokens ``(B, T)``."""
+    def hidden_states(
+        self, tokens: jax.Array, positions: jax.Array, attend: Attend, carry: Any = None
+    ) -> tuple[jax.Array, Any]:
+        """The final-normed hidden states ``(..., hidden)`` of tokens ``(B, T)``, and the
+        attention's carry after the last layer."""
         inv_freq = rope_inv_freq(self.config)
-        x = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, inv_freq, lambda q, k, v, i=i: attend(i, q, k, v))
-        return self.norm(x)
+
+        def body(layer, x, i, carry):
+            return layer(x, positions, inv_freq, lambda q, k, v, c: attend(i, q, k, v, c), carry)
+
+        x, carry = run_layers(
+            self.layers, self.embed_tokens(tokens), carry, body, scan=self.scan_layers
+        )
+        return self.norm(x), carry
 
     def logits(self, x: jax.Array) -> jax.Array:
         """fp32 logits of hidden states ``(..., hidden)`` (only the rows that need them)."""
@@ -170,34 +184,35 @@ class LlamaModel(nnx.Module):
             plan.append((self.embed_tokens, "embedding", 0))
             if self.lm_head is not None:
                 plan.append((self.lm_head, "kernel", 1))
-        for layer in self.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for mod in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-                plan.append((mod, "kernel", 1))  # split by output columns
-                if mod.bias is not None:
-                    plan.append((mod, "bias", 0))
-            plan += [(attn.o_proj, "kernel", 0), (mlp.down_proj, "kernel", 0)]  # by rows
+        attn, mlp = self.layers.self_attn, self.layers.mlp  # stacked: (layers, in, out)
+        for mod in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            plan.append((mod, "kernel", 2))  # split by output columns
+            if mod.bias is not None:
+                plan.append((mod, "bias", 1))
+        plan += [(attn.o_proj, "kernel", 1), (mlp.down_proj, "kernel", 1)]  # by rows
         return plan
 
-    def hf_weights(self) -> dict[str, tuple[object, str, bool]]:
-        """Hugging Face tensor name -> (module, attribute, transpose)."""
-        t: dict[str, tuple[object, str, bool]] = {
-            "model.embed_tokens.weight": (self.embed_tokens, "embedding", False),
-            "model.norm.weight": (self.norm, "weight", False),
+    def hf_weights(self) -> dict[str, tuple[object, str, bool, int | None]]:
+        """Hugging Face tensor name -> (module, attribute, transpose, layer index into
+        the stacked parameter or None)."""
+        t: dict[str, tuple[object, str, bool, int | None]] = {
+            "model.embed_tokens.weight": (self.embed_tokens, "embedding", False, None),
+            "model.norm.weight": (self.norm, "weight", False, None),
         }
         if self.lm_head is not None:
-            t["lm_head.weight"] = (self.lm_head, "kernel", True)
-        for i, layer in enumerate(self.layers):
+            t["lm_head.weight"] = (self.lm_head, "kernel", True, None)
+        layer = self.layers
+        for i in range(self.config.num_layers):
             p = f"model.layers.{i}."
-            t[p + "input_layernorm.weight"] = (layer.input_layernorm, "weight", False)
+            t[p + "input_layernorm.weight"] = (layer.input_layernorm, "weight", False, i)
             t[p + "post_attention_layernorm.weight"] = (
-                layer.post_attention_layernorm, "weight", False,
+                layer.post_attention_layernorm, "weight", False, i,
             )  # fmt: skip
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 mod = getattr(layer.self_attn, name)
-                t[p + f"self_attn.{name}.weight"] = (mod, "kernel", True)
+                t[p + f"self_attn.{name}.weight"] = (mod, "kernel", True, i)
                 if mod.bias is not None:
-                    t[p + f"self_attn.{name}.bias"] = (mod, "bias", False)
+                    t[p + f"self_attn.{name}.bias"] = (mod, "bias", False, i)
             for name in ("gate_proj", "up_proj", "down_proj"):
-                t[p + f"mlp.{name}.weight"] = (getattr(layer.mlp, name), "kernel", True)
+                t[p + f"mlp.{name}.weight"] = (getattr(layer.mlp, name), "kernel", True, i)
         return t

@@ -86,15 +86,24 @@ def _assign(model: CausalLM, cfg: ModelConfig, tensors: dict, path: str) -> None
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
-    for name, (module, attr, transpose) in targets.items():
-        value = tensors[name]
+    stacked: dict[int, tuple[object, np.ndarray]] = {}  # id(param) -> (param, host rows)
+    for name, (module, attr, transpose, index) in targets.items():
+        value = tensors.pop(name)  # (released as it is copied)
         if transpose:
             value = value.T
         param = getattr(module, attr)
         current = param.get_value()  # an array, or a shape-only struct (abstract model)
-        if value.shape != current.shape:
-            raise ValueError(f"{path}: {name}: shape {value.shape} != model's {current.shape}")
-        param.set_value(jnp.asarray(value, dtype=current.dtype))
+        want = current.shape if index is None else current.shape[1:]
+        if value.shape != want:
+            raise ValueError(f"{path}: {name}: shape {value.shape} != model's {want}")
+        if index is None:
+            param.set_value(jnp.asarray(value, dtype=current.dtype))
+            continue
+        if id(param) not in stacked:  # a stacked parameter: its layers' rows on the host
+            stacked[id(param)] = (param, np.empty(current.shape, np.dtype(current.dtype)))
+        stacked[id(param)][1][index] = np.asarray(value).astype(np.dtype(current.dtype))
+    for param, rows in stacked.values():
+        param.set_value(jnp.asarray(rows))
 
 
 def find_chat_template(path: str | None) -> tuple[str | None, dict[str, str]]:

@@ -108,12 +108,13 @@ _INSTR = re.compile(r"=\s*(\w+)\[([\d,]*)\][^ ]*\s+(\w+)\(")
 
 
 def _big_copies(hlo: str, elements: int) -> list[str]:
-    """Instructions, fused or not, that concatenate, transpose or copy at least
-    ``elements`` values (a fusion whose root is such a copy writes it to memory)."""
+    """Instructions, fused or not, that concatenate, transpose, copy or slice out (a
+    layer's planes, by a traced layer index) at least ``elements`` values (a fusion whose
+    root is such a copy writes it to memory)."""
     out = []
     for line in hlo.splitlines():
         m = _INSTR.search(line)
-        if not m or m.group(3) not in ("concatenate", "transpose", "copy"):
+        if not m or m.group(3) not in ("concatenate", "transpose", "copy", "dynamic-slice"):
             continue
         dims = [int(x) for x in m.group(2).split(",") if x]
         if dims and int(np.prod(dims)) >= elements:
@@ -143,8 +144,8 @@ def test_compiled_step_has_no_full_context_copy(t, impl):
     if impl == "xla" and t > 1:  # a chunk (compute-bound) may lay its blocks out for a dot
         copies = [x for x in copies if " concatenate(" in x]
     assert copies == [], copies
-    if impl == "host":
-        assert text.count("kvcached_paged_attention") >= cfg.num_layers
+    if impl == "host":  # one call in the scanned layer body serves every layer
+        assert text.count('custom_call_target="kvcached_paged_attention"') == 1
         assert not re.search(rf"\[\d+,{nb},16,[^\]]*\][^=]*gather\(", text)
     else:
         assert "gather" in text

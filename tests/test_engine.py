@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
-from jax_kvcached.engine.attention import dense_causal_attention
+from jax_kvcached.engine.attention import no_cache_attend
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.runner import StepInput
 from jax_kvcached.engine.sampling import SamplingParams
@@ -34,8 +34,7 @@ def _reference(model, prompt, n):
     return toks[len(prompt) :], logits
 
 
-def _dense(i, q, k, v):
-    return dense_causal_attention(q, k, v)
+_dense = no_cache_attend
 
 
 @pytest.fixture(params=["tiny-llama", "tiny-qwen2"])

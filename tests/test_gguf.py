@@ -10,7 +10,7 @@ import pytest
 from test_engine import assert_only_cached_blocks_hold_pages
 
 import jax_kvcached as kv
-from jax_kvcached.engine.attention import dense_causal_attention
+from jax_kvcached.engine.attention import no_cache_attend
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import (
@@ -99,8 +99,7 @@ def test_logits_match_transformers(ours, hf):
     ids = _hf_ids(tok, CHATS[0])
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
-    got = ours.model(jnp.asarray([ids]), jnp.arange(len(ids))[None],
-                     lambda i, q, k, v: dense_causal_attention(q, k, v))[0]  # fmt: skip
+    got = ours.model(jnp.asarray([ids]), jnp.arange(len(ids))[None], no_cache_attend)[0]
     err = np.abs(np.asarray(got) - ref).max()
     # Measured 1.1e-4 (logits up to ~38; the same under any torch thread count), once
     # 4.9e-3 in a full CI run that a rerun did not reproduce; a wrong weight or layout is
@@ -179,12 +178,12 @@ def test_a_small_gguf_loads_and_q_k_rows_are_unpermuted(tmp_path):
     cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
     assert (cfg.num_layers, cfg.hidden_size, cfg.vocab_size, cfg.head_dim) == (1, 8, 16, 4)
     raw = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
-    q = np.asarray(model.layers[0].self_attn.q_proj.kernel[...]).T  # HF (out, in)
+    q = np.asarray(model.layers.self_attn.q_proj.kernel[0]).T  # HF (out, in)
     # llama.cpp's permutation of the HF rows gives back the file's rows.
     heads = 2
     perm = q.reshape(heads, 2, q.shape[0] // heads // 2, 8).swapaxes(1, 2).reshape(q.shape)
     np.testing.assert_array_equal(perm, raw["blk.0.attn_q.weight"])
-    v = np.asarray(model.layers[0].self_attn.v_proj.kernel[...]).T
+    v = np.asarray(model.layers.self_attn.v_proj.kernel[0]).T
     np.testing.assert_array_equal(v, raw["blk.0.attn_v.weight"])  # not permuted
 
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 import transformers
 
-from jax_kvcached.engine.attention import dense_causal_attention
+from jax_kvcached.engine.attention import no_cache_attend
 from jax_kvcached.models import ByteTokenizer, ModelConfig, load_checkpoint, load_tokenizer
 
 
 def _dense(model, ids):
     pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
     return np.asarray(
-        model(jnp.asarray(ids), pos, lambda i, q, k, v: dense_causal_attention(q, k, v))
+        model(jnp.asarray(ids), pos, no_cache_attend)
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 import test_server
 
 import jax_kvcached as kv
-from jax_kvcached.engine.attention import dense_causal_attention
+from jax_kvcached.engine.attention import no_cache_attend
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, ByteTokenizer, build_model
@@ -62,10 +62,7 @@ def alone():
 def dense():
     model = _model()
 
-    def attend(i, q, k, v):
-        return dense_causal_attention(q, k, v)
-
-    fwd = jax.jit(lambda ids: model(ids, jnp.arange(ids.shape[1])[None], attend))
+    fwd = jax.jit(lambda ids: model(ids, jnp.arange(ids.shape[1])[None], no_cache_attend))
 
     def log_softmax_at(tokens):
         ids = np.zeros((1, 128), np.int32)

@@ -48,6 +48,12 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Arra
     return gqa_attention(q, k, v, mask)
 
 
+def no_cache_attend(layer, q, k, v, carry=None):
+    """A model's ``attend`` without a cache: causal attention over the tokens given
+    (references and tests); the carry passes through."""
+    return dense_causal_attention(q, k, v), carry
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Ragged:

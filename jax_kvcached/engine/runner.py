@@ -4,7 +4,9 @@ A step takes up to ``max_num_batched_tokens`` new tokens (``max_prefill_tokens``
 sequence decodes) from up to ``max_batch`` sequences laid out on one flat token axis:
 decode rows (one token) and prefill chunks alike, each sequence with its own cached length
 and block table (:mod:`jax_kvcached.engine.attention`). Every layer writes the step's K/V
-into the cache (one ``ops.write_kv_async`` call) and then attends over the cache; each
+into the cache (one ``ops.write_kv_async`` call) and then attends over the cache (the
+layers run under ``jax.lax.scan``: one layer body in the program, the layer index an
+operand of both custom calls); each
 sequence's last row gives its logits and the next token is sampled on the device. Every
 integer input travels as one packed array (one transfer). A decode row whose input token
 is still being sampled by the previous step takes it from that step's device output
@@ -332,31 +334,31 @@ class ModelRunner:
                             tokens[jnp.clip(q_start, 0, t - 1)])  # fmt: skip
             tokens = tokens.at[q_start].set(fed, mode="drop")  # unused slots: past the axis
             model = nnx.merge(graphdef, state)
-            chain = [token]
+            write = per_device(
+                lambda i, k, v, slots, token: ops.write_kv_async(cache, i, k, v, slots, token),
+                (None, heads, heads, None, None), None,
+            )  # fmt: skip
+            attention = per_device(
+                lambda q, view, i, lay, token: attention_fn(self.attention, cache, nb, token)(
+                    q, view, i, lay
+                ),
+                (heads, cache.sharding.spec if self.mesh else None, None, None, None), heads,
+            )  # fmt: skip
 
-            def attend(i, q, k, v):
-                # This step's K/V first (the reads below see them), then the attention.
-                write = per_device(
-                    lambda k, v, slots, token: ops.write_kv_async(cache, i, k, v, slots, token),
-                    (heads, heads, None, None), None,
-                )  # fmt: skip
-                kv_new = k[0].astype(cache.dtype), v[0].astype(cache.dtype)
-                chain[0] = write(*kv_new, slots, chain[0])
-                after = dataclasses.replace(lay, tables=ops.after(lay.tables, chain[0]))
-                fn = per_device(
-                    lambda q, view, lay, token: attention_fn(self.attention, cache, nb, token)(
-                        q, view, i, lay
-                    ),
-                    (heads, cache.sharding.spec if self.mesh else None, None, None), heads,
-                )  # fmt: skip
-                return fn(q[0], view, after, chain[0])[None]
+            def attend(i, q, k, v, chain):
+                # This step's K/V first (the reads below see them), then the attention; the
+                # token chain orders every layer's calls (the scan's carry).
+                chain = write(i, k[0].astype(cache.dtype), v[0].astype(cache.dtype), slots, chain)
+                after = dataclasses.replace(lay, tables=ops.after(lay.tables, chain))
+                return attention(q[0], view, i, after, chain)[None], chain
 
-            hidden = model.hidden_states(tokens[None], positions[None], attend)[0]  # (t, E)
+            hidden, chain = model.hidden_states(tokens[None], positions[None], attend, token)
+            hidden = hidden[0]  # (t, E)
             logits = model.logits(hidden[jnp.clip(last, 0, t - 1)])  # (max_rows, vocab)
             scores = prompt_scores(model, hidden, targets)
             if self.mesh is not None:  # the logits gathered onto every device
                 logits = jax.lax.with_sharding_constraint(logits, self._device)
-            return (logits, scores), chain[0]
+            return (logits, scores), chain
 
         def prompt_scores(model, hidden, targets):
             """Prompt log-probabilities ``(1 + 2K, t)`` f32, per position: the target's
