@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's single-file format), read with the ``gguf`` package.
+"""GGUF checkpoints (llama.cpp's single-file format), parsed by :mod:`.gguf_file` and
+dequantized by the ``gguf`` package.
 
 One file carries everything: the config (``<arch>.*`` metadata), the weights (F32 / F16 /
 BF16 / Q8_0 / Q4_0 / Q4_1, dequantized to the model dtype), the tokenizer (a byte-level
@@ -64,11 +65,11 @@ class GGUFCheckpoint:
     """An opened GGUF file: metadata, tensors, tokenizer and chat template."""
 
     def __init__(self, path: str) -> None:
-        import gguf
+        from .gguf_file import GGUFFile
 
         self.path = path
         try:
-            self._reader = gguf.GGUFReader(path)
+            self._file = GGUFFile(path)
         except Exception as e:  # truncated, not GGUF, unsupported version...
             raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
         self.architecture = self.meta("general.architecture")
@@ -77,16 +78,15 @@ class GGUFCheckpoint:
                 f"{path}: unsupported architecture {self.architecture!r} "
                 f"(supported: {', '.join(_ARCHITECTURES)})"
             )
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = self._file.tensors
 
     # -- metadata ----------------------------------------------------------------------
     def meta(self, key: str, default: Any = ...) -> Any:
-        field = self._reader.fields.get(key)
-        if field is None:
+        if key not in self._file.metadata:
             if default is ...:
                 raise GGUFError(f"{self.path}: metadata {key!r} is missing")
             return default
-        return field.contents()
+        return self._file.metadata[key]
 
     def config(self) -> ModelConfig:
         a = self.architecture
@@ -97,7 +97,7 @@ class GGUFCheckpoint:
         tokens = self.meta("tokenizer.ggml.tokens", None)
         vocab = self.meta(f"{a}.vocab_size", None) or (len(tokens) if tokens else None)
         if vocab is None:
-            vocab = int(self._tensors["token_embd.weight"].shape[-1])
+            vocab = int(self._tensors["token_embd.weight"].dims[-1])
         return ModelConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -120,11 +120,11 @@ class GGUFCheckpoint:
     def tensors(self, cfg: ModelConfig, dtype: Any = np.float32) -> dict[str, np.ndarray]:
         """Every weight under its Hugging Face name, dequantized, in HF layout."""
         out: dict[str, np.ndarray] = {}
-        for name, t in self._tensors.items():
+        for name in self._tensors:
             hf = _hf_name(name)
             if hf is None:
                 raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
-            w = self.dequantize(name, t)
+            w = self.dequantize(name)
             if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
                 w = _unpermute(w, cfg.num_heads)
             elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
@@ -132,27 +132,29 @@ class GGUFCheckpoint:
             out[hf] = w.astype(dtype, copy=False)
         return out
 
-    def dequantize(self, name: str, t: Any) -> np.ndarray:
+    def dequantize(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as float32, in numpy (row-major) shape."""
         from gguf import GGMLQuantizationType as Q
         from gguf import quants
 
+        t = self._tensors[name]
+        qtype = Q(t.tensor_type)
         supported = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
-        if t.tensor_type not in supported:
+        if qtype not in supported:
             raise GGUFError(
-                f"{self.path}: tensor {name!r} has type {t.tensor_type.name}; supported: "
+                f"{self.path}: tensor {name!r} has type {qtype.name}; supported: "
                 f"{', '.join(q.name for q in supported)}"
             )
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
         try:
-            data = np.asarray(t.data)
-            if t.tensor_type in (Q.F32, Q.F16):
+            data = self._file.data(t)
+            if qtype in (Q.F32, Q.F16):
                 w = data.astype(np.float32)
             else:
-                w = quants.dequantize(data, t.tensor_type)
-            return np.ascontiguousarray(w.reshape(shape), dtype=np.float32)
+                w = quants.dequantize(data, qtype)
+            return np.ascontiguousarray(w.reshape(t.shape), dtype=np.float32)
         except Exception as e:
             raise GGUFError(
-                f"{self.path}: tensor {name!r} ({t.tensor_type.name}, {shape}) could not be "
+                f"{self.path}: tensor {name!r} ({qtype.name}, {t.shape}) could not be "
                 f"read: {type(e).__name__}: {e}"
             ) from e
 

@@ -22,10 +22,15 @@ def stack_layers(make: Callable[[], nnx.Module], n: int) -> nnx.Module:
     drew for a list of layers), merged into one module with stacked parameters."""
     if n < 1:
         raise ValueError(f"a model needs at least one layer, got {n}")
-    parts = [nnx.split(make()) for _ in range(n)]
-    graphdef = parts[0][0]
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *(state for _, state in parts))
-    return nnx.merge(graphdef, stacked)
+    graphdef, first = nnx.split(make())
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(first)):
+        # Built abstractly (abstract_model's eval_shape: a loader fills the values): one
+        # layer's shapes suffice, and tracing n initialisations costs seconds.
+        return nnx.merge(
+            graphdef, jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), first)
+        )
+    rest = [nnx.split(make())[1] for _ in range(n - 1)]
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), first, *rest))
 
 
 def num_stacked(layers: nnx.Module) -> int:

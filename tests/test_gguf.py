@@ -199,7 +199,7 @@ def test_every_supported_tensor_type_dequantizes(tmp_path):
     for t in gguf.GGUFReader(str(path)).tensors:
         if t.name.startswith("t."):
             q = Q[t.name[2:]]
-            got = ck.dequantize(t.name, t)
+            got = ck.dequantize(t.name)
             assert got.shape == x.shape and got.dtype == np.float32, q
             want = gguf.quants.dequantize(gguf.quants.quantize(x, q), q).reshape(x.shape)
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=q.name)
@@ -247,3 +247,25 @@ def test_chat_template_lookup_order_and_globals(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         load_tokenizer(str(tmp_path))  # no tokenizer.json: bytes, loudly
     assert "no tokenizer" in caplog.text
+
+
+def test_the_lean_reader_reads_what_the_gguf_package_reads():
+    """Every metadata value and tensor (directory and bytes) of the real file, as the
+    ``gguf`` package's reader has them."""
+    import gguf
+
+    from jax_kvcached.models.gguf_file import GGUFFile
+
+    path = pretrained_path("smollm2-135m")
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata.keys() == want.keys()
+    for k, v in want.items():
+        assert ours.metadata[k] == v, k
+    assert list(ours.tensors) == [t.name for t in ref.tensors]
+    for t in ref.tensors:
+        mine = ours.tensors[t.name]
+        assert (mine.dims, mine.tensor_type, mine.offset) == (
+            tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.data_offset),
+        )  # fmt: skip
+        np.testing.assert_array_equal(ours.data(mine), np.asarray(t.data), err_msg=t.name)

@@ -106,3 +106,13 @@ def test_the_runner_steps_scanned_and_unrolled_alike():
         pool.close()
     for x, y in zip(out[0], out[1], strict=True):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_an_abstract_model_has_the_built_models_stacked_shapes():
+    from flax import nnx
+
+    from jax_kvcached.models import abstract_model
+
+    cfg = BUILTIN_CONFIGS["tiny-qwen2"]
+    shapes = lambda m: jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(m))  # noqa: E731
+    assert shapes(abstract_model(cfg)) == shapes(build_model(cfg))
