@@ -111,7 +111,8 @@ def part_startup(args) -> dict:
         srv = Server(args.python, args.model, args.server_args, cache)
         try:
             res[f"{label}_s"] = srv.first_answer()
-            res[f"{label}_log"] = [ln for ln in srv.tail().splitlines() if "compiled" in ln][-1:]
+            lines = srv.tail().splitlines()
+            res[f"{label}_log"] = [ln for ln in lines if "programs ready" in ln][-1:]
         finally:
             srv.stop()
     print(f"startup: cold {res['cold_s']:.1f} s, warm {res['warm_s']:.1f} s to the first answer")

@@ -303,5 +303,5 @@ def test_serve_answers_from_the_start_and_logs_every_request(tmp_path):
     assert proc.returncode == 0, out
     assert "loading tiny-llama from a built-in random preset" in out
     total = compiling[-1]["total"]
-    assert f"tiny-llama: {total} programs compiled" in out  # the bar's count, in the log
+    assert f"tiny-llama: {total} programs ready" in out  # the bar's count, in the log
     assert out.count('"POST /v1/completions" model=tiny-llama 200 tokens=6+6') == 2, out

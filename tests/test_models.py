@@ -15,9 +15,7 @@ from jax_kvcached.models import ByteTokenizer, ModelConfig, load_checkpoint, loa
 
 def _dense(model, ids):
     pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
-    return np.asarray(
-        model(jnp.asarray(ids), pos, no_cache_attend)
-    )
+    return np.asarray(model(jnp.asarray(ids), pos, no_cache_attend))
 
 
 def _hf_llama():

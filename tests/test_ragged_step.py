@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jax_kvcached as kv
+from jax_kvcached.engine.compile_events import compile_events
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.runner import ModelRunner, StepInput
 from jax_kvcached.engine.sampling import SamplingParams
@@ -98,7 +99,7 @@ def test_nothing_compiles_after_warm_up_for_prompts_up_to_3000_tokens_mixed_with
                  max_model_len=3200)  # fmt: skip
     info = eng.compile()
     assert info["shapes"] == len(eng.runner.token_sizes) == 7  # 1, 2, .., 64: no products
-    compiled, executables = eng.runner.num_compiled, eng.runner.jit_cache_sizes
+    compiled, events = eng.runner.num_compiled, compile_events()
     rng = np.random.default_rng(1)
     done = threading.Semaphore(0)
     lengths = [1, 2, 3, 17, 64, 65, 300, 1000, 3000]
@@ -111,7 +112,7 @@ def test_nothing_compiles_after_warm_up_for_prompts_up_to_3000_tokens_mixed_with
             assert done.acquire(timeout=600)
     assert eng.runner.compiles_after_warmup == 0
     assert eng.runner.num_compiled == compiled
-    assert eng.runner.jit_cache_sizes == executables
+    assert compile_events() == events  # no trace, lowering or compile of anything
     eng.reset_prefix_cache()
     assert eng.cache.num_mapped_pages == 0  # accounting exact after the run
     pool.close()

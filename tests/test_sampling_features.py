@@ -8,6 +8,7 @@ import pytest
 
 import jax_kvcached as kv
 from jax_kvcached.engine.attention import no_cache_attend
+from jax_kvcached.engine.compile_events import compile_events
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams, process_logits, token_logprobs
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
@@ -260,7 +261,7 @@ def test_processing_and_logprobs_compile_nothing_after_warm_up(model):
     pool = _pool()
     eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, max_model_len=256)
     eng.compile()
-    sizes = eng.runner.jit_cache_sizes
+    events = compile_events()
     params = [
         SamplingParams(max_tokens=6, logprobs=2, presence_penalty=0.5, logit_bias=((3, 1.0),)),
         SamplingParams(max_tokens=6, temperature=0.7, seed=1, repetition_penalty=1.2,
@@ -271,7 +272,7 @@ def test_processing_and_logprobs_compile_nothing_after_warm_up(model):
     eng.run()
     eng.generate([PROMPT, PROMPT[:5]], params)
     assert eng.runner.compiles_after_warmup == 0
-    assert eng.runner.jit_cache_sizes == sizes
+    assert compile_events() == events
     pool.close()
 
 

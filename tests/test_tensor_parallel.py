@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 import jax_kvcached as kv
 from jax_kvcached import Engine, SamplingParams
+from jax_kvcached.engine.compile_events import compile_events
 from jax_kvcached.engine.runner import StepInput
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 
@@ -98,10 +99,10 @@ def test_a_warm_engine_compiles_nothing_more(tp):
         eng = Engine(build_model(LLAMA), pool, max_batch=2, max_num_batched_tokens=16,
                      max_model_len=32)  # fmt: skip
         eng.compile()
-        executables = eng.runner.jit_cache_sizes
+        events = compile_events()
         eng.generate([[1, 2, 3, 4, 5], list(range(9, 29))], SamplingParams(max_tokens=6))
         assert eng.runner.compiles_after_warmup == 0
-        assert eng.runner.jit_cache_sizes == executables
+        assert compile_events() == events
 
 
 def test_seeded_sampling_is_the_same_under_tp():

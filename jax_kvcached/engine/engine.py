@@ -12,6 +12,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from jax_kvcached.engine.compile_events import compile_events, fresh_compiles
 from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.kv_manager import KVManager
@@ -478,7 +479,10 @@ class Engine:
         """Compiles every step shape the engine can run (warm-up): after it, serving
         compiles nothing. Returns the step shape and sampler counts, ``programs`` (all
         that compiled now: shapes, samplers, logit functions; what ``progress(done,
-        total)`` counts) and the seconds taken."""
+        total)`` counts), the seconds taken, and how many of the programs XLA compiled
+        (``xla_compiles``), loaded from the persistent compilation cache
+        (``cache_loads``: traced and lowered, not compiled) or loaded as stored
+        executables (``executables_loaded``: none of the three)."""
         shapes = self.runner.step_shapes()
         total = [0]
 
@@ -487,10 +491,17 @@ class Engine:
             if progress is not None:
                 progress(done, n)
 
+        before = compile_events()
+        store = self.runner.store
+        loaded = store.loaded if store is not None else 0
         secs = self.runner.compile(shapes, progress=report)
+        after = compile_events()
         return {
             "shapes": len(shapes), "samplers": self.runner.num_samplers,
             "programs": total[0], "seconds": secs,
+            "xla_compiles": fresh_compiles(before, after),
+            "cache_loads": after["cache_hits"] - before["cache_hits"],
+            "executables_loaded": (store.loaded if store is not None else 0) - loaded,
         }  # fmt: skip
 
     @property

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_kvcached.engine import executables
 from jax_kvcached.engine.attention import (
     Ragged,
     host_paged_attention,
@@ -47,12 +48,12 @@ from jax_kvcached.engine.attention import (
     paged_attention,
     ragged_layout,
 )
+from jax_kvcached.engine.compile_events import compile_events
 from jax_kvcached.engine.logit_inputs import Entries, entry_sizes, pack_rows
 from jax_kvcached.engine.sampler_programs import sampler_programs
 from jax_kvcached.engine.sampling import MAX_LOGPROBS, NUM_CANDIDATES, SamplingParams
 from jax_kvcached.engine.sleep import Offloaded, offload, restore
 from jax_kvcached.memory import ops
-from jax_kvcached.memory.errors import PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
 from jax_kvcached.models.sharding import shard_model
 
@@ -269,6 +270,17 @@ class ModelRunner:
         # Logit processing: token lists of these widths (prompt + output + biases).
         self.entry_sizes = entry_sizes(max_len + 64)
         self._jitted = jax.jit(self._make_step(), static_argnums=(4, 5))
+        # Every program a step runs, compiled ahead of time (see compile()): key -> a
+        # jax Compiled (called with its dynamic arguments), kept in ``store`` on disk
+        # when JAX's persistent compilation cache is on (a warm start loads them).
+        self._programs: dict[Any, Any] = {}
+        folder = executables.default_dir()
+        self.store = executables.ExecutableStore(folder) if folder else None
+        self._store_extra = executables.stable_repr((
+            self.graphdef, cache.handle, cache.view.shape, str(cache.dtype), cache.block_size,
+            str(cache.view.sharding), self.attention, max_batch, budget, prefill,
+            self.max_blocks, num_candidates, str(self._device),
+        ))  # fmt: skip
         # On a mesh every device samples the same rows from the replicated logits (one
         # program per device: XLA's partitioner then never sees the sampler's barriers).
         sample_rows, process_rows, logprob_rows = sampler_programs(
@@ -285,6 +297,7 @@ class ModelRunner:
         self._samplers: set[int] = set()  # sampler row counts compiled (powers of two)
         self._extras: set[tuple] = set()  # logit processing / log-probability functions
         self.warm = False  # set by compile(): a shape compiled later is counted and logged
+        compile_events()  # (listening from now on: every trace and compile is counted)
         self.compiles_after_warmup = 0
         # Committed to the cache's device, like every later step's output: the jit cache
         # keys on placement, so warm-up and serving must pass alike-placed arguments.
@@ -445,17 +458,6 @@ class ModelRunner:
         """The sampler row counts compiled so far (powers of two)."""
         return set(self._samplers)
 
-    @property
-    def jit_cache_sizes(self) -> tuple[int, int, int, int, int]:
-        """Executables in the step's, the sampler's, the logit processing's, the
-        log-probabilities' and the block copy's jit caches: the ground truth for "nothing
-        compiled after warm-up" (a retrace for any reason shows here)."""
-        return (
-            self._jitted._cache_size(), self._jitted_sample._cache_size(),
-            self._jitted_process._cache_size(), self._jitted_logprobs._cache_size(),
-            self._jitted_copy._cache_size(),
-        )  # fmt: skip
-
     def extra_keys(self) -> list[tuple]:
         """The logit-processing (rows, token-list width) and log-probability (rows)
         functions a step may call, compiled by :meth:`compile` with the samplers."""
@@ -493,53 +495,60 @@ class ModelRunner:
                 self.compiles_after_warmup += 1
                 log.warning("compiling %s after warm-up", key)
 
-    def _compile_by_running(self, key: tuple | int) -> bool | None:
-        """Compiles a shape into the jitted functions' own cache (their C++ dispatch is
-        far cheaper per call than an AOT executable's) by running it on inputs that
-        read and write nothing: no context, every slot -1."""
+    def _compile_ahead(self, key: tuple | int) -> None:
+        """Makes the program of a key ready ahead of time: loaded from the executable
+        store when it holds it, else compiled (``lower(...).compile()`` on arguments
+        shaped and placed like a real call's; nothing runs) and stored."""
         with self._context():
-            return self._compile_in_context(key)
+            fn, args = self._warmup_call(key)
+            store_key = None
+            if self.store is not None:
+                store_key = self.store.key(getattr(fn, "__name__", "step"), key, args,
+                                           self._store_extra)  # fmt: skip
+                devices = [self.cache.device] if self.mesh is None else list(self.mesh.devices.flat)
+                program = self.store.load(store_key, devices)
+                if program is not None:
+                    self._programs[key] = program
+                    return
+            program = fn.lower(*args).compile()
+            if store_key is not None:
+                self.store.save(store_key, program)
+            self._programs[key] = program
 
-    def _compile_in_context(self, key: tuple | int) -> bool | None:
-        if key == ("copy", 1):  # between two blocks borrowed for the purpose
-            try:
-                blocks = self.cache.alloc(2)
-            except PoolExhausted:  # no memory to spare now: compiled at the first fork
-                return False
-            try:
-                ids = np.asarray(blocks[:1], np.int32), np.asarray(blocks[1:], np.int32)
-                done = self._jitted_copy(*ids, self.token)
-                jax.block_until_ready(done)
-            finally:
-                self.cache.free(blocks)
-            return
+    def _program(self, key: tuple | int) -> Any:
+        """The compiled program of a key (its dynamic arguments only); one missing is
+        compiled now (after warm-up: counted and logged, see :meth:`_seen`)."""
+        self._seen(key)
+        program = self._programs.get(key)
+        if program is None:
+            self._compile_ahead(key)
+            program = self._programs[key]
+        return program
+
+    def _warmup_call(self, key: tuple | int) -> tuple[Any, tuple]:
+        """The jitted function a key compiles and arguments shaped and placed like a
+        real call's."""
+        if key == ("copy", 1):
+            one = np.zeros(1, np.int32)
+            return self._jitted_copy, (one, one, self.token)
         rows = key if isinstance(key, int) else key[1]
         if isinstance(key, int) or isinstance(key[0], str):
-            logits = jnp.zeros((self.max_rows, self.config.vocab_size), jnp.float32)
+            logits = np.zeros((self.max_rows, self.config.vocab_size), np.float32)
             logits = jax.device_put(logits, self._device)  # placed like a step's output
         if isinstance(key, int):
-            jax.block_until_ready(self._jitted_sample(logits, np.zeros((5, key), np.int32)))
-            return
+            return self._jitted_sample, (logits, np.zeros((5, key), np.int32))
         if key[0] == "logprobs":
-            hint = np.full(rows, -1, np.int32)
-            jax.block_until_ready(self._jitted_logprobs(logits, self.last_tokens, hint))
-            return
+            return self._jitted_logprobs, (logits, self.last_tokens, np.full(rows, -1, np.int32))
         if key[0] == "process":
             p = key[2]
             args = (np.zeros((rows, p), np.int32), np.zeros((3, rows, p), np.float32),
                     np.ones((3, rows), np.float32), self.last_tokens,
                     np.full(rows, -1, np.int32))  # fmt: skip
-            jax.block_until_ready(self._jitted_process(logits, *args))
-            return
-        t, nb = key  # a step of no sequence: reads nothing, writes nothing
-        packed = self._pack(ragged_layout([], [], np.zeros((self.max_rows, nb), np.int32), t,
-                                          self.tile(t)),
-                            np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32),
-                            np.full(t, -1, np.int32), np.full(self.max_rows, -1, np.int32),
-                            np.zeros(self.max_rows, np.int32))  # fmt: skip
-        out = self._jitted(self._weights, self.cache.view, packed, self.last_tokens, t, nb,
-                           self.token)  # fmt: skip
-        jax.block_until_ready(out)
+            return self._jitted_process, (logits, *args)
+        t, nb = key
+        packed = np.zeros(sum(self._packed_sizes(t, nb)), np.int32)
+        args = (self._weights, self.cache.view, packed, self.last_tokens, t, nb, self.token)
+        return self._jitted, args
 
     def _pack(self, lay: dict, tokens, positions, slots, targets, src, last) -> np.ndarray:
         """The step's packed int32 input (see :func:`packed_sizes`)."""
@@ -571,10 +580,10 @@ class ModelRunner:
         threads = threads or min(8, os.cpu_count() or 1)
         done = 0
         with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-            futures = {pool.submit(self._compile_by_running, key): key for key in todo}
+            futures = {pool.submit(self._compile_ahead, key): key for key in todo}
             for f in concurrent.futures.as_completed(futures):
-                if f.result() is not False:
-                    self._seen(futures[f])  # (not warm yet: recorded, not counted)
+                f.result()
+                self._seen(futures[f])  # (not warm yet: recorded, not counted)
                 done += 1
                 if progress:
                     progress(done, len(todo))
@@ -687,24 +696,23 @@ class ModelRunner:
             rows, self.entry_sizes,
         )  # fmt: skip
         want_logprobs = any(x.params is not None and x.params.logprobs is not None for x in batch)
-        self._seen(shape)
-        self._seen(rows)
-        if processing is not None:
-            self._seen(("process", rows, processing[0].shape[1]))
-        if want_logprobs:
-            self._seen(("logprobs", rows))
+        step, sample = self._program(shape), self._program(rows)
+        process = None if processing is None else self._program(
+            ("process", rows, processing[0].shape[1])
+        )  # fmt: skip
+        logprobs = self._program(("logprobs", rows)) if want_logprobs else None
         hint = src_rows(src[: len(batch)], rows)
         with self._context():
-            (logits, scores), self.token = self._jitted(
-                self._weights, self.cache.view, packed, self.last_tokens, t, nb, self.token
+            (logits, scores), self.token = step(
+                self._weights, self.cache.view, packed, self.last_tokens, self.token
             )
             # Dispatched right behind the step: no host round trip in between.
             sampled = logits
-            if processing is not None:
-                sampled = self._jitted_process(logits, *processing, self.last_tokens, hint)
-            self.last_tokens = self._jitted_sample(sampled, params)  # (numpy in: one transfer)
+            if process is not None:
+                sampled = process(logits, *processing, self.last_tokens, hint)
+            self.last_tokens = sample(sampled, params)  # (numpy in: one transfer)
             self.last_logprobs = (
-                self._jitted_logprobs(logits, self.last_tokens, hint) if want_logprobs else None
+                logprobs(logits, self.last_tokens, hint) if logprobs is not None else None
             )
         self.last_scores = scores if (targets >= 0).any() else None
         self.last_starts = starts
@@ -715,7 +723,7 @@ class ModelRunner:
         after every step dispatched so far; later steps see the copy (a fork's
         copy-on-write of its last partial block)."""
         self.cache.check_writable({dst})
-        self._seen(("copy", 1))
+        copy = self._program(("copy", 1))
         ids = np.asarray([src], np.int32), np.asarray([dst], np.int32)
         with self._context():
-            self.token = self._jitted_copy(*ids, self.token)
+            self.token = copy(*ids, self.token)

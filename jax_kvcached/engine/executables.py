@@ -1,0 +1,150 @@
+"""Compiled step programs kept on disk, so a warm start neither traces, lowers nor
+compiles: each program is a serialized XLA executable (``jax.experimental.
+serialize_executable``) under ``<jax_compilation_cache_dir>/kvcached-executables``.
+
+A program's file name is a hash of everything its executable depends on: this package's
+code and its native library (their bytes), JAX's version, the devices, ``XLA_FLAGS``, the
+function, its static key and its arguments' shapes, dtypes and shardings, plus what the
+caller adds (the model's graph, the cache's layout and handle, the runner's settings).
+Any change is another file; a file that fails to load is dropped and compiled again.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import re
+import tempfile
+from typing import Any
+
+import jax
+import jaxlib
+
+log = logging.getLogger(__name__)
+
+SUBDIR = "kvcached-executables"
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """A hash of the bytes of this package's Python sources (the models included) and
+    of its native extension: a code change never reuses an old executable."""
+    import jax_kvcached
+    import jax_kvcached.models as models
+    from jax_kvcached.memory import _C
+
+    h = hashlib.sha256()
+    roots = {os.path.dirname(jax_kvcached.__file__), os.path.dirname(models.__file__)}
+    files = sorted(
+        os.path.join(d, f)
+        for root in roots
+        for d, _, names in os.walk(root)
+        for f in names
+        if f.endswith(".py")
+    )
+    for path in [*files, _C.__file__]:
+        h.update(path.encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+def default_dir() -> str | None:
+    """The store's folder inside JAX's persistent compilation cache (None: that cache is
+    off, and so is this store)."""
+    base = jax.config.jax_compilation_cache_dir
+    return os.path.join(base, SUBDIR) if base else None
+
+
+def stable_repr(x: Any) -> str:
+    """``repr(x)`` without the memory addresses of functions and objects (the same in
+    every process)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(x))
+
+
+def _describe(x: Any) -> str:
+    sharding = getattr(x, "sharding", None)
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"{tuple(x.shape)}:{x.dtype}:{sharding}"
+    return stable_repr(x)
+
+
+class ExecutableStore:
+    """Serialized executables in ``folder``: :meth:`load` one by its inputs, or
+    :meth:`save` one compiled now."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        os.makedirs(folder, exist_ok=True)
+        self.loaded = 0
+        self.saved = 0
+
+    @staticmethod
+    def key(name: str, static: Any, args: tuple, extra: str) -> str:
+        """The file name of a program: ``name`` (the function), ``static`` (its static
+        key), ``args`` (shapes, dtypes and shardings) and ``extra`` (the caller's)."""
+        h = hashlib.sha256()
+        for part in (
+            code_fingerprint(), jax.__version__, jaxlib.__version__,
+            repr([(d.platform, d.device_kind, d.id) for d in jax.devices()]),
+            os.environ.get("XLA_FLAGS", ""), str(jax.config.jax_enable_x64), name, repr(static),
+            repr([_describe(x) for x in jax.tree.leaves(args)]), extra,
+        ):  # fmt: skip
+            h.update(part.encode())
+            h.update(b"\0")
+        return h.hexdigest()[:40]
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.folder, key + ".xla")
+
+    def load(self, key: str, devices: list) -> Any | None:
+        """The executable stored under ``key``, loaded on ``devices`` (those it was
+        compiled for; None: none stored, or one that does not load: then it is
+        removed)."""
+        from jax.experimental import serialize_executable
+
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, backend=devices[0].client, execution_devices=devices
+            )
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # truncated, from another jaxlib...: compile it again
+            log.warning("dropping the stored executable %s: %s: %s", path, type(e).__name__, e)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return None
+        self.loaded += 1
+        return compiled
+
+    def save(self, key: str, compiled: Any) -> None:
+        """Stores ``compiled`` under ``key`` (atomically: a reader never sees half a
+        file). An executable that cannot be serialized is not stored."""
+        from jax.experimental import serialize_executable
+
+        try:
+            payload = pickle.dumps(serialize_executable.serialize(compiled))
+        except Exception as e:
+            log.debug("not storing an executable: %s: %s", type(e).__name__, e)
+            return
+        fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload)
+            os.replace(tmp, self._path(key))
+        except OSError as e:
+            log.warning("could not store an executable in %s: %s", self.folder, e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            return
+        self.saved += 1

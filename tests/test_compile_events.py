@@ -1,0 +1,67 @@
+"""Compiles counted from JAX's monitoring events; a warm start compiles nothing."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+
+from jax_kvcached.engine.compile_events import compile_events, compiled_functions, fresh_compiles
+
+
+def test_the_counter_sees_a_new_program_and_not_a_cached_one():
+    before = compile_events()
+    f = jax.jit(lambda x: jnp.sin(x) * 3 + 1)
+    f(jnp.ones(7)).block_until_ready()
+    mid = compile_events()
+    assert mid["traces"] > before["traces"] and mid["compiles"] > before["compiles"]
+    assert fresh_compiles(before, mid) >= 1
+    assert any(kind == "compiles" and "lambda" in name for kind, name in compiled_functions())
+    f(jnp.zeros(7)).block_until_ready()  # the same shape: cached
+    assert compile_events() == mid
+
+
+_START = """
+import json, sys
+from jax_kvcached.serve.launch import enable_compile_cache
+enable_compile_cache(sys.argv[1])
+import jax_kvcached as kv
+from jax_kvcached import Engine, SamplingParams
+from jax_kvcached.engine.compile_events import compile_events
+from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+pool = kv.Pool("64MiB", backend="host")
+eng = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"]), pool, max_batch=2,
+             max_num_batched_tokens=16, max_model_len=256)
+first = compile_events()
+info = eng.compile()
+warm = compile_events()
+info["warmup_events"] = {k: warm[k] - first[k] for k in warm}
+info["stored"] = (eng.runner.store.loaded, eng.runner.store.saved)
+out = eng.generate([[1, 2, 3, 4, 5] * 7], SamplingParams(max_tokens=4))[0].token_ids
+info["served_events"] = {k: compile_events()[k] - warm[k] for k in warm}
+info["tokens"] = out
+print(json.dumps(info))
+"""
+
+
+def test_a_warm_start_compiles_nothing(tmp_path):
+    """A second process over the same persistent cache loads every program's stored
+    executable (no trace, lowering or compile), and serving after either warm-up traces
+    and compiles nothing; both answer the same."""
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _START, str(tmp_path / "xla")],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["xla_compiles"] >= cold["shapes"] > 0
+    assert cold["stored"] == [0, cold["programs"]]  # every program compiled and stored
+    # The warm start loads each executable: no trace, lowering or compile at all.
+    assert warm["stored"] == [warm["programs"], 0]
+    assert warm["warmup_events"] == dict.fromkeys(warm["warmup_events"], 0)
+    assert warm["xla_compiles"] == 0
+    assert warm["tokens"] == cold["tokens"]
+    for run in runs:
+        assert run["served_events"] == dict.fromkeys(run["served_events"], 0), run
