@@ -56,15 +56,21 @@ from jax_kvcached.engine.engine import Engine  # noqa: E402
 from jax_kvcached.engine.runner import ModelRunner, StepInput  # noqa: E402
 from jax_kvcached.engine.sampling import SamplingParams, sample  # noqa: E402
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model  # noqa: E402
+from jax_kvcached.models.stack import LayerList, stacked_leaves  # noqa: E402
 
 
 def make_dense_step(model, max_len: int):
     graphdef, state = nnx.split(model)
     cfg = model.config
+    # Unrolled over per-layer weight arrays, as the engine runs on a CPU (XLA:CPU copies
+    # every slice of a stacked weight): every layer index static.
+    leaves, treedef = jax.tree.flatten(state)
+    stacked = stacked_leaves(state)
+    weights = [list(x) if f else x for x, f in zip(leaves, stacked, strict=True)]
 
-    def step(state, cache, tokens, pos):
-        m = nnx.merge(graphdef, state)
-        m.scan_layers = False  # the baseline as before: unrolled, every layer index static
+    def step(weights, cache, tokens, pos):
+        leaves = [LayerList(w) if f else w for w, f in zip(weights, stacked, strict=True)]
+        m = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
         b = tokens.shape[0]
 
         def attend(i, q, k, v, c):  # the cache is the layers' carry (donated: in place)
@@ -79,7 +85,7 @@ def make_dense_step(model, max_len: int):
 
     fn = jax.jit(step, donate_argnums=1)
     shape = (cfg.num_layers, 2, 0, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return fn, state, shape
+    return fn, weights, shape
 
 
 def bench_decode(

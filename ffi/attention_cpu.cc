@@ -295,16 +295,24 @@ void attend_one(const KVBuffer& buf, const AttendArgs& a, int64_t s, int64_t t0,
   // Row r is the query at position p0 + r / g; it sees keys at positions <= that.
   const int64_t p0 = a.kv_lens[s] - a.q_lens[s] + t0;
   const int64_t end = p0 + (t1 - t0);  // keys any row of the tile sees
+  const int64_t w = a.window;
+  const int64_t lo = w > 0 ? std::max<int64_t>(0, p0 - w + 1) : 0;  // the first key any row sees
+  const int64_t full_from = w > 0 ? end - w : 0;  // keys from here on: inside every row's window
   auto all = [](int64_t, int64_t) { return true; };
-  for (int64_t i = 0; i * bs < end; ++i) {
+  for (int64_t i = lo / bs; i * bs < end; ++i) {
     const int64_t count = std::min(bs, end - i * bs);
     const size_t base = static_cast<size_t>(a.tables[s * a.nb + i] * bs) * row_bytes + static_cast<size_t>(h * d) * isz;
     auto key = [&](int64_t j, float* tmp) { return load_row<kD>(k_plane + base + j * row_bytes, L.dtype, d, tmp); };
     auto val = [&](int64_t j, float* tmp) { return load_row<kD>(v_plane + base + j * row_bytes, L.dtype, d, tmp); };
-    if (i * bs + count <= p0 + 1) {  // every row sees the whole block
+    if (i * bs + count <= p0 + 1 && (w <= 0 || i * bs >= full_from)) {  // every row sees it all
       rows.chunk(count, key, val, all);
-    } else {
+    } else if (w <= 0) {
       rows.chunk(count, key, val, [&](int64_t r, int64_t j) { return i * bs + j <= p0 + r / g; });
+    } else {  // causal and inside the window
+      rows.chunk(count, key, val, [&](int64_t r, int64_t j) {
+        const int64_t p = p0 + r / g, k = i * bs + j;
+        return k <= p && k > p - w;
+      });
     }
   }
   for (int64_t r = 0; r < n; ++r) {
@@ -355,7 +363,15 @@ std::string check_ragged(const AttendArgs& a) {
 std::string attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t workers, const Spawn& spawn) {
   if (std::string err = check_ragged(a); !err.empty()) return err;
   std::shared_lock<std::shared_mutex> lock(buf.mutex());  // no unmap while we read
-  if (std::string err = buf.check_read(a.layer, a.tables, a.seqs, a.nb, a.kv_lens); !err.empty()) return err;
+  if (a.window < 0) return "window = " + std::to_string(a.window) + " must be >= 0 (0: none)";
+  std::vector<int64_t> first_read(static_cast<size_t>(a.seqs), 0);
+  if (a.window > 0) {
+    for (int64_t s = 0; s < a.seqs; ++s) first_read[s] = a.kv_lens[s] - a.q_lens[s] - a.window + 1;
+  }
+  if (std::string err = buf.check_read(a.layer, a.tables, a.seqs, a.nb, a.kv_lens, first_read.data());
+      !err.empty()) {
+    return err;
+  }
   std::fill(a.out, a.out + a.tokens * a.kv_heads * a.groups * a.head_dim, 0.f);
   // Tasks: (sequence, tile of up to kTile query tokens, KV head). Tiles bound a task's
   // rows (their scores stay in cache) and spread one long prefill chunk over the cores.

@@ -15,6 +15,7 @@ struct AttendArgs {
   int64_t layer;
   int64_t tokens, seqs, kv_heads, groups, head_dim;  // q: (tokens, kv_heads, groups, head_dim)
   int64_t nb;                                        // block table width
+  int64_t window;                                    // > 0: a query at p sees keys > p - window
   float scale;
   const float* q;
   const int32_t* tables;   // (seqs, nb)
@@ -29,9 +30,11 @@ struct AttendArgs {
 using Spawn = std::function<void(std::function<void()>)>;
 
 // Validates the ragged layout (query ranges inside the token axis, disjoint, no longer
-// than their sequence) and, under the buffer's shared lock, the block tables; then computes
-// causal attention of every query row over its sequence's cached tokens at positions
-// <= its own. Returns "" or what is wrong (nothing computed then).
+// than their sequence) and, under the buffer's shared lock, the block tables (from the
+// first block a window lets any row see); then computes causal attention of every query
+// row over its sequence's cached tokens at positions <= its own (and, with a window,
+// > its own - window: blocks wholly below are skipped, never read). Returns "" or what is
+// wrong (nothing computed then).
 std::string attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t workers, const Spawn& spawn);
 
 }  // namespace kvcached

@@ -103,7 +103,7 @@ ffi::Error UnmapPagesCpu(int32_t device, uint64_t handle, ffi::AnyBuffer ids, ff
 // their cached tokens, read in place through the block tables (see attention_cpu.h); the
 // token orders it after the writes (this step's new K/V included).
 ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t handle, float scale,
-                             ffi::AnyBuffer layer_buf, ffi::AnyBuffer q, ffi::AnyBuffer tables, ffi::AnyBuffer kv_lens,
+                             ffi::AnyBuffer layer_buf, ffi::AnyBuffer window_buf, ffi::AnyBuffer q, ffi::AnyBuffer tables, ffi::AnyBuffer kv_lens,
                              ffi::AnyBuffer q_start, ffi::AnyBuffer q_lens, ffi::AnyBuffer /*token*/,
                              ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "paged_attention";
@@ -128,11 +128,15 @@ ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t hand
     }
   }
   if (out->element_count() != q.element_count()) return invalid(op, "the result shape does not match q");
-  if (layer_buf.element_type() != ffi::DataType::S32 || layer_buf.element_count() != 1) {
-    return invalid(op, "layer must be an int32 scalar");
+  for (const ffi::AnyBuffer* x : {&layer_buf, &window_buf}) {
+    if (x->element_type() != ffi::DataType::S32 || x->element_count() != 1) {
+      return invalid(op, "layer and window must be int32 scalars");
+    }
   }
-  const int64_t layer = *static_cast<const int32_t*>(layer_buf.untyped_data());  // checked by attend_host
-  AttendArgs a{layer, qd[0], td[0], qd[1], qd[2], qd[3], td[1], scale,
+  // Both checked by attend_host.
+  const int64_t layer = *static_cast<const int32_t*>(layer_buf.untyped_data());
+  const int64_t window = *static_cast<const int32_t*>(window_buf.untyped_data());
+  AttendArgs a{layer, qd[0], td[0], qd[1], qd[2], qd[3], td[1], window, scale,
                static_cast<const float*>(q.untyped_data()),
                static_cast<const int32_t*>(tables.untyped_data()),
                static_cast<const int32_t*>(kv_lens.untyped_data()),
@@ -159,6 +163,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_paged_attention_cpu, PagedAttentionCpu,
                                   .Attr<uint64_t>("handle")
                                   .Attr<float>("scale")
                                   .Arg<ffi::AnyBuffer>()  // layer (int32 scalar)
+                                  .Arg<ffi::AnyBuffer>()  // window (int32 scalar; 0: none)
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // block tables
                                   .Arg<ffi::AnyBuffer>()  // kv_lens

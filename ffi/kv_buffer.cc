@@ -326,7 +326,7 @@ std::string KVBuffer::check_write(int64_t layer, int64_t num_layers, const int32
 }
 
 std::string KVBuffer::check_read(int64_t layer, const int32_t* tables, int64_t batch, int64_t nb,
-                                 const int32_t* ctx_lens) const {
+                                 const int32_t* ctx_lens, const int64_t* first_read) const {
   if (closed_) return "the KV cache is closed";
   if (layer < 0 || layer >= layout_.num_layers) {
     return "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(layout_.num_layers) + ")";
@@ -338,7 +338,8 @@ std::string KVBuffer::check_read(int64_t layer, const int32_t* tables, int64_t b
       return "ctx_lens[" + std::to_string(b) + "] = " + std::to_string(ctx) + " out of range [0, " +
              std::to_string(nb * bs) + "] (the block table's width x block size)";
     }
-    for (int64_t i = 0; i < (ctx + bs - 1) / bs; ++i) {
+    const int64_t lo = first_read != nullptr ? std::max<int64_t>(0, first_read[b]) / bs : 0;
+    for (int64_t i = lo; i < (ctx + bs - 1) / bs; ++i) {
       const int64_t blk = tables[b * nb + i];
       const std::string where = "block_tables[" + std::to_string(b) + ", " + std::to_string(i) + "] = " +
                                 std::to_string(blk);

@@ -120,9 +120,11 @@ class KVBuffer {
   // Checks (under the caller's shared lock) a read of `batch` sequences through block
   // tables (batch, nb): ctx_lens[b] in [0, nb * block_size], and every block holding one of
   // the first ctx_lens[b] tokens in range, not the null block, not straddling two pages,
-  // in a mapped page. Returns an empty string when valid, else the reason.
+  // in a mapped page. Returns an empty string when valid, else the reason. first_read
+  // (optional, per sequence): the first position read (a sliding window's); blocks wholly
+  // below it are not read and not checked (a window's freed blocks are the null block).
   std::string check_read(int64_t layer, const int32_t* tables, int64_t batch, int64_t nb,
-                         const int32_t* ctx_lens) const;
+                         const int32_t* ctx_lens, const int64_t* first_read = nullptr) const;
   // Checks block copies: src and dst in range and mapped, dst not the null block, no
   // destination repeated or also used as a source (so copy order never matters).
   std::string check_copy(const int32_t* src, const int32_t* dst, size_t n) const;

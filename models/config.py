@@ -28,6 +28,11 @@ class ModelConfig:
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    # Sliding-window attention: a query at p sees keys above p - sliding_window, on every
+    # layer (Mistral) or on the layers ``layer_types`` marks "sliding_attention" (the
+    # others "full_attention": Gemma, GPT-OSS).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -43,6 +48,27 @@ class ModelConfig:
                 raise ValueError(f"model config: {f} must be positive")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("model config: num_heads must be a multiple of num_kv_heads")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError("model config: sliding_window must be positive (or None)")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"model config: {len(self.layer_types)} layer_types for "
+                    f"{self.num_layers} layers"
+                )
+            bad = set(self.layer_types) - set(LAYER_TYPES)
+            if bad:
+                raise ValueError(f"model config: layer_types {sorted(bad)} not in {LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ValueError("model config: sliding_attention layers need a sliding_window")
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window (0: full attention), the engine's KV cache
+        groups and attention windows come from."""
+        w = self.sliding_window or 0
+        if self.layer_types is None:
+            return (w,) * self.num_layers
+        return tuple(w if t == "sliding_attention" else 0 for t in self.layer_types)
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -74,6 +100,10 @@ class ModelConfig:
                 raise ValueError(f"unsupported rope_scaling type {kind!r}")
             scaling = None if kind in ("default", None) else scaling
         eos = cfg.get("eos_token_id")
+        window = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen2 configs carry a window they do not use
+        layer_types = cfg.get("layer_types")
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -91,6 +121,8 @@ class ModelConfig:
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            sliding_window=int(window) if window else None,
+            layer_types=tuple(layer_types) if layer_types and window else None,
         )
 
     @classmethod
@@ -98,6 +130,8 @@ class ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
             return cls.from_hf(json.load(f))
 
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Tiny random-initialised presets for demos and tests (byte-level vocabulary).
 BUILTIN_CONFIGS: dict[str, ModelConfig] = {
@@ -138,5 +172,36 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         model_type="qwen2",
         bos_token_id=256,
         eos_token_id=257,
+    ),
+    # Mistral-style: one sliding window on every layer.
+    "tiny-mistral": ModelConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        model_type="mistral",
+        bos_token_id=256,
+        eos_token_id=257,
+        sliding_window=24,
+    ),
+    # GPT-OSS-style: sliding-window and full layers alternate.
+    "tiny-swa": ModelConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        model_type="llama",
+        bos_token_id=256,
+        eos_token_id=257,
+        sliding_window=16,
+        layer_types=("sliding_attention", "full_attention") * 2,
     ),
 }

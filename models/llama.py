@@ -1,5 +1,6 @@
 """Llama-family decoder in Flax NNX: RMSNorm, RoPE (with llama3 scaling), GQA, SwiGLU,
-optional tied embeddings; Qwen2 is the same with biases on q/k/v.
+optional tied embeddings; Qwen2 is the same with biases on q/k/v, Mistral with a sliding
+window (``config.layer_windows()``: the attention the engine supplies applies it).
 
 Attention is a pluggable function, ``attend(layer, q, k, v, carry) -> (out, carry)`` with
 q ``(B, T, H, D)`` and k / v ``(B, T, Hkv, D)`` after RoPE, so the same module runs over a
@@ -108,7 +109,7 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), carry
 
 
-@register("llama", "qwen2")
+@register("llama", "qwen2", "mistral")
 class LlamaModel(nnx.Module):
     """Decoder-only LM (Llama family, Qwen2): a :class:`~.interface.CausalLM`.
     ``model(tokens, positions, attend)`` returns fp32 logits. ``layers`` is one

@@ -57,6 +57,8 @@ def run_layers(
     body in the program), else unrolled."""
     graphdef, state = nnx.split(layers)
     n = jax.tree.leaves(state)[0].shape[0]
+    if any(isinstance(a, LayerList) for a in jax.tree.leaves(state)):
+        scan = False  # per-layer arrays (see LayerList): unrolled
     if not scan:
         for i in range(n):
             layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
@@ -69,3 +71,31 @@ def run_layers(
 
     (x, carry), _ = jax.lax.scan(step, (x, carry), (state, jnp.arange(n, dtype=jnp.int32)))
     return x, carry
+
+
+class LayerList:
+    """A stacked parameter given as one array per layer (a ``jax.tree`` leaf): indexing
+    picks a layer's own array, with no slice in the program. On a CPU, XLA copies every
+    slice of a stacked weight (a dynamic slice in a scan too) before its dot, so the
+    engine runs the layers unrolled over per-layer arrays there (:func:`run_layers`
+    with ``scan=False`` reads them)."""
+
+    def __init__(self, arrays) -> None:
+        self.arrays = tuple(arrays)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.arrays[i]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.arrays), *self.arrays[0].shape)
+
+
+def stacked_leaves(state: Any) -> list[bool]:
+    """For each leaf of a model's state (``jax.tree`` order): whether it is a stacked
+    layer parameter (under the model's ``layers``)."""
+    flags = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        first = path[0] if path else None
+        flags.append(getattr(first, "key", None) == "layers")
+    return flags

@@ -26,14 +26,17 @@ from jax_kvcached.memory import ops
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 
 
-def _reference(q, kc, vc, q_lens, kv_lens):
+def _reference(q, kc, vc, q_lens, kv_lens, window=0):
     """Dense causal attention of each sequence's query rows (the last q_lens of its
-    kv_lens positions) over its keys, laid out on the flat axis as the step lays them."""
+    kv_lens positions) over its keys (the last ``window`` ones, when > 0), laid out on the
+    flat axis as the step lays them."""
     out, at = [], 0
     for s, (n, kl) in enumerate(zip(q_lens, kv_lens, strict=True)):
         qs = q[at : at + n][None]
         pos = np.arange(kl - n, kl)
         mask = np.arange(kl)[None] <= pos[:, None]
+        if window > 0:
+            mask &= np.arange(kl)[None] > pos[:, None] - window
         out.append(gqa_attention(qs, kc[s, :kl][None], vc[s, :kl][None],
                                  jnp.asarray(mask)[None])[0])  # fmt: skip
         at += n
@@ -50,14 +53,19 @@ def _reference(q, kc, vc, q_lens, kv_lens):
     dtype=st.sampled_from(["float32", "bfloat16", "float16"]),
     impl=st.sampled_from(["host", "xla", "pallas", "pallas-flat"]),
     layer=st.integers(0, 1),
+    window=st.sampled_from([0, 0, 1, 3, 8, 20]),
     data=st.data(),
 )
-def test_ragged_attention_matches_dense(seqs, groups, kvh, bs, tile, dtype, impl, layer, data):
+def test_ragged_attention_matches_dense(
+    seqs, groups, kvh, bs, tile, dtype, impl, layer, window, data
+):
     """Decode rows and prefill chunks of several sequences on one flat axis (with padding
     rows and unused slots), every implementation against dense causal attention, reading
     one of two layers (the other holds other values) through a traced layer index.
     ``pallas-flat``: the kernel's compiled (GPU) way to the layer, interpreted: the
-    layer's blocks found in the flat view by shifted ids."""
+    layer's blocks found in the flat view by shifted ids. With a sliding ``window``, the
+    blocks below every row's window are the null block in the tables (as a sliding
+    group frees them): the host call must neither read nor check them."""
     d = 16
     pool = kv.Pool("16MiB", page_size="64KiB", backend="host", min_reserved_pages=0,
                    max_reserved_pages=0)  # fmt: skip
@@ -81,6 +89,9 @@ def test_ragged_attention_matches_dense(seqs, groups, kvh, bs, tile, dtype, impl
         if layer:
             kk, vv = kk[::-1], vv[::-1]
         ops.write_kv(c, 0, kk, vv, slots, ops.new_token()).block_until_ready()
+    if window:  # blocks wholly below the sequence's first row's window: freed (null)
+        for i in range(seqs):
+            tables[i, : max(0, kv_lens[i] - q_lens[i] - window + 1) // bs] = 0
     q = jnp.asarray(rng.standard_normal((tokens, kvh * groups, d)), jnp.float32)
     if impl.startswith("pallas"):
         tile = min(tile, item_tile(groups))
@@ -94,9 +105,9 @@ def test_ragged_attention_matches_dense(seqs, groups, kvh, bs, tile, dtype, impl
         "pallas-flat": functools.partial(pallas_paged_attention, num_splits=2,
                                          blocks_per_step=2, interpret=True, slice_layer=False),
     }[impl]  # fmt: skip
-    got = jax.jit(fn)(q, c.view, jnp.int32(layer), lay)
+    got = jax.jit(fn)(q, c.view, jnp.int32(layer), lay, window=jnp.int32(window))
     cast = lambda x: jnp.asarray(x, dtype).astype(jnp.float32)  # noqa: E731
-    want = _reference(q, cast(kc), cast(vc), q_lens, kv_lens)
+    want = _reference(q, cast(kc), cast(vc), q_lens, kv_lens, window)
     tol = 1e-5 if dtype == "float32" else 3e-2 if dtype == "bfloat16" else 3e-3
     n = sum(q_lens)  # padding rows are garbage by design (the host call's are 0)
     np.testing.assert_allclose(got[:n], want, atol=tol, rtol=tol)
@@ -144,8 +155,9 @@ def test_compiled_step_has_no_full_context_copy(t, impl):
     if impl == "xla" and t > 1:  # a chunk (compute-bound) may lay its blocks out for a dot
         copies = [x for x in copies if " concatenate(" in x]
     assert copies == [], copies
-    if impl == "host":  # one call in the scanned layer body serves every layer
-        assert text.count('custom_call_target="kvcached_paged_attention"') == 1
+    if impl == "host":  # a call per layer (unrolled on a CPU), or one in a scanned body
+        calls = 1 if runner.scan_layers else cfg.num_layers
+        assert text.count('custom_call_target="kvcached_paged_attention"') == calls
         assert not re.search(rf"\[\d+,{nb},16,[^\]]*\][^=]*gather\(", text)
     else:
         assert "gather" in text

@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 _MASKED = -1e30  # finite: a fully masked (padded) row gives finite garbage, never NaN
 
 
+def visible(key_pos: jax.Array, row_pos: jax.Array, window: jax.Array | int) -> jax.Array:
+    """Which keys a query row sees: causal (``key <= row``) and, with ``window`` > 0
+    (sliding-window attention), only the last ``window`` positions (``key > row -
+    window``). Broadcasts; ``window`` may be traced (0: none)."""
+    causal = key_pos <= row_pos
+    return causal & ((window <= 0) | (key_pos > row_pos - window))
+
+
 def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
     """Softmax attention; ``mask`` ``(B, T, S)`` is True where query t may see key s."""
     b, t, h, d = q.shape
@@ -41,17 +49,32 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     return o.reshape(b, t, h, d).astype(q.dtype)
 
 
-def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """No-cache causal attention over the whole sequence (the reference)."""
+def dense_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, window: jax.Array | int = 0
+) -> jax.Array:
+    """No-cache causal attention over the whole sequence (the reference); ``window`` > 0:
+    each query sees its last ``window`` positions."""
     t = q.shape[1]
-    mask = jnp.tril(jnp.ones((t, t), bool))[None].repeat(q.shape[0], 0)
+    pos = jnp.arange(t)
+    mask = visible(pos[None, :], pos[:, None], window)[None].repeat(q.shape[0], 0)
     return gqa_attention(q, k, v, mask)
 
 
 def no_cache_attend(layer, q, k, v, carry=None):
     """A model's ``attend`` without a cache: causal attention over the tokens given
-    (references and tests); the carry passes through."""
+    (references and tests of full-attention models); the carry passes through."""
     return dense_causal_attention(q, k, v), carry
+
+
+def no_cache_attention(config):
+    """:func:`no_cache_attend` with each layer's window of ``config.layer_windows()``
+    (any model: sliding-window layers included)."""
+    windows = jnp.asarray(config.layer_windows(), jnp.int32)
+
+    def attend(layer, q, k, v, carry=None):
+        return dense_causal_attention(q, k, v, windows[layer]), carry
+
+    return attend
 
 
 @jax.tree_util.register_dataclass
@@ -134,12 +157,16 @@ def scatter_items(o: jax.Array, lay: Ragged, heads: int) -> jax.Array:
     return o.reshape(i * q, heads, d)[lay.token_slot]
 
 
-def paged_attention(q: jax.Array, view: jax.Array, layer: int, lay: Ragged) -> jax.Array:
+def paged_attention(
+    q: jax.Array, view: jax.Array, layer: jax.Array | int, lay: Ragged, window: jax.Array | int = 0
+) -> jax.Array:
     """Ragged attention in XLA (any platform: the portable fallback). Each item gathers
     its sequence's blocks straight from the view, ``(I, nb, bs, Hkv, D)``. Items of one row
     (decode) multiply and reduce elementwise over the gathered blocks, which XLA fuses
     into reduction loops (a dot would first transpose them); longer items (prefill
-    chunks: Q x G rows share each key) feed them to a dense dot."""
+    chunks: Q x G rows share each key) feed them to a dense dot. ``window`` > 0: each row
+    sees only its last ``window`` positions (masked here: the portable path gathers every
+    block of the table; the host call and the Pallas kernel skip the blocks below)."""
     t, h, d = q.shape
     nb = lay.tables.shape[1]
     bs, kvh = view.shape[3], view.shape[4]
@@ -149,7 +176,7 @@ def paged_attention(q: jax.Array, view: jax.Array, layer: int, lay: Ragged) -> j
     vc = view[layer, 1, tables]
     qi = item_queries(q, lay, kvh)  # (I, Q, Hkv, G, D)
     pos = jnp.arange(nb * bs).reshape(nb, bs)
-    valid = pos[None, None] <= lay.item_pos[:, :, None, None]  # (I, Q, nb, bs)
+    valid = visible(pos[None, None], lay.item_pos[:, :, None, None], window)  # (I, Q, nb, bs)
     f32 = jnp.float32
     if qi.shape[1] == 1:  # decode items
         qe = qi[:, 0].astype(f32)[:, None, None]  # (I, 1, 1, Hkv, G, D)
@@ -172,7 +199,13 @@ def paged_attention(q: jax.Array, view: jax.Array, layer: int, lay: Ragged) -> j
 
 
 def host_paged_attention(
-    cache: KVCache, token: jax.Array, q: jax.Array, view: jax.Array, layer: int, lay: Ragged
+    cache: KVCache,
+    token: jax.Array,
+    q: jax.Array,
+    view: jax.Array,
+    layer: jax.Array | int,
+    lay: Ragged,
+    window: jax.Array | int = 0,
 ) -> jax.Array:
     """:func:`paged_attention` computed by the host backend's custom call
     (:func:`jax_kvcached.ops.paged_attention`): decode rows and prefill chunks alike, the
@@ -184,5 +217,5 @@ def host_paged_attention(
     kvh = view.shape[4]
     qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32)
     o = ops.paged_attention(cache, layer, qg, lay.tables, lay.kv_lens, lay.q_start, lay.q_lens,
-                            token)  # fmt: skip
+                            token, window)  # fmt: skip
     return o.reshape(t, h, d).astype(q.dtype)

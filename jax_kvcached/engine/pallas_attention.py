@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_kvcached.engine.attention import _MASKED, Ragged, item_queries, scatter_items
+from jax_kvcached.engine.attention import _MASKED, Ragged, item_queries, scatter_items, visible
 
 MAX_KERNEL_ROWS = 64  # query rows (tokens x groups) per program: an H200's shared memory
 MAX_F32_KEYS = 128  # keys per kernel step for an f32 cache (an H200's shared memory)
@@ -30,7 +30,7 @@ def item_tile(groups: int) -> int:
     return max(1, 1 << ((MAX_KERNEL_ROWS // groups).bit_length() - 1))
 
 
-def _kernel(tables_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+def _kernel(tables_ref, end_ref, win_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
             block_size: int, blocks_per_split: int, blocks_per_step: int, v_offset: int,
             scale: float):  # fmt: skip
     split = pl.program_id(2)
@@ -42,14 +42,19 @@ def _kernel(tables_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_r
     # An f32 cache gets f32 dots: Triton's default for f32 operands is TF32 (~1e-3 error,
     # seen on an H200); bf16/f16 caches keep the tensor-core default.
     prec = jax.lax.Precision.HIGHEST if k_ref.dtype == jnp.float32 else None
+    window = win_ref[0]  # > 0: each row sees its last `window` positions only
     first = split * blocks_per_split
     last = jnp.minimum(first + blocks_per_split, n_blocks)
-    steps = pl.cdiv(jnp.maximum(last - first, 0), blocks_per_step)
+    # With a window, skip (never load) the blocks below the item's first row's window,
+    # in whole steps of this split's table slice.
+    low = jnp.where(window > 0, jnp.maximum(row_pos[0] - window + 1, 0) // block_size, 0)
+    skip = jnp.maximum(low - first, 0) // blocks_per_step * blocks_per_step
+    steps = pl.cdiv(jnp.maximum(last - first - skip, 0), blocks_per_step)
     width = blocks_per_step * block_size
 
     def body(i, carry):
         m, den, acc = carry
-        start = i * blocks_per_step  # within this split's table slice
+        start = skip + i * blocks_per_step  # within this split's table slice
         ids = tables_ref[pl.ds(start, blocks_per_step)]  # rows of the layer's K plane
         k = k_ref[ids].reshape(width, dim)  # (blocks, bs, D) in place from the planes
         v = v_ref[ids + v_offset].reshape(width, dim)
@@ -62,7 +67,7 @@ def _kernel(tables_ref, end_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_r
         )
         s = s * scale
         pos = (first + start) * block_size + jnp.arange(width)
-        s = jnp.where(pos[None, :] <= row_pos[:, None], s, _MASKED)
+        s = jnp.where(visible(pos[None, :], row_pos[:, None], window), s, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
@@ -93,6 +98,7 @@ def pallas_paged_attention(
     blocks_per_step: int = 4,
     interpret: bool = False,
     slice_layer: bool | None = None,
+    window: jax.Array | int = 0,
 ) -> jax.Array:
     """:func:`jax_kvcached.engine.attention.paged_attention` with the blocks read by the
     Pallas kernel (same arguments and result). ``num_splits`` splits each context across
@@ -104,7 +110,9 @@ def pallas_paged_attention(
     one flat array of blocks, ``(layers x 2 x blocks, bs, Hkv, D)`` (a free reshape), and
     reads the layer's K and V blocks at the table's ids shifted to that layer's planes.
     ``slice_layer`` (default: when interpreted) first slices the layer out of the view
-    instead: an interpreted kernel copies its whole input per program."""
+    instead: an interpreted kernel copies its whole input per program. ``window`` > 0
+    (may be traced): sliding-window attention; a program never loads the blocks below
+    its item's window."""
     t, h, d = q.shape
     n_layers, nblk, bs, kvh = view.shape[0], view.shape[2], view.shape[3], view.shape[4]
     if n_layers * 2 * nblk >= 1 << 31:
@@ -150,6 +158,7 @@ def pallas_paged_attention(
         in_specs=[
             pl.BlockSpec((None, per_split), lambda i, k, s: (i, s)),
             pl.BlockSpec((1,), lambda i, k, s: (i,)),
+            pl.BlockSpec((1,), lambda i, k, s: (0,)),
             pl.BlockSpec((None, rows_p), lambda i, k, s: (i, 0)),
             pl.BlockSpec((None, None, rows_p, d), lambda i, k, s: (i, k, 0, 0)),
             pl.BlockSpec(planes, lambda i, k, s: (0, 0, k, 0)),
@@ -167,7 +176,15 @@ def pallas_paged_attention(
         ],
         interpret=interpret,
         name="kvcached_paged_attention",
-    )(tables, end.astype(jnp.int32), pos.astype(jnp.int32), qk, flat, flat)
+    )(
+        tables,
+        end.astype(jnp.int32),
+        jnp.reshape(jnp.asarray(window, jnp.int32), (1,)),
+        pos.astype(jnp.int32),
+        qk,
+        flat,
+        flat,
+    )
     # Merge the splits (log-sum-exp), normalise, back to (I, Q, Hkv, G, D).
     m_c = m.max(axis=1)
     a = jnp.exp(m - m_c[:, None])

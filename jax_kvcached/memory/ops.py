@@ -283,6 +283,7 @@ def paged_attention(
     q_start: Any,
     q_lens: Any,
     token: jax.Array,
+    window: Any = 0,
 ) -> jax.Array:
     """Ragged causal attention over the paged cache: a host-platform custom call,
     multi-threaded, that reads K/V in place (no gathered copy). All float32.
@@ -292,7 +293,11 @@ def paged_attention(
     at positions ``kv_lens[s] - q_lens[s] ..  kv_lens[s] - 1``; each sees its sequence's
     cached tokens at positions up to its own, through ``block_tables`` ``(S, nb)``. The
     step's own K/V must already be written (``token`` orders the call after that write).
-    Rows of no sequence come back 0. Returns ``(T, Hkv, G, D)``.
+    ``window`` > 0 (an int or an int32 scalar, traced or not; 0: none): a query at
+    position p sees only keys above ``p - window`` (sliding-window attention); blocks
+    wholly below every row's window are neither read nor checked (a window's freed
+    blocks may be the null block). Rows of no sequence come back 0. Returns
+    ``(T, Hkv, G, D)``.
 
     Ranges that leave the token axis or overlap, ``q_lens > kv_lens``, and blocks under
     ``kv_lens`` that are not mapped blocks of this cache fail with an FFI error. Host
@@ -307,10 +312,16 @@ def paged_attention(
             f"{cache.head_dim}), got {q.dtype} {tuple(q.shape)}"
         )
     layer = _layer_operand("paged_attention", cache, layer)
+    if isinstance(window, numbers.Integral):
+        if isinstance(window, bool) or window < 0:
+            raise ValueError(f"paged_attention: window must be >= 0 (0: none), got {window!r}")
+        window = jnp.int32(window)
+    elif getattr(window, "shape", None) != () or window.dtype != jnp.int32:
+        raise TypeError("paged_attention: window must be an int or an int32 scalar array")
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("kvcached_paged_attention", out, vmap_method=VMAP_METHOD)(
-        layer, q, jnp.asarray(block_tables, i32), jnp.asarray(kv_lens, i32),
+        layer, window, q, jnp.asarray(block_tables, i32), jnp.asarray(kv_lens, i32),
         jnp.asarray(q_start, i32), jnp.asarray(q_lens, i32), token,
         handle=_handle("paged_attention", cache),
         scale=np.float32(1 / np.sqrt(d)),

@@ -70,14 +70,16 @@ def test_tensor_parallel_engine_on_cuda_matches_the_cpu_run():
     assert _run("cuda", gpus[0], devices=gpus) == cpu
 
 
+@pytest.mark.parametrize("window", [0, 48])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bs,groups,splits,tile", [(16, 1, 1, 1), (32, 4, 2, 16), (64, 8, 4, 8)])
-def test_pallas_kernel_matches_the_xla_path_on_gpu(dtype, bs, groups, splits, tile):
+def test_pallas_kernel_matches_the_xla_path_on_gpu(dtype, bs, groups, splits, tile, window):
     """Ragged steps on the GPU: decode rows and chunks of several sequences, the kernel
-    against the XLA path over the same layout."""
+    against the XLA path over the same layout, with and without a sliding window, the
+    layer (1 of 2) a traced operand (the flat-view ids the compiled kernel uses)."""
     with jax.default_device(_gpus()[0]):
         pool = kv.Pool("512MiB", backend="cuda", min_reserved_pages=0, max_reserved_pages=0)
-        c = pool.create_kv_cache("a", 1, 2, 64, dtype, block_size=bs)
+        c = pool.create_kv_cache("a", 2, 2, 64, dtype, block_size=bs)
         rng = np.random.default_rng(bs)
         kv_lens = [1, 5, bs * 3 + 1, 700]
         q_lens = [1, 5, 1, 40] if tile > 1 else [1, 1, 1, 1]
@@ -88,16 +90,17 @@ def test_pallas_kernel_matches_the_xla_path_on_gpu(dtype, bs, groups, splits, ti
         for i, n in enumerate(kv_lens):
             k = -(-n // bs)
             tables[i, :k] = c.alloc(k)
-            kv_ = jnp.asarray(rng.standard_normal((1, n, 2, 64)), dtype)
+            kv_ = jnp.asarray(rng.standard_normal((2, n, 2, 64)), dtype)
             slots = c.slot_mapping(tables[i, :k], np.arange(n))
             ops.write_kv(c, 0, kv_, -kv_, jnp.asarray(slots), ops.new_token()).block_until_ready()
         tokens = 64 if tile > 1 else 4
         q = jnp.asarray(rng.standard_normal((tokens, 2 * groups, 64)), jnp.float32)
         lay = Ragged(**{k: jnp.asarray(v) for k, v in
                         ragged_layout(q_lens, kv_lens, tables, tokens, tile).items()})  # fmt: skip
-        want = jax.jit(paged_attention, static_argnums=2)(q, c.view, 0, lay)
-        got = jax.jit(lambda *a: pallas_paged_attention(*a, num_splits=splits),
-                      static_argnums=2)(q, c.view, 0, lay)  # fmt: skip
+        layer, w = jnp.int32(1), jnp.int32(window)
+        want = jax.jit(paged_attention)(q, c.view, layer, lay, w)
+        got = jax.jit(lambda *a: pallas_paged_attention(*a[:4], num_splits=splits, window=a[4])
+                      )(q, c.view, layer, lay, w)  # fmt: skip
         tol = 1e-4 if dtype == "float32" else 2e-2
         n = sum(q_lens)
         np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(want)[:n], atol=tol, rtol=tol)
