@@ -65,3 +65,37 @@ def test_a_warm_start_compiles_nothing(tmp_path):
     assert warm["tokens"] == cold["tokens"]
     for run in runs:
         assert run["served_events"] == dict.fromkeys(run["served_events"], 0), run
+
+
+def test_the_executable_store_drops_what_does_not_load_and_stays_under_its_cap(tmp_path):
+    import os
+    import time
+
+    import numpy as np
+
+    from jax_kvcached.engine.executables import ExecutableStore
+
+    store = ExecutableStore(str(tmp_path), max_bytes=1 << 30)
+    f = jax.jit(lambda x: x * 2 + 1)
+    x = np.ones(5, np.float32)
+    dev = [jax.devices()[0]]
+    keys = [store.key("f", i, (x,), "test") for i in range(3)]
+    assert len(set(keys)) == 3 and store.key("f", 0, (x,), "test") == keys[0]
+    for k in keys:
+        store.save(k, f.lower(x).compile())
+    assert store.saved == 3
+    np.testing.assert_array_equal(store.load(keys[0], dev)(x), x * 2 + 1)
+    assert store.load(store.key("f", 9, (x,), "test"), dev) is None  # not stored
+    path = os.path.join(str(tmp_path), keys[1] + ".xla")
+    with open(path, "wb") as fh:  # a corrupt file: dropped, compiled again by the caller
+        fh.write(b"not an executable")
+    assert store.load(keys[1], dev) is None and not os.path.exists(path)
+    # Over the cap, the least recently used go first (a load touches its file).
+    old = time.time() - 100
+    os.utime(os.path.join(str(tmp_path), keys[2] + ".xla"), (old, old))
+    os.utime(os.path.join(str(tmp_path), keys[0] + ".xla"), (old - 50, old - 50))
+    store.load(keys[0], dev)  # used now: newest
+    size = os.path.getsize(os.path.join(str(tmp_path), keys[0] + ".xla"))
+    small = ExecutableStore(str(tmp_path), max_bytes=size)
+    assert sorted(os.listdir(str(tmp_path))) == [keys[0] + ".xla"]
+    assert small.load(keys[0], dev) is not None

@@ -6,7 +6,8 @@ A program's file name is a hash of everything its executable depends on: this pa
 code and its native library (their bytes), JAX's version, the devices, ``XLA_FLAGS``, the
 function, its static key and its arguments' shapes, dtypes and shardings, plus what the
 caller adds (the model's graph, the cache's layout and handle, the runner's settings).
-Any change is another file; a file that fails to load is dropped and compiled again.
+Any change is another file; a file that fails to load is dropped and compiled again; the
+least recently used files go when the store outgrows ``MAX_BYTES`` (2 GiB).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jaxlib
 log = logging.getLogger(__name__)
 
 SUBDIR = "kvcached-executables"
+MAX_BYTES = 2 << 30  # the store's cap on disk: the least recently used files go first
 
 
 @functools.cache
@@ -76,11 +78,38 @@ class ExecutableStore:
     """Serialized executables in ``folder``: :meth:`load` one by its inputs, or
     :meth:`save` one compiled now."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, max_bytes: int = MAX_BYTES) -> None:
         self.folder = folder
+        self.max_bytes = max_bytes
         os.makedirs(folder, exist_ok=True)
         self.loaded = 0
         self.saved = 0
+        self.prune()
+
+    def prune(self) -> int:
+        """Removes the least recently used files (by modification time: a load touches
+        its file) until the store fits ``max_bytes``; returns how many went. Keys of old
+        code, flags or models are never used again, so without this the store grows."""
+        entries = []
+        for name in os.listdir(self.folder):
+            path = os.path.join(self.folder, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            entries.append((st.st_mtime, st.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        removed = 0
+        for _, size, path in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            try:
+                os.unlink(path)
+            except OSError:
+                continue
+            total -= size
+            removed += 1
+        return removed
 
     @staticmethod
     def key(name: str, static: Any, args: tuple, extra: str) -> str:
@@ -122,6 +151,10 @@ class ExecutableStore:
             except OSError:
                 pass
             return None
+        try:
+            os.utime(path)  # recently used: pruned last
+        except OSError:
+            pass
         self.loaded += 1
         return compiled
 
