@@ -336,6 +336,7 @@ AttendOne attend_for(int64_t head_dim) {
 }
 
 std::string check_ragged(const AttendArgs& a) {
+  if (a.window < 0) return "window = " + std::to_string(a.window) + " must be >= 0 (0: none)";
   std::vector<std::pair<int64_t, int64_t>> ranges;
   for (int64_t s = 0; s < a.seqs; ++s) {
     const int64_t ql = a.q_lens[s], qs = a.q_start[s], kl = a.kv_lens[s];
@@ -363,7 +364,6 @@ std::string check_ragged(const AttendArgs& a) {
 std::string attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t workers, const Spawn& spawn) {
   if (std::string err = check_ragged(a); !err.empty()) return err;
   std::shared_lock<std::shared_mutex> lock(buf.mutex());  // no unmap while we read
-  if (a.window < 0) return "window = " + std::to_string(a.window) + " must be >= 0 (0: none)";
   std::vector<int64_t> first_read(static_cast<size_t>(a.seqs), 0);
   if (a.window > 0) {
     for (int64_t s = 0; s < a.seqs; ++s) first_read[s] = a.kv_lens[s] - a.q_lens[s] - a.window + 1;

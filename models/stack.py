@@ -40,7 +40,11 @@ def num_stacked(layers: nnx.Module) -> int:
 
 def layer_slice(layers: nnx.Module, i: int) -> nnx.Module:
     """Layer ``i`` of a stacked module as a module of its own (a copy of its slices)."""
-    graphdef, state = nnx.split(layers)
+    return _layer(*nnx.split(layers), i)
+
+
+def _layer(graphdef: Any, state: Any, i: int) -> nnx.Module:
+    """Layer ``i`` of a split stacked module (a LayerList gives its own array)."""
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
 
 
@@ -61,8 +65,7 @@ def run_layers(
         scan = False  # per-layer arrays (see LayerList): unrolled
     if not scan:
         for i in range(n):
-            layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-            x, carry = body(layer, x, jnp.int32(i), carry)
+            x, carry = body(_layer(graphdef, state, i), x, jnp.int32(i), carry)
         return x, carry
 
     def step(xc, xs):

@@ -247,6 +247,14 @@ def test_host_attention_validates_its_inputs():
         run(blocks.tolist(), 20, layer=2)
     with pytest.raises(FFI_ERRORS, match="layer 2 out of range"):  # an operand: the handler
         run(blocks.tolist(), 20, layer=jnp.int32(2))
+    args = [jnp.asarray(x, jnp.int32) for x in ([blocks.tolist()], [20], (0,), (1,))]
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        ops.paged_attention(c, 0, q, *args, ops.new_token(), -1)
+    with pytest.raises(TypeError, match="window must be an int or an int32"):
+        ops.paged_attention(c, 0, q, *args, ops.new_token(), 2.5)
+    with pytest.raises(FFI_ERRORS, match="window = -1 must be >= 0"):  # traced: the handler
+        jax.block_until_ready(ops.paged_attention(c, 0, q, *args, ops.new_token(),
+                                                  jnp.int32(-1)))  # fmt: skip
     with pytest.raises(ValueError, match="float32"):
         run(blocks.tolist(), 20, q=q.astype(jnp.bfloat16))
     c.free(blocks)

@@ -287,11 +287,16 @@ class ModelRunner:
         self._programs: dict[Any, Any] = {}
         folder = executables.default_dir()
         self.store = executables.ExecutableStore(folder) if folder else None
-        self._store_extra = executables.stable_repr((
-            self.graphdef, cache.handle, cache.view.shape, str(cache.dtype), cache.block_size,
-            str(cache.view.sharding), self.attention, max_batch, budget, prefill,
-            self.max_blocks, num_candidates, str(self._device),
-        ))  # fmt: skip
+        if self.store is not None:  # what the programs depend on beyond their arguments
+            self._store_extra = executables.stable_repr((
+                self.graphdef, cache.handle, cache.view.shape, str(cache.dtype),
+                cache.block_size, str(cache.view.sharding), self.attention, max_batch, budget,
+                prefill, self.max_blocks, num_candidates, str(self._device),
+            ))  # fmt: skip
+            # The devices a stored program is loaded on (those it was compiled for).
+            self._store_devices = (
+                [cache.device] if self.mesh is None else list(self.mesh.devices.flat)
+            )
         # On a mesh every device samples the same rows from the replicated logits (one
         # program per device: XLA's partitioner then never sees the sampler's barriers).
         sample_rows, process_rows, logprob_rows = sampler_programs(
@@ -544,8 +549,7 @@ class ModelRunner:
             if self.store is not None:
                 store_key = self.store.key(getattr(fn, "__name__", "step"), key, args,
                                            self._store_extra)  # fmt: skip
-                devices = [self.cache.device] if self.mesh is None else list(self.mesh.devices.flat)
-                program = self.store.load(store_key, devices)
+                program = self.store.load(store_key, self._store_devices)
                 if program is not None:
                     self._programs[key] = program
                     return
@@ -652,10 +656,11 @@ class ModelRunner:
             if self.mesh is not None:
                 model = shard_model(model, self.mesh)
             fresh, treedef = jax.tree.flatten(nnx.split(model)[1])
-            fresh = self._expand(fresh) if treedef == self._weights_def else fresh
+            if treedef != self._weights_def:
+                raise ValueError("the reloaded checkpoint does not match the sleeping model")
+            fresh = self._expand(fresh)
             shapes = [(x.shape, x.dtype) for x in fresh]
-            want = [(s.shape, s.dtype) for s in off.avals]
-            if treedef != self._weights_def or shapes != want:
+            if shapes != [(s.shape, s.dtype) for s in off.avals]:
                 raise ValueError("the reloaded checkpoint does not match the sleeping model")
         self._weights, seconds = restore(off, fresh)
         return seconds

@@ -196,23 +196,30 @@ def write_kv_async(
 
 def _layer_operand(op: str, cache: KVCache, layer: Any, num_layers: int = 1) -> jax.Array:
     """``layer`` as the int32 scalar operand of a custom call: a Python int is checked
-    against the cache's layers here; an array (possibly traced) must be an int32 scalar
-    and is checked by the handler."""
-    if isinstance(layer, bool):
-        raise TypeError(f"{op}: layer must be an int or an int32 scalar array, got bool")
-    if isinstance(layer, numbers.Integral):
+    against the cache's layers here; an array (possibly traced) is checked by the
+    handler."""
+    if isinstance(layer, numbers.Integral) and not isinstance(layer, bool):
         if not 0 <= layer <= cache.num_layers - num_layers:
             extra = f" (+{num_layers} layers)" if num_layers > 1 else ""
             raise ValueError(f"{op}: layer {layer}{extra} out of range [0, {cache.num_layers})")
-        return jnp.int32(layer)
-    if not hasattr(layer, "dtype") or getattr(layer, "shape", None) != ():
+    return _int32_scalar(op, "layer", layer)
+
+
+def _int32_scalar(op: str, name: str, x: Any) -> jax.Array:
+    """A Python int or an int32 scalar array (possibly traced) as an int32 operand;
+    anything else (a bool, a float, another dtype or shape) is a TypeError."""
+    if isinstance(x, bool):
+        raise TypeError(f"{op}: {name} must be an int or an int32 scalar array, got bool")
+    if isinstance(x, numbers.Integral):
+        return jnp.int32(x)
+    if not hasattr(x, "dtype") or getattr(x, "shape", None) != ():
         raise TypeError(
-            f"{op}: layer must be an int or an int32 scalar array, got {type(layer).__name__} "
-            f"of shape {getattr(layer, 'shape', None)}"
+            f"{op}: {name} must be an int or an int32 scalar array, got {type(x).__name__} "
+            f"of shape {getattr(x, 'shape', None)}"
         )
-    if layer.dtype != jnp.int32:
-        raise TypeError(f"{op}: layer must be int32, got {layer.dtype}")
-    return layer
+    if x.dtype != jnp.int32:
+        raise TypeError(f"{op}: {name} must be int32, got {x.dtype}")
+    return x
 
 
 _DEVICE_ERRORS = {
@@ -312,12 +319,9 @@ def paged_attention(
             f"{cache.head_dim}), got {q.dtype} {tuple(q.shape)}"
         )
     layer = _layer_operand("paged_attention", cache, layer)
-    if isinstance(window, numbers.Integral):
-        if isinstance(window, bool) or window < 0:
-            raise ValueError(f"paged_attention: window must be >= 0 (0: none), got {window!r}")
-        window = jnp.int32(window)
-    elif getattr(window, "shape", None) != () or window.dtype != jnp.int32:
-        raise TypeError("paged_attention: window must be an int or an int32 scalar array")
+    if isinstance(window, bool) or (isinstance(window, numbers.Integral) and window < 0):
+        raise ValueError(f"paged_attention: window must be >= 0 (0: none), got {window!r}")
+    window = _int32_scalar("paged_attention", "window", window)
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("kvcached_paged_attention", out, vmap_method=VMAP_METHOD)(
