@@ -48,12 +48,12 @@ unsigned grid_for(int64_t work) {
 // error[0] (code) and error[1] (slot), raised by the host at its next sync. page_map ==
 // nullptr: the host validated the slots already (write_kv).
 struct SlotCheck {
-  int64_t num_slots, block_size, block_bytes, page_size;
-  const uint8_t* page_map;
+  int64_t num_slots, block_size, block_bytes, page_size, num_pages;
+  const uint8_t* page_map;  // per layer: num_pages bytes (a layer sees its group's pages)
   int32_t* error;
 };
 
-__device__ int slot_error(int64_t s, const SlotCheck& c) {
+__device__ int slot_error(int64_t s, int64_t layer, const SlotCheck& c) {
   if (c.page_map == nullptr) return 0;
   if (s < 0 || s >= c.num_slots) return 1;
   const int64_t b = s / c.block_size;
@@ -61,7 +61,7 @@ __device__ int slot_error(int64_t s, const SlotCheck& c) {
   const int64_t start = b * c.block_bytes;
   const int64_t page = start / c.page_size;
   if (page != (start + c.block_bytes - 1) / c.page_size) return 3;
-  return c.page_map[page] ? 0 : 4;
+  return c.page_map[layer * c.num_pages + page] ? 0 : 4;
 }
 
 // blockIdx.y: the layer (of the written range); planes of consecutive layers are
@@ -75,6 +75,7 @@ __global__ void write_rows(const Word* key, const Word* value, const int32_t* sl
                            const int32_t* layer_ptr, int64_t num_layers_total) {
   const int64_t total = n * words_per_row;
   const int64_t j = blockIdx.y;
+  int64_t layer = j;  // the page map's layer (only read when layer_ptr is given)
   if (layer_ptr != nullptr) {
     const int64_t first = *layer_ptr;
     if (first < 0 || first + gridDim.y > num_layers_total) {
@@ -84,6 +85,7 @@ __global__ void write_rows(const Word* key, const Word* value, const int32_t* sl
       return;
     }
     k_plane0 += 2 * first * words_per_plane;
+    layer = first + j;
   }
   key += j * total;
   value += j * total;
@@ -95,7 +97,7 @@ __global__ void write_rows(const Word* key, const Word* value, const int32_t* sl
     const int64_t w = i - t * words_per_row;
     const int32_t s = slots[t];
     if (s == -1) continue;
-    const int code = slot_error(s, check);
+    const int code = slot_error(s, layer, check);
     if (code != 0) {
       if (w == 0 && j == 0 && atomicCAS(check.error, 0, code) == 0) check.error[1] = s;
       continue;
@@ -160,7 +162,7 @@ ffi::Error WriteKvCuda(cudaStream_t stream, int32_t device, uint64_t handle, ffi
   if (!err.empty()) return invalid("write_kv", err);
   const int64_t n = static_cast<int64_t>(host_slots.size());
   if (n > 0) {
-    const SlotCheck validated{0, 0, 0, 0, nullptr, nullptr};
+    const SlotCheck validated{0, 0, 0, 0, 0, nullptr, nullptr};
     const cudaError_t e = launch_write(stream, *buf, host_layer[0], num_layers, key.untyped_data(), value.untyped_data(),
                                        static_cast<const int32_t*>(slots.untyped_data()), n, validated);
     if (e != cudaSuccess) return cuda_error("write_kv", e);
@@ -186,7 +188,7 @@ ffi::Error WriteKvAsyncCuda(cudaStream_t stream, int32_t device, uint64_t handle
   if (n > 0) {
     const uintptr_t state = buf->device_state();
     const SlotCheck check{buf->num_slots(), buf->layout().block_size, static_cast<int64_t>(buf->block_bytes()),
-                          static_cast<int64_t>(buf->page_size()),
+                          static_cast<int64_t>(buf->page_size()), buf->layout().num_pages,
                           reinterpret_cast<const uint8_t*>(state + KVBuffer::kStateHeader),
                           reinterpret_cast<int32_t*>(state)};
     const cudaError_t e = launch_write(stream, *buf, 0, num_layers, key.untyped_data(), value.untyped_data(),

@@ -80,15 +80,45 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int d
     throw Error("num_pages * page_size * 2 * num_layers overflows 64 bits");
   }
   num_blocks_ = static_cast<int64_t>(plane_bytes_ / bb);
+  // The groups: every layer in one, ids dense from 0.
+  const auto layers = static_cast<size_t>(layout.num_layers);
+  if (layout.layer_group.empty()) {
+    layer_group_.assign(layers, 0);
+  } else if (layout.layer_group.size() != layers) {
+    throw Error("layer_group has " + std::to_string(layout.layer_group.size()) + " entries for " +
+                std::to_string(layers) + " layers");
+  } else {
+    layer_group_ = layout.layer_group;
+  }
+  for (size_t l = 0; l < layers; ++l) {
+    const int32_t g = layer_group_[l];
+    if (g < 0 || g >= layout.num_layers) {
+      throw Error("layer " + std::to_string(l) + "'s group " + std::to_string(g) + " out of range [0, " +
+                  std::to_string(layout.num_layers) + ")");
+    }
+    if (static_cast<size_t>(g) >= group_planes_.size()) group_planes_.resize(static_cast<size_t>(g) + 1);
+    group_planes_[static_cast<size_t>(g)].push_back(2 * l);
+    group_planes_[static_cast<size_t>(g)].push_back(2 * l + 1);
+  }
+  for (size_t g = 0; g < group_planes_.size(); ++g) {
+    if (group_planes_[g].empty()) throw Error("KV cache group " + std::to_string(g) + " has no layer");
+  }
+  layout_.layer_group = layer_group_;
+  const size_t slots = group_planes_.size() * static_cast<size_t>(layout_.num_pages);
+  size_t map_bytes = 0;
+  if (__builtin_mul_overflow(layers, static_cast<size_t>(layout_.num_pages), &map_bytes)) {
+    throw Error("num_layers * num_pages overflows 64 bits");
+  }
   base_ = pool_->backend().reserve(total_bytes());
   try {
-    state_ = pool_->backend().alloc_state(kStateHeader + static_cast<size_t>(layout_.num_pages));
+    state_ = pool_->backend().alloc_state(kStateHeader + map_bytes);
   } catch (...) {
     pool_->backend().free_range(base_, total_bytes());
     throw;
   }
-  phys_.resize(static_cast<size_t>(layout_.num_pages));
-  owner_.assign(static_cast<size_t>(layout_.num_pages), PageOwner::kNone);
+  phys_.resize(slots);
+  owner_.assign(slots, PageOwner::kNone);
+  mapped_.assign(group_planes_.size(), 0);
 }
 
 KVBuffer::~KVBuffer() {
@@ -100,13 +130,17 @@ KVBuffer::~KVBuffer() {
   }
 }
 
-void KVBuffer::set_page_map(const std::vector<int32_t>& sorted, uint8_t value) {
+void KVBuffer::set_page_map(const std::vector<int32_t>& sorted, uint8_t value, int group) {
   PhysicalBackend& be = pool_->backend();
   std::vector<uint8_t> bytes;
-  for_each_run(sorted, [&](size_t first, size_t count) {
-    bytes.assign(count, value);
-    be.write_state(state_ + kStateHeader + static_cast<size_t>(sorted[first]), bytes.data(), count);
-  });
+  const auto pages = static_cast<size_t>(layout_.num_pages);
+  for (size_t l = 0; l < layer_group_.size(); ++l) {
+    if (layer_group_[l] != group) continue;
+    for_each_run(sorted, [&](size_t first, size_t count) {
+      bytes.assign(count, value);
+      be.write_state(state_ + kStateHeader + l * pages + static_cast<size_t>(sorted[first]), bytes.data(), count);
+    });
+  }
 }
 
 std::pair<int32_t, int32_t> KVBuffer::take_device_error() {
@@ -120,10 +154,12 @@ std::pair<int32_t, int32_t> KVBuffer::take_device_error() {
   return {rec[0], rec[1]};
 }
 
-std::vector<uint8_t> KVBuffer::device_page_map() const {
+std::vector<uint8_t> KVBuffer::device_page_map(int64_t layer) const {
   std::shared_lock<std::shared_mutex> lock(mu_);
+  if (layer < 0 || layer >= layout_.num_layers) throw Error("layer out of range");
   std::vector<uint8_t> out(static_cast<size_t>(layout_.num_pages));
-  pool_->backend().read_state(out.data(), state_ + kStateHeader, out.size());
+  pool_->backend().read_state(out.data(), state_ + kStateHeader + static_cast<size_t>(layer) * out.size(),
+                              out.size());
   return out;
 }
 
@@ -131,12 +167,27 @@ void KVBuffer::check_open() const {
   if (closed_) throw Error("the KV cache is closed");
 }
 
+void KVBuffer::check_single_group(const char* what) const {
+  if (num_groups() != 1) {
+    throw Error(std::string(what) + " moves every plane: it needs a KV cache of one group, this one has " +
+                std::to_string(num_groups()));
+  }
+}
+
+void KVBuffer::check_group(int group) const {
+  if (group < 0 || group >= num_groups()) {
+    throw Error("KV cache group " + std::to_string(group) + " out of range [0, " + std::to_string(num_groups()) +
+                ")");
+  }
+}
+
 static const char* owner_name(PageOwner o) {
   return o == PageOwner::kOp ? "a map_pages op" : "the block allocator";
 }
 
-void KVBuffer::check_ids(const int32_t* ids, size_t n, bool want_mapped, PageOwner owner) const {
-  std::vector<bool> seen(phys_.size(), false);
+void KVBuffer::check_ids(const int32_t* ids, size_t n, bool want_mapped, PageOwner owner, int group) const {
+  check_group(group);
+  std::vector<bool> seen(static_cast<size_t>(layout_.num_pages), false);
   for (size_t i = 0; i < n; ++i) {
     const int64_t p = ids[i];
     if (p < 0 || p >= layout_.num_pages) {
@@ -145,11 +196,12 @@ void KVBuffer::check_ids(const int32_t* ids, size_t n, bool want_mapped, PageOwn
     }
     if (seen[static_cast<size_t>(p)]) throw Error("page id " + std::to_string(p) + " given twice");
     seen[static_cast<size_t>(p)] = true;
-    const bool mapped = !phys_[static_cast<size_t>(p)].empty();
+    const bool mapped = page_mapped(group, p);
     if (mapped != want_mapped) {
-      throw Error("page " + std::to_string(p) + (mapped ? " is already mapped" : " is not mapped"));
+      throw Error("page " + std::to_string(p) + (mapped ? " is already mapped" : " is not mapped") +
+                  (num_groups() > 1 ? " in group " + std::to_string(group) : std::string()));
     }
-    const PageOwner has = owner_[static_cast<size_t>(p)];
+    const PageOwner has = owner_[slot_index(group, p)];
     if (want_mapped && has != owner) {
       throw Error("page " + std::to_string(p) + " was mapped by " + owner_name(has) +
                   " and can only be unmapped by it" +
@@ -170,16 +222,18 @@ static void for_each_run(const std::vector<int32_t>& sorted, F fn) {
   }
 }
 
-void KVBuffer::map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys) {
-  const size_t planes = pages_per_kv_page();
+void KVBuffer::map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys, int group) {
+  const std::vector<size_t>& planes = group_planes_[static_cast<size_t>(group)];
+  const size_t np = planes.size();
   PhysicalBackend& be = pool_->backend();
   std::vector<PageHandle> run;
-  size_t done_planes = 0;
+  size_t done = 0;
   try {
-    for (size_t plane = 0; plane < planes; ++plane, ++done_planes) {
+    for (; done < np; ++done) {
+      const size_t plane = planes[done];
       for_each_run(sorted, [&](size_t first, size_t count) {
         run.clear();
-        for (size_t k = 0; k < count; ++k) run.push_back(phys[(first + k) * planes + plane]);
+        for (size_t k = 0; k < count; ++k) run.push_back(phys[(first + k) * np + done]);
         be.map(base_ + plane * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_,
                run.data(), count);
       });
@@ -187,47 +241,48 @@ void KVBuffer::map_locked(const std::vector<int32_t>& sorted, const std::vector<
   } catch (...) {
     // Roll back whole planes already mapped; the failing plane rolled back its own runs
     // only partially, so unmapping it fully (zero backing) is safe as well.
-    for (size_t plane = 0; plane <= done_planes && plane < planes; ++plane) {
+    for (size_t i = 0; i <= done && i < np; ++i) {
       for_each_run(sorted, [&](size_t first, size_t count) {
-        be.unmap(base_ + plane * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_, count);
+        be.unmap(base_ + planes[i] * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_, count);
       });
     }
     throw;
   }
 }
 
-void KVBuffer::map_pages(const int32_t* ids, size_t n, PageOwner owner) {
+void KVBuffer::map_pages(const int32_t* ids, size_t n, PageOwner owner, int group) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   check_open();
-  check_ids(ids, n, /*want_mapped=*/false, owner);
+  check_ids(ids, n, /*want_mapped=*/false, owner, group);
   if (n == 0) return;
   std::vector<int32_t> sorted(ids, ids + n);
   std::sort(sorted.begin(), sorted.end());
-  const size_t planes = pages_per_kv_page();
+  const size_t planes = group_pages_per_kv_page(group);
   std::vector<PageHandle> phys = pool_->acquire(n * planes);
   try {
-    map_locked(sorted, phys);
+    map_locked(sorted, phys, group);
   } catch (...) {
     pool_->release(phys);
     throw;
   }
   for (size_t k = 0; k < n; ++k) {
-    phys_[static_cast<size_t>(sorted[k])].assign(phys.begin() + static_cast<std::ptrdiff_t>(k * planes),
-                                                 phys.begin() + static_cast<std::ptrdiff_t>((k + 1) * planes));
-    owner_[static_cast<size_t>(sorted[k])] = owner;
+    const size_t at = slot_index(group, sorted[k]);
+    phys_[at].assign(phys.begin() + static_cast<std::ptrdiff_t>(k * planes),
+                     phys.begin() + static_cast<std::ptrdiff_t>((k + 1) * planes));
+    owner_[at] = owner;
   }
-  mapped_ += n;
+  mapped_[static_cast<size_t>(group)] += n;
   // Last (a failure leaves the device map saying unmapped: the safe side): kernels
   // enqueued from now on may write these pages.
-  set_page_map(sorted, 1);
+  set_page_map(sorted, 1, group);
 }
 
-void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted, bool synchronize) {
-  const size_t planes = pages_per_kv_page();
+void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted, int group, bool synchronize) {
+  const std::vector<size_t>& planes = group_planes_[static_cast<size_t>(group)];
   PhysicalBackend& be = pool_->backend();
   be.sync_copies();  // a host-tier copy out of these pages finishes before they go
-  set_page_map(sorted, 0);  // before the unmap: a later kernel skips and reports them
-  for (size_t plane = 0; plane < planes; ++plane) {
+  set_page_map(sorted, 0, group);  // before the unmap: a later kernel skips and reports them
+  for (size_t plane : planes) {
     for_each_run(sorted, [&](size_t first, size_t count) {
       be.unmap(base_ + plane * plane_bytes_ + static_cast<size_t>(sorted[first]) * page_size_, count,
                synchronize);
@@ -235,43 +290,55 @@ void KVBuffer::unmap_locked(const std::vector<int32_t>& sorted, bool synchronize
     });
   }
   std::vector<PageHandle> phys;
-  phys.reserve(sorted.size() * planes);
+  phys.reserve(sorted.size() * planes.size());
   for (int32_t p : sorted) {
-    auto& v = phys_[static_cast<size_t>(p)];
+    const size_t at = slot_index(group, p);
+    auto& v = phys_[at];
     phys.insert(phys.end(), v.begin(), v.end());
     v.clear();
-    owner_[static_cast<size_t>(p)] = PageOwner::kNone;
+    owner_[at] = PageOwner::kNone;
   }
-  mapped_ -= sorted.size();
+  mapped_[static_cast<size_t>(group)] -= sorted.size();
   pool_->release(phys);
 }
 
-void KVBuffer::unmap_pages(const int32_t* ids, size_t n, PageOwner owner, bool synchronize) {
+void KVBuffer::unmap_pages(const int32_t* ids, size_t n, PageOwner owner, bool synchronize, int group) {
   std::unique_lock<std::shared_mutex> lock(mu_);
   check_open();
-  check_ids(ids, n, /*want_mapped=*/true, owner);
+  check_ids(ids, n, /*want_mapped=*/true, owner, group);
   if (n == 0) return;
   std::vector<int32_t> sorted(ids, ids + n);
   std::sort(sorted.begin(), sorted.end());
-  unmap_locked(sorted, synchronize);
+  unmap_locked(sorted, group, synchronize);
 }
 
-bool KVBuffer::is_mapped(int64_t page) const {
+bool KVBuffer::is_mapped(int64_t page, int group) const {
   std::shared_lock<std::shared_mutex> lock(mu_);
+  check_group(group);
   if (page < 0 || page >= layout_.num_pages) throw Error("page id out of range");
-  return !phys_[static_cast<size_t>(page)].empty();
+  return page_mapped(group, page);
 }
 
-size_t KVBuffer::num_mapped_pages() const {
+size_t KVBuffer::num_mapped_pages(int group) const {
   std::shared_lock<std::shared_mutex> lock(mu_);
-  return mapped_;
+  if (group < 0) return std::accumulate(mapped_.begin(), mapped_.end(), size_t{0});
+  check_group(group);
+  return mapped_[static_cast<size_t>(group)];
 }
 
-std::vector<int32_t> KVBuffer::mapped_pages() const {
+size_t KVBuffer::num_mapped_physical_pages() const {
   std::shared_lock<std::shared_mutex> lock(mu_);
+  size_t out = 0;
+  for (size_t g = 0; g < mapped_.size(); ++g) out += mapped_[g] * group_planes_[g].size();
+  return out;
+}
+
+std::vector<int32_t> KVBuffer::mapped_pages(int group) const {
+  std::shared_lock<std::shared_mutex> lock(mu_);
+  check_group(group);
   std::vector<int32_t> out;
-  for (size_t p = 0; p < phys_.size(); ++p) {
-    if (!phys_[p].empty()) out.push_back(static_cast<int32_t>(p));
+  for (int64_t p = 0; p < layout_.num_pages; ++p) {
+    if (page_mapped(group, p)) out.push_back(static_cast<int32_t>(p));
   }
   return out;
 }
@@ -279,11 +346,13 @@ std::vector<int32_t> KVBuffer::mapped_pages() const {
 void KVBuffer::close() {
   std::unique_lock<std::shared_mutex> lock(mu_);
   if (closed_) return;
-  std::vector<int32_t> all;
-  for (size_t p = 0; p < phys_.size(); ++p) {
-    if (!phys_[p].empty()) all.push_back(static_cast<int32_t>(p));
+  for (int g = 0; g < num_groups(); ++g) {
+    std::vector<int32_t> all;
+    for (int64_t p = 0; p < layout_.num_pages; ++p) {
+      if (page_mapped(g, p)) all.push_back(static_cast<int32_t>(p));
+    }
+    if (!all.empty()) unmap_locked(all, g);
   }
-  if (!all.empty()) unmap_locked(all);
   closed_ = true;
 }
 
@@ -299,6 +368,13 @@ std::string KVBuffer::check_write(int64_t layer, int64_t num_layers, const int32
     return "layer " + std::to_string(layer) +
            (num_layers > 1 ? " (+" + std::to_string(num_layers) + " layers)" : std::string()) +
            " out of range [0, " + std::to_string(layout_.num_layers) + ")";
+  }
+  const int group = group_of_layer(layer);
+  for (int64_t j = 1; j < num_layers; ++j) {
+    if (group_of_layer(layer + j) != group) {
+      return "layers " + std::to_string(layer) + ".." + std::to_string(layer + num_layers - 1) +
+             " span several KV cache groups (their slots differ): write each group apart";
+    }
   }
   const int64_t total = num_slots();
   for (size_t i = 0; i < n; ++i) {
@@ -317,9 +393,10 @@ std::string KVBuffer::check_write(int64_t layer, int64_t num_layers, const int32
       return "slot " + std::to_string(s) + " (index " + std::to_string(i) + ") is in block " +
              std::to_string(b) + ", which straddles two pages and is never used";
     }
-    if (phys_[static_cast<size_t>(page_of_block(b))].empty()) {
+    if (!page_mapped(group, page_of_block(b))) {
       return "slot " + std::to_string(s) + " (index " + std::to_string(i) + ") is in unmapped page " +
-             std::to_string(page_of_block(b));
+             std::to_string(page_of_block(b)) +
+             (num_groups() > 1 ? " of group " + std::to_string(group) : std::string());
     }
   }
   return {};
@@ -332,6 +409,7 @@ std::string KVBuffer::check_read(int64_t layer, const int32_t* tables, int64_t b
     return "layer " + std::to_string(layer) + " out of range [0, " + std::to_string(layout_.num_layers) + ")";
   }
   const int64_t bs = layout_.block_size;
+  const int group = group_of_layer(layer);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t ctx = ctx_lens[b];
     if (ctx < 0 || ctx > nb * bs) {
@@ -345,7 +423,7 @@ std::string KVBuffer::check_read(int64_t layer, const int32_t* tables, int64_t b
                                 std::to_string(blk);
       if (blk <= 0 || blk >= num_blocks()) return where + " is not a block of this cache";
       if (block_straddles(blk)) return where + " straddles two pages";
-      if (phys_[static_cast<size_t>(page_of_block(blk))].empty()) return where + " is in an unmapped page";
+      if (!page_mapped(group, page_of_block(blk))) return where + " is in an unmapped page";
     }
   }
   return {};
@@ -353,6 +431,7 @@ std::string KVBuffer::check_read(int64_t layer, const int32_t* tables, int64_t b
 
 std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t n) const {
   if (closed_) return "the KV cache is closed";
+  if (num_groups() != 1) return "block copies move every plane: this cache has several KV cache groups";
   std::vector<int32_t> dsts(dst, dst + n), srcs(src, src + n);
   std::sort(dsts.begin(), dsts.end());
   std::sort(srcs.begin(), srcs.end());
@@ -382,7 +461,7 @@ std::string KVBuffer::check_block(int64_t b, size_t index, const std::string& wh
            std::to_string(nb) + ")";
   }
   if (block_straddles(b)) return what + std::to_string(b) + " straddles two pages";
-  if (phys_[static_cast<size_t>(page_of_block(b))].empty()) {
+  if (!page_mapped(0, page_of_block(b))) {
     return what + std::to_string(b) + " is in an unmapped page";
   }
   return {};
@@ -424,6 +503,7 @@ void KVBuffer::copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n
 std::string KVBuffer::check_host_copy(const int32_t* blocks, const int64_t* slots, size_t n,
                                       const HostArena& arena) const {
   if (closed_) return "the KV cache is closed";
+  if (num_groups() != 1) return "the host tier copies every plane: this cache has several KV cache groups";
   if (arena.pool() != pool_.get() || arena.block_bytes() != block_bytes() ||
       arena.num_planes() != layout_.num_planes()) {
     return "the host arena was not made for this KV buffer (its pool, block bytes or planes differ)";

@@ -1,10 +1,13 @@
 // KVBuffer: one tenant's fixed virtual KV range and its page table.
 //
 // Layout (row-major): (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
-// Each (layer, K|V) plane is one page-aligned range of num_pages * page_size bytes, and
-// KV page p stands for the same offset in all 2 * num_layers planes: mapping it takes
-// 2 * num_layers physical pages from the pool. Block 0 is the null block: never written,
-// it reads zeros, so padded block-table entries can point at it.
+// Each (layer, K|V) plane is one page-aligned range of num_pages * page_size bytes.
+// Layers are split into KV cache groups (layer_group; one group unless given): each group
+// has its own block-id space over its layers' planes, and KV page p of group g stands for
+// the same offset in the 2 * |g| planes of g's layers: mapping it takes 2 * |g| physical
+// pages from the pool. Block b of group g is therefore a different memory from block b of
+// another group. Block 0 is every group's null block: never written, it reads zeros, so
+// padded (and a sliding window's freed) block-table entries can point at it.
 //
 // A block's bytes need not divide the page (3 KV heads x 64 x bf16 x 16 tokens is 6 KiB
 // against 2 MiB): blocks are laid out densely and a block that straddles two pages is
@@ -44,6 +47,8 @@ struct KVLayout {
   int64_t block_size;
   DType dtype;
   int64_t num_pages;  // KV pages of virtual space
+  // Each layer's KV cache group (ids 0..G-1, every id used); empty: one group.
+  std::vector<int32_t> layer_group;
 
   // Valid once checked_block_bytes() accepted the layout (no product wraps).
   size_t row_bytes() const { return static_cast<size_t>(num_kv_heads * head_dim) * dtype_size(dtype); }
@@ -87,23 +92,37 @@ class KVBuffer {
     return start / page_size_ != (start + block_bytes() - 1) / page_size_;
   }
   int64_t num_slots() const { return num_blocks() * layout_.block_size; }
+  // Physical pages per KV page of the whole buffer (every plane) / of one group.
   size_t pages_per_kv_page() const { return static_cast<size_t>(layout_.num_planes()); }
+  int num_groups() const { return static_cast<int>(group_planes_.size()); }
+  size_t group_pages_per_kv_page(int group) const { return group_planes_.at(static_cast<size_t>(group)).size(); }
+  int group_of_layer(int64_t layer) const { return layer_group_[static_cast<size_t>(layer)]; }
+  const std::vector<int32_t>& layer_groups() const { return layer_group_; }
 
-  // Maps / unmaps KV pages. All ids are validated before anything changes: each must be
-  // in range, unique, and unmapped (map) or mapped by the same owner (unmap). Throws
-  // Error / PoolExhausted.
-  void map_pages(const int32_t* ids, size_t n, PageOwner owner = PageOwner::kAllocator);
+  // Maps / unmaps KV pages of one group. All ids are validated before anything changes:
+  // each must be in range, unique, and unmapped (map) or mapped by the same owner (unmap).
+  // Throws Error / PoolExhausted.
+  void map_pages(const int32_t* ids, size_t n, PageOwner owner = PageOwner::kAllocator, int group = 0);
   // synchronize=false: the caller waited for every read of the pages (a fence), so the
   // backend need not wait for the whole device (see PhysicalBackend::unmap).
   void unmap_pages(const int32_t* ids, size_t n, PageOwner owner = PageOwner::kAllocator,
-                   bool synchronize = true);
-  // The FFI ops' entry points (owner kOp).
-  void map_pages_op(const int32_t* ids, size_t n) { map_pages(ids, n, PageOwner::kOp); }
+                   bool synchronize = true, int group = 0);
+  // The FFI ops' entry points (owner kOp; a buffer of one group only).
+  void map_pages_op(const int32_t* ids, size_t n) {
+    check_single_group("map_pages");
+    map_pages(ids, n, PageOwner::kOp);
+  }
   // The op's handler has waited for its stream (the ids travel through the host).
-  void unmap_pages_op(const int32_t* ids, size_t n) { unmap_pages(ids, n, PageOwner::kOp, false); }
-  bool is_mapped(int64_t page) const;
-  size_t num_mapped_pages() const;
-  std::vector<int32_t> mapped_pages() const;
+  void unmap_pages_op(const int32_t* ids, size_t n) {
+    check_single_group("unmap_pages");
+    unmap_pages(ids, n, PageOwner::kOp, false);
+  }
+  bool is_mapped(int64_t page, int group = 0) const;
+  // KV pages mapped in one group (group -1: in all groups together).
+  size_t num_mapped_pages(int group = -1) const;
+  // Physical pages mapped, every group (sum of each group's KV pages x its planes).
+  size_t num_mapped_physical_pages() const;
+  std::vector<int32_t> mapped_pages(int group = 0) const;
   // Unmaps every page; later map calls fail. The virtual range stays reserved until the
   // last reference (views included) is dropped.
   void close();
@@ -126,20 +145,22 @@ class KVBuffer {
   std::string check_read(int64_t layer, const int32_t* tables, int64_t batch, int64_t nb,
                          const int32_t* ctx_lens, const int64_t* first_read = nullptr) const;
   // Checks block copies: src and dst in range and mapped, dst not the null block, no
-  // destination repeated or also used as a source (so copy order never matters).
+  // destination repeated or also used as a source (so copy order never matters). Copies
+  // move every plane: a buffer of one group only.
   std::string check_copy(const int32_t* src, const int32_t* dst, size_t n) const;
 
   // State for kernels that validate on the device (write_kv_async): an error record
   // (int32 code, int32 slot; code 0 = none) followed by one byte per KV page, 1 while
-  // mapped; set after a map and cleared before an unmap, so a kernel enqueued later sees
-  // the host's view. Error codes: 1 out of range, 2 null block, 3 straddling block,
-  // 4 unmapped page.
+  // mapped, per layer (byte layer * num_pages + page: a layer sees its group's pages);
+  // set after a map and cleared before an unmap, so a kernel enqueued later sees the
+  // host's view. Error codes: 1 out of range, 2 null block, 3 straddling block,
+  // 4 unmapped page, 5 layer out of range.
   static constexpr size_t kStateHeader = 8;
   uintptr_t device_state() const { return state_; }
   // Reads the device error record and clears it (synchronous; call at a host sync point).
   std::pair<int32_t, int32_t> take_device_error();
-  // The device page map as the device sees it (tests).
-  std::vector<uint8_t> device_page_map() const;
+  // One layer's device page map as the device sees it (tests).
+  std::vector<uint8_t> device_page_map(int64_t layer = 0) const;
 
   // Host-memory implementations (the CUDA handlers launch kernels instead). They take
   // the shared lock and validate first; they throw Error on bad input.
@@ -149,7 +170,7 @@ class KVBuffer {
   void copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n);
 
   // The host tier (host_arena.h): copies blocks[i], every plane, to / from slot slots[i] of
-  // an arena made for this buffer (its pool, block bytes and planes). Both validate first
+  // an arena made for this buffer (its pool, block bytes and planes; one group only). Both validate first
   // (blocks in range, not the null block, not straddling, in mapped pages; slots in
   // range; no block or slot twice) and throw Error, copying nothing. copy_to_host
   // enqueues (asynchronous on CUDA) and returns a ticket for copies_done(); an unmap
@@ -160,13 +181,19 @@ class KVBuffer {
 
  private:
   void check_open() const;
-  void check_ids(const int32_t* ids, size_t n, bool want_mapped, PageOwner owner) const;
-  // Maps (or unmaps) page runs plane by plane.
-  void map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys);
-  void unmap_locked(const std::vector<int32_t>& sorted, bool synchronize = true);
-  void set_page_map(const std::vector<int32_t>& sorted, uint8_t value);
-  // Block b (the index-th given) in range, not straddling, in a mapped page; else why
-  // ("<what><b> ...").
+  void check_single_group(const char* what) const;
+  void check_group(int group) const;
+  void check_ids(const int32_t* ids, size_t n, bool want_mapped, PageOwner owner, int group) const;
+  // Maps (or unmaps) page runs of one group plane by plane.
+  void map_locked(const std::vector<int32_t>& sorted, const std::vector<PageHandle>& phys, int group);
+  void unmap_locked(const std::vector<int32_t>& sorted, int group, bool synchronize = true);
+  void set_page_map(const std::vector<int32_t>& sorted, uint8_t value, int group);
+  size_t slot_index(int group, int64_t page) const {
+    return static_cast<size_t>(group) * static_cast<size_t>(layout_.num_pages) + static_cast<size_t>(page);
+  }
+  bool page_mapped(int group, int64_t page) const { return !phys_[slot_index(group, page)].empty(); }
+  // Block b (the index-th given) in range, not straddling, in a mapped page of group 0;
+  // else why ("<what><b> ...").
   std::string check_block(int64_t b, size_t index, const std::string& what) const;
   std::string check_host_copy(const int32_t* blocks, const int64_t* slots, size_t n,
                               const HostArena& arena) const;
@@ -187,10 +214,13 @@ class KVBuffer {
   uintptr_t state_ = 0;  // see device_state()
   mutable std::shared_mutex mu_;
   bool closed_ = false;
-  // phys_[p] holds the 2L physical pages of KV page p (plane order), empty if unmapped.
+  std::vector<int32_t> layer_group_;                // per layer
+  std::vector<std::vector<size_t>> group_planes_;  // per group: its planes, ascending
+  // phys_[slot_index(g, p)] holds the 2|g| physical pages of group g's KV page p (its
+  // planes' order), empty if unmapped.
   std::vector<std::vector<PageHandle>> phys_;
-  std::vector<PageOwner> owner_;  // per KV page; kNone while unmapped
-  size_t mapped_ = 0;
+  std::vector<PageOwner> owner_;  // per (group, KV page); kNone while unmapped
+  std::vector<size_t> mapped_;    // KV pages mapped per group
 };
 
 }  // namespace kvcached

@@ -106,16 +106,17 @@ NB_MODULE(_C, m) {
   nb::class_<KVBuffer>(m, "KVBuffer")
       .def(nb::new_([](std::shared_ptr<PagePool> pool, int64_t num_layers, int64_t num_kv_heads,
                        int64_t head_dim, int64_t block_size, int dtype, int64_t num_pages,
-                       int device_ordinal, int local_id) {
+                       int device_ordinal, int local_id, std::vector<int32_t> layer_group) {
              if (dtype < 0 || dtype > 2) throw Error("unsupported dtype code");
              return std::make_shared<KVBuffer>(
                  std::move(pool),
-                 KVLayout{num_layers, num_kv_heads, head_dim, block_size, static_cast<DType>(dtype), num_pages},
+                 KVLayout{num_layers, num_kv_heads, head_dim, block_size, static_cast<DType>(dtype), num_pages,
+                          std::move(layer_group)},
                  device_ordinal, local_id);
            }),
            nb::arg("pool"), nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
            nb::arg("block_size"), nb::arg("dtype"), nb::arg("num_pages"), nb::arg("device_ordinal") = -1,
-           nb::arg("local_id") = -1)
+           nb::arg("local_id") = -1, nb::arg("layer_group") = std::vector<int32_t>{})
       .def_prop_ro("local_id", &KVBuffer::local_id)
       .def_prop_ro("device_ordinal", &KVBuffer::device_ordinal)
       .def_prop_ro("base", &KVBuffer::base)
@@ -128,18 +129,28 @@ NB_MODULE(_C, m) {
       .def_prop_ro("block_bytes", &KVBuffer::block_bytes)
       .def_prop_ro("pages_per_kv_page", &KVBuffer::pages_per_kv_page)
       .def(
-          "map_pages", [](KVBuffer& b, IdArray ids) { b.map_pages(ids.data(), ids.shape(0)); },
-          nb::arg("page_ids"), nb::call_guard<nb::gil_scoped_release>())
+          "map_pages",
+          [](KVBuffer& b, IdArray ids, int group) {
+            b.map_pages(ids.data(), ids.shape(0), PageOwner::kAllocator, group);
+          },
+          nb::arg("page_ids"), nb::arg("group") = 0, nb::call_guard<nb::gil_scoped_release>())
       .def(
           "unmap_pages",
-          [](KVBuffer& b, IdArray ids, bool synchronize) {
-            b.unmap_pages(ids.data(), ids.shape(0), PageOwner::kAllocator, synchronize);
+          [](KVBuffer& b, IdArray ids, bool synchronize, int group) {
+            b.unmap_pages(ids.data(), ids.shape(0), PageOwner::kAllocator, synchronize, group);
           },
-          nb::arg("page_ids"), nb::arg("synchronize") = true, nb::call_guard<nb::gil_scoped_release>(),
+          nb::arg("page_ids"), nb::arg("synchronize") = true, nb::arg("group") = 0,
+          nb::call_guard<nb::gil_scoped_release>(),
           "Unmaps pages; synchronize=False when every read of them is known to be done (a fence).")
-      .def("is_mapped", &KVBuffer::is_mapped, nb::arg("page"))
-      .def_prop_ro("num_mapped_pages", &KVBuffer::num_mapped_pages)
-      .def("mapped_pages", &KVBuffer::mapped_pages)
+      .def("is_mapped", &KVBuffer::is_mapped, nb::arg("page"), nb::arg("group") = 0)
+      .def_prop_ro("num_mapped_pages", [](KVBuffer& b) { return b.num_mapped_pages(-1); },
+                   "KV pages mapped, every group together.")
+      .def("group_mapped_pages", [](KVBuffer& b, int group) { return b.num_mapped_pages(group); },
+           nb::arg("group"), "KV pages mapped in one group.")
+      .def_prop_ro("num_mapped_physical_pages", &KVBuffer::num_mapped_physical_pages)
+      .def_prop_ro("num_groups", &KVBuffer::num_groups)
+      .def("group_pages_per_kv_page", &KVBuffer::group_pages_per_kv_page, nb::arg("group"))
+      .def("mapped_pages", &KVBuffer::mapped_pages, nb::arg("group") = 0)
       .def(
           "copy_to_host",
           [](KVBuffer& b, IdArray blocks, SlotArray slots, HostArena& arena) {
@@ -161,8 +172,8 @@ NB_MODULE(_C, m) {
            "Whether the copies of a ticket are done (raises if one failed).")
       .def("take_device_error", &KVBuffer::take_device_error,
            "Reads and clears the device error record of write_kv_async: (code, slot).")
-      .def("device_page_map", &KVBuffer::device_page_map,
-           "One byte per KV page as kernels see it (1: mapped).")
+      .def("device_page_map", &KVBuffer::device_page_map, nb::arg("layer") = 0,
+           "One byte per KV page as kernels see it for one layer (1: mapped).")
       .def("close", &KVBuffer::close, nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("closed", &KVBuffer::closed)
       .def_prop_ro("dlpack_device",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_kvcached.memory import _C
-from jax_kvcached.memory.allocator import BlockAllocator
-from jax_kvcached.memory.errors import KVCacheError, PoolExhausted
+from jax_kvcached.memory.errors import KVCacheError
+from jax_kvcached.memory.kv_group import KVCacheGroup, check_layer_groups
 from jax_kvcached.memory.ledger import Ledger
 from jax_kvcached.memory.shards import ShardedBuffer
 
@@ -48,7 +48,10 @@ class KVCache:
     """A fixed virtual KV range of shape
     ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``.
 
-    Physical pages are mapped only behind blocks in use. Create it with
+    Physical pages are mapped only behind blocks in use. Layers may be split into KV
+    cache groups (``layer_groups``: each layer's group id), each with its own block ids
+    and block table over its layers' planes (``cache.groups[g]``); one group by default.
+    Create it with
     :meth:`jax_kvcached.Pool.create_kv_cache`; how much it may map is the ``ledger``'s
     answer for tenant ``name``.
 
@@ -75,6 +78,7 @@ class KVCache:
         mesh: jax.sharding.Mesh | None = None,
         kv_axis: str | None = None,
         on_close: Callable[[KVCache], None] | None = None,
+        layer_groups: Sequence[int] | None = None,
     ) -> None:
         self.ledger = ledger
         self.backend = backend  # "host" or "cuda"
@@ -99,16 +103,23 @@ class KVCache:
         self.num_pages: int = buffer.num_pages
         self.blocks_per_page: int = buffer.blocks_per_page
         self.num_blocks: int = buffer.num_blocks
-        self.pages_per_kv_page: int = buffer.pages_per_kv_page
+        self.pages_per_kv_page: int = buffer.pages_per_kv_page  # every plane (all groups)
         self.shape = (num_layers, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
         self.block_bytes: int = buffer.block_bytes  # per device
         self.page_size: int = buffer.page_size
-        self._allocator = BlockAllocator(self.num_pages, buffer.page_size, self.block_bytes)
-        # Every usable page but page 0 holds at least this many blocks.
-        self.min_blocks_per_page: int = self._allocator.min_blocks_per_page
         self._view: jax.Array | None = None
         self._closed = False
         self._lock = threading.RLock()  # alloc / free / close from several threads
+        # Each layer's KV cache group (kv_group.py); one group unless the buffer has more.
+        self.layer_groups: tuple[int, ...] = check_layer_groups(layer_groups, num_layers)
+        self.groups: tuple[KVCacheGroup, ...] = tuple(
+            KVCacheGroup(
+                g, tuple(i for i, x in enumerate(self.layer_groups) if x == g), name=name,
+                ledger=ledger, buffer=buffer, block_size=block_size, lock=self._lock,
+                check_open=self._check_open,
+            )
+            for g in range(max(self.layer_groups) + 1)
+        )  # fmt: skip
 
     # -- the view --------------------------------------------------------------------
     @property
@@ -157,20 +168,37 @@ class KVCache:
         """Virtual bytes reserved on each device."""
         return self._buffer.total_bytes
 
-    # -- blocks ----------------------------------------------------------------------
+    # -- groups and blocks ------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def group_of_layer(self, layer: int) -> KVCacheGroup:
+        return self.groups[self.layer_groups[layer]]
+
+    def _single(self) -> KVCacheGroup:
+        """The one group (block-level calls on the cache itself need one group)."""
+        if len(self.groups) != 1:
+            raise KVCacheError(
+                f"KV cache {self.name!r} has {len(self.groups)} KV cache groups: use "
+                "cache.groups[g] for its blocks"
+            )
+        return self.groups[0]
+
     @property
     def num_used_blocks(self) -> int:
-        return self._allocator.num_used
+        return sum(g.num_used_blocks for g in self.groups)
 
     @property
     def num_mapped_pages(self) -> int:
-        """KV pages mapped (each is ``pages_per_kv_page`` physical pages)."""
+        """KV pages mapped, every group (one group: each is ``pages_per_kv_page``
+        physical pages)."""
         return self._buffer.num_mapped_pages
 
     @property
     def mapped_pages(self) -> int:
-        """Physical pages mapped (``num_mapped_pages * pages_per_kv_page``)."""
-        return self.num_mapped_pages * self.pages_per_kv_page
+        """Physical pages mapped on each device, every group."""
+        return self._buffer.num_mapped_physical_pages
 
     @property
     def mapped_bytes(self) -> int:
@@ -180,20 +208,23 @@ class KVCache:
     def mapped_pages_per_device(self) -> list[int]:
         """Physical pages mapped on each of this process's devices, read from each
         device's own buffer (equal, as the shards map in lockstep)."""
-        return [n * self.pages_per_kv_page for n in self._buffer.mapped_pages_per_shard()]
+        return self._buffer.physical_pages_per_shard()
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks :meth:`alloc` can hand out now: free blocks of mapped pages plus what this
-        tenant's room in the pool (budget, limit, others' guarantees) can still map."""
-        new_pages = self.ledger.room_pages(self.name) // self.pages_per_kv_page
-        return self._allocator.free_in_mapped + self._allocator.unmapped_capacity(new_pages)
+        """Blocks :meth:`alloc` can hand out now (one group)."""
+        return self._single().num_free_blocks
 
     @property
     def capacity_blocks(self) -> int:
-        """The most blocks this cache could hold under the pool's current limits."""
-        kv_pages = self.ledger.capacity_pages(self.name) // self.pages_per_kv_page
-        return self._allocator.capacity_of_pages(kv_pages)  # block 0 is never counted
+        """The most blocks this cache could hold under the pool's current limits (one
+        group)."""
+        return self._single().capacity_blocks
+
+    @property
+    def min_blocks_per_page(self) -> int:
+        """Every usable page but page 0 holds at least this many blocks."""
+        return self.groups[0].min_blocks_per_page
 
     @property
     def over_limit_pages(self) -> int:
@@ -204,30 +235,10 @@ class KVCache:
         """Allocates ``n`` blocks and returns their ids (int32). Maps pages on demand.
 
         Raises :class:`PoolExhausted` (and allocates nothing) when the budget or the
-        virtual range cannot serve the request.
+        virtual range cannot serve the request. A cache of several groups allocates
+        through ``cache.groups[g]``.
         """
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-            raise TypeError(f"alloc() takes an int, got {type(n).__name__}")
-        n = int(n)
-        if n < 0:
-            raise ValueError(f"alloc(): n must be >= 0, got {n}")
-        with self._lock:
-            self._check_open()
-            # Another tenant may take the pool's last pages between this check and the
-            # mapping; the mapping then raises PoolExhausted and nothing changes.
-            available = self.num_free_blocks
-            if n > available:
-                raise PoolExhausted(
-                    f"KV cache {self.name!r}: {n} blocks requested, {available} available"
-                )
-            ids = self._allocator.allocate(n, self._map)
-        return np.asarray(ids, dtype=np.int32)
-
-    def _map(self, pages: list[int]) -> None:
-        ids = np.asarray(pages, dtype=np.int32)
-        self.ledger.charge(
-            self.name, len(pages) * self.pages_per_kv_page, lambda: self._buffer.map_pages(ids)
-        )
+        return self._single().alloc(n)
 
     def free(self, block_ids: Iterable[int] | np.ndarray, *, after: Any = None) -> None:
         """Frees blocks; pages left empty are unmapped and their memory goes back to the pool.
@@ -237,41 +248,24 @@ class KVCache:
         so it never races with an in-flight read. With ``after=None`` the caller
         guarantees that no dispatched computation still reads the blocks.
         """
-        arr = np.asarray(block_ids)
-        if arr.size and (arr.dtype == np.bool_ or arr.dtype.kind not in "iu"):
-            raise TypeError(f"free() takes integer block ids, got {arr.dtype} {arr.ravel()[:4]}")
-        ids = arr.astype(np.int64).reshape(-1).tolist()
-        with self._lock:
-            self._check_open()
-            empty = self._allocator.free(ids)
-            if empty:
-                if after is not None:
-                    # The fence: every read of these blocks is done, so the unmap need not
-                    # wait for the whole device (no cuCtxSynchronize on CUDA).
-                    jax.block_until_ready(after)
-                pages = np.asarray(empty, dtype=np.int32)
-                self._buffer.unmap_pages(pages, synchronize=after is None)
-                self._allocator.pages_unmapped(empty)
-        if empty:
-            self.ledger.released(self.name)
+        self._single().free(block_ids, after=after)
 
     def check_writable(self, block_ids: Iterable[int]) -> None:
         """Raises ValueError unless every block is allocated (so its page is mapped):
         the host-side check of a step's written blocks (see ``ops.write_kv_async``)."""
-        for b in block_ids:
-            if not self.is_allocated(b):
-                raise ValueError(f"block {int(b)} of {self.name!r} is not allocated")
+        self._single().check_writable(block_ids)
 
     def mapped_page_ids(self) -> list[int]:
         """The KV pages mapped now, ascending (by the allocator or by FFI ops)."""
-        return list(self._buffer.mapped_pages())
+        return self._single().mapped_page_ids()
 
     def is_page_mapped(self, page: int) -> bool:
-        return bool(self._buffer.is_mapped(int(page)))
+        return self._single().is_page_mapped(page)
 
-    def device_page_map(self) -> list[int]:
-        """The device-side page map ``ops.write_kv_async`` checks (1 = mapped)."""
-        return list(self._buffer.device_page_map())
+    def device_page_map(self, layer: int = 0) -> list[int]:
+        """The device-side page map ``ops.write_kv_async`` checks for one layer (1 =
+        mapped in the layer's group)."""
+        return list(self._buffer.device_page_map(layer))
 
     @property
     def buffer(self) -> ShardedBuffer:
@@ -284,19 +278,19 @@ class KVCache:
         return self._buffer.take_device_error()
 
     def is_allocated(self, block_id: int) -> bool:
-        return self._allocator.is_used(int(block_id))
+        return self._single().is_allocated(block_id)
 
     def page_of(self, block_id: int) -> int:
         """The KV page that holds ``block_id``."""
-        return self._allocator.page_of(int(block_id))
+        return self._single().page_of(block_id)
 
     def page_blocks(self, page: int) -> range:
         """The block ids KV page ``page`` holds (a block straddling two pages is in none)."""
-        return self._allocator.page_blocks(int(page))
+        return self._single().page_blocks(page)
 
     def used_blocks_per_page(self, pages: Iterable[int]) -> dict[int, int]:
         """Allocated blocks in each of ``pages``."""
-        return {int(p): self._allocator.used_in_page(int(p)) for p in pages}
+        return self._single().used_blocks_per_page(pages)
 
     def slot_mapping(self, block_table: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Slots (``block * block_size + offset``) for token positions of one sequence."""
@@ -309,20 +303,23 @@ class KVCache:
 
     # -- lifecycle -------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        kv_pages = self.num_mapped_pages
-        phys = kv_pages * self.pages_per_kv_page
-        return {
+        phys = self.mapped_pages
+        out = {
             "used_blocks": self.num_used_blocks,
-            "free_blocks": self.num_free_blocks,
             "num_blocks": self.num_blocks - 1,  # the null block is never handed out
-            "mapped_kv_pages": kv_pages,
+            "mapped_kv_pages": self.num_mapped_pages,
             "mapped_pages": phys,
             "mapped_bytes": phys * self.page_size,
             "mapped_pages_per_device": self.mapped_pages_per_device(),
             "tensor_parallel": self.tensor_parallel,
             "virtual_bytes": self.virtual_bytes,
-            "capacity_blocks": self.capacity_blocks,
         }
+        if len(self.groups) == 1:
+            out["free_blocks"] = self.num_free_blocks
+            out["capacity_blocks"] = self.capacity_blocks
+        else:
+            out["groups"] = [g.stats() for g in self.groups]
+        return out
 
     @property
     def closed(self) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ from jax_kvcached.memory import _C
 from jax_kvcached.memory.config import Config, parse_bytes
 from jax_kvcached.memory.errors import KVCacheError, LayoutError
 from jax_kvcached.memory.kv_cache import KVCache, dtype_code
+from jax_kvcached.memory.kv_group import check_layer_groups
 from jax_kvcached.memory.ledger import Ledger, LocalLedger, MemoryLimit, Reclaimer
 from jax_kvcached.memory.shards import ShardedBuffer
 from jax_kvcached.memory.shared_ledger import SharedLedger, TenantRecord
@@ -244,11 +246,13 @@ class Pool:
         *,
         memory_limit: int | str | None = None,
         memory_guarantee: int | str = 0,
+        layer_groups: Sequence[int] | None = None,
     ) -> KVCache:
         """Creates a KV cache whose virtual range can grow to the whole pool budget.
 
         ``memory_limit`` / ``memory_guarantee``: see :meth:`set_memory_limit` and
-        :meth:`set_memory_guarantee`.
+        :meth:`set_memory_guarantee`. ``layer_groups``: each layer's KV cache group id
+        (0..G-1; default: one group), see :class:`~jax_kvcached.memory.kv_group.KVCacheGroup`.
         """
         if not isinstance(name, str) or not name:
             raise ValueError("a KV cache needs a non-empty string name")
@@ -261,6 +265,7 @@ class Pool:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{what} must be a positive int, got {v!r}")
         code = dtype_code(dtype)
+        groups = check_layer_groups(layer_groups, num_layers)
         tp = self.tensor_parallel
         if num_kv_heads % tp:
             raise ValueError(
@@ -282,23 +287,28 @@ class Pool:
             self._check_open()
             if name in self._caches:
                 raise ValueError(f"a KV cache named {name!r} already exists in this pool")
-            group = 2 * num_layers
+            # Virtual pages: as many as the budget could fill with the smallest group's KV
+            # pages (each group's planes span the same range).
+            sizes = [2 * groups.count(g) for g in range(max(groups) + 1)]
+            group = min(sizes)
             num_pages = self.budget_pages // group
-            if num_pages == 0:
+            if self.budget_pages < max(sizes):
                 raise ValueError(
                     f"the pool budget ({self.budget_pages} pages) cannot hold one KV page of "
-                    f"{name!r}, which needs {group} pages (one per layer for K and V)"
+                    f"{name!r}, which needs {max(sizes)} pages (one per layer for K and V)"
                 )
             heads = num_kv_heads // tp
             shards = []
             for p, d in zip(self._pools, self.local_devices, strict=True):
                 layout = (num_layers, heads, head_dim, block_size, code, num_pages)
-                shards.append(_C.KVBuffer(p, *layout, ffi_ordinal(d), d.local_hardware_id))
+                shards.append(
+                    _C.KVBuffer(p, *layout, ffi_ordinal(d), d.local_hardware_id, list(groups))
+                )
             buffer = ShardedBuffer(shards)
             cache = KVCache(
                 self.ledger, name, buffer, num_layers, num_kv_heads, head_dim, dtype,
                 block_size, backend=self.backend, devices=self.devices, mesh=self.mesh,
-                kv_axis=self.kv_axis, on_close=self._forget,
+                kv_axis=self.kv_axis, on_close=self._forget, layer_groups=groups,
             )  # fmt: skip
             self.ledger.register(name, group, lambda: cache.mapped_pages)
             self._caches[name] = cache

@@ -35,34 +35,35 @@ class ShardedBuffer:
         self.page_size: int = first.page_size
         self.pages_per_kv_page: int = first.pages_per_kv_page
         self.total_bytes: int = first.total_bytes  # per device
+        self.num_groups: int = first.num_groups
 
     @property
     def base(self) -> int:
         """The first shard's base address (the only one for a single-device cache)."""
         return self.shards[0].base
 
-    def map_pages(self, page_ids: np.ndarray) -> None:
-        """Maps KV pages on every shard, or on none (the error of the shard that failed
-        propagates after the others have unmapped them again)."""
+    def map_pages(self, page_ids: np.ndarray, group: int = 0) -> None:
+        """Maps KV pages of one group on every shard, or on none (the error of the shard
+        that failed propagates after the others have unmapped them again)."""
         ids = np.ascontiguousarray(page_ids, dtype=np.int32)
         done: list[_C.KVBuffer] = []
         try:
             for s in self.shards:
-                s.map_pages(ids)
+                s.map_pages(ids, group=group)
                 done.append(s)
         except BaseException:
             for s in done:
-                s.unmap_pages(ids)
+                s.unmap_pages(ids, group=group)
             raise
 
-    def unmap_pages(self, page_ids: np.ndarray, synchronize: bool = True) -> None:
+    def unmap_pages(self, page_ids: np.ndarray, synchronize: bool = True, group: int = 0) -> None:
         """Unmaps KV pages on every shard (each shard validates the ids before changing
         anything, so a bad id fails on the first shard with nothing unmapped)."""
         ids = np.ascontiguousarray(page_ids, dtype=np.int32)
         errors = []
         for i, s in enumerate(self.shards):
             try:
-                s.unmap_pages(ids, synchronize=synchronize)
+                s.unmap_pages(ids, synchronize=synchronize, group=group)
             except Exception as e:
                 if i == 0:
                     raise
@@ -72,21 +73,34 @@ class ShardedBuffer:
 
     @property
     def num_mapped_pages(self) -> int:
-        """KV pages mapped on each device (the same on every shard)."""
+        """KV pages mapped on each device, every group (the same on every shard)."""
         return self.shards[0].num_mapped_pages
 
-    def mapped_pages(self) -> list[int]:
-        return list(self.shards[0].mapped_pages())
+    @property
+    def num_mapped_physical_pages(self) -> int:
+        """Physical pages mapped on each device, every group."""
+        return self.shards[0].num_mapped_physical_pages
+
+    def group_mapped_pages(self, group: int) -> int:
+        """KV pages of one group mapped on each device."""
+        return self.shards[0].group_mapped_pages(group)
+
+    def mapped_pages(self, group: int = 0) -> list[int]:
+        return list(self.shards[0].mapped_pages(group))
 
     def mapped_pages_per_shard(self) -> list[int]:
         """KV pages mapped on each shard, in shard order (all equal in lockstep)."""
         return [s.num_mapped_pages for s in self.shards]
 
-    def is_mapped(self, page: int) -> bool:
-        return all(s.is_mapped(page) for s in self.shards)
+    def physical_pages_per_shard(self) -> list[int]:
+        """Physical pages mapped on each shard, every group, in shard order."""
+        return [s.num_mapped_physical_pages for s in self.shards]
 
-    def device_page_map(self) -> list[int]:
-        return list(self.shards[0].device_page_map())
+    def is_mapped(self, page: int, group: int = 0) -> bool:
+        return all(s.is_mapped(page, group) for s in self.shards)
+
+    def device_page_map(self, layer: int = 0) -> list[int]:
+        return list(self.shards[0].device_page_map(layer))
 
     def take_device_error(self) -> tuple[int, int]:
         """The first shard's recorded device error (code, slot), every shard cleared."""

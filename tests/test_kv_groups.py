@@ -1,0 +1,96 @@
+"""KV cache groups in the memory layer: per-group block ids over the group's planes, one
+ledger for the tenant, exact accounting, per-layer device page maps, clear refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvcached as kv
+from jax_kvcached.memory import ops
+
+PAGE = 65536
+
+
+@pytest.fixture
+def pool():
+    p = kv.Pool(48 * PAGE, page_size=PAGE, backend="host")
+    yield p
+    p.close()
+
+
+def _cache(pool, groups=(0, 1, 0, 0)):
+    # 2 KV heads x 64 x f32 x 16 tokens = 8 KiB blocks: 8 per page.
+    return pool.create_kv_cache("m", len(groups), 2, 64, "float32", 16, layer_groups=groups)
+
+
+def test_groups_map_only_their_layers_planes(pool):
+    cache = _cache(pool)
+    g0, g1 = cache.groups
+    assert (g0.layers, g1.layers) == ((0, 2, 3), (1,))
+    assert (g0.pages_per_kv_page, g1.pages_per_kv_page) == (6, 2)
+    a = g0.alloc(3)
+    assert cache.mapped_pages == 6 and pool.stats()["mapped_pages"] == 6
+    b = g1.alloc(9)  # 9 blocks: two KV pages of group 1 (page 0 holds 7 usable)
+    assert g1.num_mapped_pages == 2 and cache.mapped_pages == 6 + 4
+    assert pool.stats()["mapped_pages"] == 10
+    # The device page maps are per layer: each layer sees its own group's pages.
+    assert cache.device_page_map(0)[:2] == [1, 0]
+    assert cache.device_page_map(1)[:2] == [1, 1]
+    assert cache.device_page_map(3)[:2] == [1, 0]
+    # Writes land in the layer's group: block ids mean different memory per group.
+    k = jnp.full((1, 2, 64), 7.0)
+    slot = int(a[0]) * 16
+
+    @jax.jit
+    def write(layer, k, slots, token):
+        return ops.write_kv(cache, layer, k, k, slots, token)
+
+    jax.block_until_ready(write(0, k, jnp.array([slot], jnp.int32), ops.new_token()))
+    jax.block_until_ready(write(1, 2 * k, jnp.array([slot], jnp.int32), ops.new_token()))
+    view = np.asarray(cache.view)
+    assert view[0, 0, a[0], 0, 0, 0] == 7.0 and view[1, 0, a[0], 0, 0, 0] == 14.0
+    assert view[2, 0, a[0], 0, 0, 0] == 0.0  # layer 2 (group 0) was not written
+    g1.free(b)
+    assert g1.num_mapped_pages == 0 and cache.mapped_pages == 6
+    g0.free(a)
+    assert cache.mapped_pages == 0 and pool.stats()["mapped_pages"] == 0
+
+
+def test_a_write_into_a_page_its_group_has_not_mapped_is_refused(pool):
+    cache = _cache(pool)
+    a = cache.groups[0].alloc(1)  # page 0 of group 0 only
+    slots = jnp.array([int(a[0]) * 16], jnp.int32)
+    k = jnp.ones((1, 2, 64))
+    with pytest.raises(Exception, match="unmapped page 0 of group 1"):
+        jax.block_until_ready(ops.write_kv(cache, 1, k, k, slots, ops.new_token()))
+    # A multi-layer write across groups is refused too (the groups' slots differ).
+    k4 = jnp.ones((2, 1, 2, 64))
+    with pytest.raises(Exception, match="span several KV cache groups"):
+        jax.block_until_ready(ops.write_kv(cache, 0, k4, k4, slots, ops.new_token()))
+
+
+def test_block_calls_on_a_multi_group_cache_name_the_groups(pool):
+    cache = _cache(pool)
+    with pytest.raises(kv.KVCacheError, match="2 KV cache groups"):
+        cache.alloc(1)
+    with pytest.raises(ValueError, match="every group id"):
+        pool.create_kv_cache("bad", 3, 2, 64, "float32", layer_groups=(0, 2, 2))
+    with pytest.raises(ValueError, match="entries for 3 layers"):
+        pool.create_kv_cache("bad", 3, 2, 64, "float32", layer_groups=(0, 1))
+    a = cache.groups[0].alloc(2)
+    with pytest.raises(Exception, match="several KV cache groups"):
+        jax.block_until_ready(ops.copy_blocks(cache, a[:1], a[1:], ops.new_token()))
+
+
+def test_groups_share_one_budget(pool):
+    cache = _cache(pool)  # budget 48 pages: group 0 costs 6 a KV page, group 1 costs 2
+    g0, g1 = cache.groups
+    got0 = g0.alloc(g0.num_free_blocks)
+    assert cache.mapped_pages == 48 and g1.num_free_blocks == 0
+    with pytest.raises(kv.PoolExhausted):
+        g1.alloc(1)
+    g0.free(got0[: len(got0) // 2])
+    assert g1.num_free_blocks > 0
+    assert cache.stats()["groups"][0]["mapped_pages"] == g0.mapped_pages
+    assert cache.mapped_pages == g0.mapped_pages + g1.mapped_pages
