@@ -227,3 +227,21 @@ def test_two_processes_with_gloo_equal_one_process(tmp_path):
         assert r["tokens"] == one
     assert results[0]["local"] != results[1]["local"]  # different devices, same pages
     assert set(results[0]["local"].values()) == set(results[1]["local"].values())
+
+
+def test_kv_cache_groups_under_tp_give_the_same_tokens_and_exact_accounting():
+    """A hybrid model (windowed and full layers): each group's pages on every device."""
+    cfg = dataclasses.replace(BUILTIN_CONFIGS["tiny-swa"], num_heads=8, num_kv_heads=4,
+                              head_dim=16, sliding_window=8)  # fmt: skip
+    tokens = {}
+    for tp in (1, 2):
+        tokens[tp], eng, pool = _generate(cfg, tp)
+        assert eng.cache.num_groups == 2 and eng.cache.tensor_parallel == tp
+        per_device = 0
+        for g, pc in zip(eng.cache.groups, eng.kv.prefix_caches, strict=True):
+            pages = {g.page_of(b) for b in pc.cached_blocks()}
+            assert set(g.mapped_page_ids()) == pages
+            per_device += len(pages) * g.pages_per_kv_page
+        assert eng.cache.mapped_pages_per_device() == [per_device] * tp
+        pool.close()
+    assert tokens[1] == tokens[2]

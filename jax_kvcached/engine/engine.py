@@ -15,6 +15,7 @@ from typing import Any
 from jax_kvcached.engine.compile_events import compile_events, fresh_compiles
 from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.eviction import EvictionPolicy
+from jax_kvcached.engine.kv_groups import kv_cache_groups
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.logit_inputs import row_entries
 from jax_kvcached.engine.prefix_cache import PrefixCache, extra_key_bytes
@@ -158,6 +159,9 @@ class Engine:
         A mesh other than the pool's is a ValueError.
       reload: returns a fresh copy of the model (its checkpoint read again), for waking
         from a level-2 :meth:`sleep`; :meth:`from_pretrained` passes one.
+      free_window_blocks: sliding-window layers form their own KV cache groups and give
+        back the blocks below their window as sequences advance (``False``: one group,
+        every block kept while its sequence runs; the attention is windowed either way).
     """
 
     def __init__(
@@ -186,6 +190,7 @@ class Engine:
         overlap: bool = True,
         mesh: Any = None,
         reload: Callable[[], Any] | None = None,
+        free_window_blocks: bool = True,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(
@@ -211,6 +216,10 @@ class Engine:
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        # KV cache groups: layers of one attention kind and window share a block table.
+        layer_groups, windows = kv_cache_groups(cfg.layer_windows())
+        if not free_window_blocks:
+            layer_groups, windows = (0,) * cfg.num_layers, (0,)  # one group, all kept
         self.cache: KVCache = pool.create_kv_cache(
             name,
             cfg.num_layers,
@@ -220,7 +229,9 @@ class Engine:
             block_size=block_size,
             memory_limit=memory_limit,
             memory_guarantee=memory_guarantee,
+            layer_groups=layer_groups,
         )
+        self.windows = windows  # each KV cache group's window (0: full attention)
         self.name = name
         self.pool = pool
         try:
@@ -248,7 +259,7 @@ class Engine:
             self.kv = KVManager(
                 self.cache, self.max_model_len, prefix_caching=prefix_caching,
                 max_cached_tokens=max_cached_tokens, eviction=eviction,
-                host_cache_blocks=host_blocks,
+                host_cache_blocks=host_blocks, windows=windows,
             )  # fmt: skip
         except BaseException:
             self.cache.close()
@@ -835,6 +846,7 @@ class Engine:
             "guarantee_bytes": lim.guarantee_bytes,
             "prefix_cache": self.kv.stats(),
             "host_cache": self.kv.host_stats(),
+            "kv_cache_groups": self.kv.group_stats(),
         }
 
     def close(self) -> None:

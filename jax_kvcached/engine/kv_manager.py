@@ -16,11 +16,24 @@ It also owns the device fence: the arrays of the last dispatched step, set by th
 after each dispatch. Every block freed here is unmapped only once the fence is ready, and
 blocks are copied to or from the host tier only once it is ready, so no host policy code
 passes device arrays around.
+
+KV cache groups (a cache of several: hybrid models): each group has its own block table
+per sequence and its own prefix cache (a block's key is its hash within its group). A
+sliding-window group (``windows[g]`` > 0) holds per sequence only the blocks some future
+query can still see: as a sequence advances, blocks wholly below ``start - window + 1``
+leave its table (the null block 0 takes their place) and are freed, cached or not, unless
+another sequence still holds them (as SGLang's SWA cache does; vLLM keeps them cached
+and evictable, which in an elastic pool would keep a long prompt's memory mapped); pages
+are unmapped when they empty. A finished sequence's last window stays cached. A prefix
+hit needs every full group's blocks of the whole prefix and each sliding group's blocks of
+the last window before the hit point (vLLM's rule); the hit is the longest prefix for
+which all groups agree.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import jax
@@ -50,7 +63,10 @@ class KVManager:
       prefix_caching: share the KV of cached prompt prefixes across requests.
       max_cached_tokens: the prefix cache's bound (default ``KVCACHED_MAX_CACHED_TOKENS``).
       eviction: the prefix cache's eviction policy (``"lru"``, ``"lfu"`` or an instance).
-      host_cache_blocks: blocks the host tier holds (0: no tier; needs prefix caching).
+      host_cache_blocks: blocks the host tier holds (0: no tier; needs prefix caching
+        and one KV cache group).
+      windows: each KV cache group's sliding window in tokens (0: full attention; default
+        all full). A sliding group gives back the blocks below its window.
     """
 
     def __init__(
@@ -62,19 +78,44 @@ class KVManager:
         max_cached_tokens: int | None = None,
         eviction: str | EvictionPolicy = "lru",
         host_cache_blocks: int = 0,
+        windows: Seq[int] | None = None,
     ) -> None:
         if host_cache_blocks < 0:
             raise ValueError(f"host_cache_blocks must be >= 0, got {host_cache_blocks}")
         self.cache = cache
+        self.groups = cache.groups
+        self.windows = tuple(int(w) for w in (windows or (0,) * len(self.groups)))
+        if len(self.windows) != len(self.groups) or min(self.windows) < 0:
+            raise ValueError(
+                f"windows must give each of the {len(self.groups)} KV cache groups a window "
+                f">= 0 (0: full attention), got {windows!r}"
+            )
+        if host_cache_blocks and len(self.groups) > 1:
+            raise ValueError(
+                "the host tier copies every layer of a block: it needs a KV cache of one "
+                f"group, {cache.name!r} has {len(self.groups)} (run without host_cache_*)"
+            )
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
         self._fence: Any = None
-        self.prefix_cache: PrefixCache | None = (
-            PrefixCache(
-                cache, max_cached_tokens, policy=eviction, free=self._free, evicted=self._spill
-            )
+        # One prefix cache per group (blocks are per group); the first is the one the
+        # engine reports, its bound applies to each.
+        self.prefix_caches: list[PrefixCache] = (
+            [
+                PrefixCache(
+                    g,
+                    max_cached_tokens,
+                    policy=eviction,
+                    free=lambda blocks, g=g: self._free(blocks, g.index),
+                    evicted=self._spill if g.index == 0 else None,
+                )  # fmt: skip
+                for g in self.groups
+            ]
             if prefix_caching
-            else None
+            else []
+        )
+        self.prefix_cache: PrefixCache | None = (
+            self.prefix_caches[0] if self.prefix_caches else None
         )
         self.host_cache: HostCache | None = None
         # With a host tier: each cached block's writer, the fence of the step that wrote
@@ -92,8 +133,8 @@ class KVManager:
         on are unmapped only after they are ready (no read of a freed block races)."""
         self._fence = arrays
 
-    def _free(self, blocks: list[int]) -> None:
-        self.cache.free(blocks, after=self._fence)
+    def _free(self, blocks: list[int], group: int = 0) -> None:
+        self.groups[group].free(blocks, after=self._fence)
 
     def _wait_fence(self) -> None:
         if self._fence is not None:
@@ -149,18 +190,30 @@ class KVManager:
             self._writer[b] = None  # written by a finished host copy
         return found
 
-    def _alloc(self, n: int) -> list[int] | None:
-        """``n`` new blocks: evicting own idle prefixes, then asking other tenants for
-        theirs. None: no memory without preempting."""
+    def _alloc(self, n: int, group: int = 0) -> list[int] | None:
+        """``n`` new blocks of a group: evicting own idle prefixes (the group's, then the
+        other groups'), then asking other tenants for theirs. None: no memory without
+        preempting."""
         while True:
             try:
-                return self.cache.alloc(n).tolist()
+                return self.groups[group].alloc(n).tolist()
             except PoolExhausted:
-                if self.prefix_cache and self.prefix_cache.evict(n) > 0:
+                if self.prefix_caches and self.prefix_caches[group].evict(n) > 0:
                     continue
-                if self._reclaim_from_others(n) > 0:
+                if self._evict_other_groups(group) > 0:
+                    continue
+                if self._reclaim_from_others(n, group) > 0:
                     continue
                 return None
+
+    def _evict_other_groups(self, group: int) -> int:
+        """Idle cached blocks of the other groups, a page's worth each (their pages are
+        charged to the same tenant: freeing them gives this group room)."""
+        return sum(
+            pc.evict(self.groups[g].blocks_per_page)
+            for g, pc in enumerate(self.prefix_caches)
+            if g != group
+        )
 
     def _restore(self, hashes: list[bytes]) -> list[int]:
         """New blocks holding the host tier's copies of ``hashes`` (fewer, in order, when
@@ -187,18 +240,21 @@ class KVManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def available_blocks(self) -> int:
-        """Blocks an allocation could get now: free ones plus idle cached ones."""
-        idle = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
-        return self.cache.num_free_blocks + idle
+    def first_needed_block(self, group: int, position: int) -> int:
+        """The first block of a group a query at ``position`` (or later) can see: 0 for a
+        full group; for a sliding one, the block of ``position - window + 1``."""
+        w = self.windows[group]
+        return max(0, position - w + 1) // self.block_size if w else 0
 
-    def _pages_for_blocks(self, n: int) -> int:
-        """Physical pages that hold n more blocks (whole KV pages)."""
-        kv_pages = -(-n // self.cache.min_blocks_per_page)
-        return kv_pages * self.cache.pages_per_kv_page
+    def available_blocks(self, group: int = 0) -> int:
+        """Blocks an allocation of a group could get now: free ones plus its idle cached
+        ones."""
+        idle = self.prefix_caches[group].num_evictable_blocks if self.prefix_caches else 0
+        return self.groups[group].num_free_blocks + idle
 
-    def _reclaim_from_others(self, blocks: int) -> int:
-        return self.cache.ledger.reclaim(self.cache.name, self._pages_for_blocks(blocks))
+    def _reclaim_from_others(self, blocks: int, group: int = 0) -> int:
+        pages = self.groups[group].pages_for_blocks(blocks)
+        return self.cache.ledger.reclaim(self.cache.name, pages)
 
     def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """Hashes of seq's first ``num_blocks`` full blocks (extends its chain once)."""
@@ -209,59 +265,146 @@ class KVManager:
             seq.hashes += hash_blocks(new, self.block_size, seq.extra, parent)
         return seq.hashes[:num_blocks]
 
+    def _group_hit(self, hashes: list[bytes]) -> int:
+        """The longest prefix (in blocks) of ``hashes`` every group can serve: each full
+        group caches all its blocks, each sliding group those of its last window before
+        the hit point."""
+        full = [pc for g, pc in enumerate(self.prefix_caches) if not self.windows[g]]
+        n = min((pc.lookup(hashes) for pc in full), default=len(hashes))
+        while n > 0:
+            if all(
+                all(pc.block_of(h) is not None for h in hashes[self._hit_lo(g, n) : n])
+                for g, pc in enumerate(self.prefix_caches)
+                if self.windows[g]
+            ):
+                return n
+            n -= 1
+        return 0
+
+    def _hit_lo(self, group: int, n: int) -> int:
+        """The first block of a group a hit of ``n`` blocks needs."""
+        return self.first_needed_block(group, n * self.block_size)
+
+    def _needs(self, seq: Sequence, hit: list[int]) -> list[int]:
+        """Blocks each group must still allocate to admit ``seq`` (a sliding group: at
+        most its window's, as its blocks below the window go back as it advances)."""
+        total = self.blocks_for(min(seq.num_tokens + 1, self.max_model_len))
+        out = []
+        for g, w in enumerate(self.windows):
+            want = total if not w else min(total, -(-w // self.block_size) + 1)
+            out.append(max(0, want - hit[g]))
+        return out
+
     # -- the scheduler's calls -------------------------------------------------------------
     def admit(self, seq: Sequence) -> int | None:
         """Admits ``seq`` if the blocks for its known tokens and one more can be had now
         (asking other tenants for idle memory if needed): takes its cached prefix and
         returns the tokens it covers. None: not now (memory is busy; try later).
         Raises PoolExhausted if it could never fit under the current limits."""
-        bs = self.block_size
+        bs, ng = self.block_size, len(self.groups)
         hashes: list[bytes] = []
         # Prompt log-probabilities need every prompt position computed: no reuse.
         if self.caching and not seq.params.prompt_logprobs:
             # The last token is always recomputed: it yields the next token's logits.
             hashes = self._hashes(seq, (seq.num_tokens - 1) // bs)
-        prefix, hit = self._prefix(hashes) if self.caching else (0, 0)
-        need = self.blocks_for(min(seq.num_tokens + 1, self.max_model_len)) - hit
-        while need > (available := self.available_blocks() - hit):
-            capacity = self.cache.capacity_blocks
-            if need + hit > capacity:
-                raise PoolExhausted(
-                    f"request {seq.request_id} needs {need + hit} KV blocks but "
-                    f"{self.cache.name!r} can hold at most {capacity} under the pool's "
-                    f"current budget and limits"
-                )
-            if not self._reclaim_from_others(need - available):
+        while True:  # (evicting for room may evict the hit's own blocks: look again)
+            if ng == 1:
+                prefix, dev = self._prefix(hashes) if self.caching else (0, 0)
+                hit = [dev]
+            else:
+                prefix = self._group_hit(hashes) if self.caching else 0
+                hit = [prefix - self._hit_lo(g, prefix) for g in range(ng)]
+            need = self._needs(seq, hit)
+            short = [g for g in range(ng) if need[g] > self.available_blocks(g) - hit[g]]
+            if not short:
+                break
+            for g in short:
+                capacity = self.groups[g].capacity_blocks
+                if need[g] + hit[g] > capacity:
+                    where = f" of group {g}" if ng > 1 else ""
+                    raise PoolExhausted(
+                        f"request {seq.request_id} needs {need[g] + hit[g]} KV blocks{where} "
+                        f"but {self.cache.name!r} can hold at most {capacity} under the "
+                        f"pool's current budget and limits"
+                    )
+            if ng > 1:
+                # Together: the groups share the tenant's room.
+                pages = sum(g.pages_for_blocks(n + h) for g, n, h in zip(self.groups, need, hit,
+                                                                       strict=True))  # fmt: skip
+                capacity = self.cache.ledger.capacity_pages(self.cache.name)
+                if pages > capacity:
+                    raise PoolExhausted(
+                        f"request {seq.request_id} needs {pages} pages of KV blocks over its "
+                        f"{ng} KV cache groups but {self.cache.name!r} can hold at most "
+                        f"{capacity} under the pool's current budget and limits"
+                    )
+                if any(self._evict_other_groups(g) for g in short):
+                    continue
+            g = short[0]
+            if not self._reclaim_from_others(need[g] - (self.available_blocks(g) - hit[g]), g):
                 return None  # other tenants hold the memory: wait
+        seq.tables = [[] for _ in range(ng)]
+        seq.inserted = [0] * ng
         if self.caching:
-            seq.blocks = self._take_prefix(hashes, prefix)
-            seq.num_inserted = len(seq.blocks)
-            seq.num_computed = len(seq.blocks) * bs
+            if ng == 1:
+                seq.blocks = self._take_prefix(hashes, prefix)
+            else:
+                for g, pc in enumerate(self.prefix_caches):
+                    lo = self._hit_lo(g, prefix)
+                    taken = pc.match_each(hashes[lo:prefix], prefix - lo)
+                    seq.tables[g] = [0] * lo + taken
+            prefix = len(seq.blocks)
+            seq.inserted = [prefix] * ng
+            seq.num_computed = prefix * bs
             seq.cached_tokens = seq.num_computed
         return seq.num_computed
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Gives ``seq`` blocks for ``num_tokens`` tokens: evicting own idle prefixes,
-        then asking other tenants for theirs. False: no memory without preempting."""
-        need = self.blocks_for(num_tokens) - len(seq.blocks)
-        if need <= 0:
-            return True
-        blocks = self._alloc(need)
-        if blocks is None:
-            return False
-        seq.blocks.extend(blocks)
+        """Gives ``seq`` blocks for ``num_tokens`` tokens (a step from ``seq.num_computed``
+        on): a sliding group first lets go of the blocks below the window of that step's
+        first query; new blocks evict own idle prefixes, then ask other tenants for
+        theirs. False: no memory without preempting."""
+        for g, table in enumerate(seq.tables):
+            if self.windows[g]:
+                self._slide(seq, g, seq.num_computed)
+            need = self.blocks_for(num_tokens) - len(table)
+            if need <= 0:
+                continue
+            blocks = self._alloc(need, g)
+            if blocks is None:
+                return False
+            table.extend(blocks)
         return True
+
+    def _slide(self, seq: Sequence, group: int, position: int) -> None:
+        """A sliding group's blocks wholly below the window of a query at ``position``
+        leave seq's table (null block 0) and are freed unless another sequence holds
+        them (their pages unmapped once empty, behind the fence)."""
+        table = seq.tables[group]
+        lo = min(self.first_needed_block(group, position), len(table))
+        gone = [b for b in table[:lo] if b]
+        if not gone:
+            return
+        table[:lo] = [0] * lo
+        if self.prefix_caches:
+            # Held by no one else, they leave the cache too: kept, a long prompt's
+            # out-of-window blocks would hold the memory the window is meant to give back
+            # (a later hit needs only the blocks of the window before its hit point).
+            self.prefix_caches[group].release(gone, keep=False)
+        else:
+            self._free(gone, group)
 
     def release(self, seq: Sequence) -> None:
         """Lets go of seq's blocks: cached ones stay cached (idle), the rest are freed;
         blocks another forked sequence still holds stay with it."""
-        held = [b for b in seq.blocks if not self._unshare(b)]
-        if self.prefix_cache:
-            self.prefix_cache.release(held)
-        elif held:
-            self._free(held)
-        seq.blocks = []
-        seq.num_inserted = 0
+        for g, table in enumerate(seq.tables):
+            held = [b for b in table if b and not (g == 0 and self._unshare(b))]
+            if self.prefix_caches:
+                self.prefix_caches[g].release(held)
+            elif held:
+                self._free(held, g)
+        seq.tables = [[] for _ in seq.tables]
+        seq.inserted = [0] * len(seq.tables)
 
     def _unshare(self, block: int) -> bool:
         """Drops one extra holder of a shared block; False when none is left (the
@@ -285,6 +428,8 @@ class KVManager:
         n, bs = parent.num_prompt, self.block_size
         if parent.num_computed < n or child.token_ids != parent.prompt or child.blocks:
             raise ValueError("fork needs a parent whose prompt is computed and a fresh child")
+        if len(self.groups) > 1:
+            return None  # copies are per group: the child computes its prompt on its own
         shared = parent.blocks[: (n - 1) // bs]
         copies: list[tuple[int, int]] = []
         if (n - 1) % bs:  # the last token's block also holds computed prompt tokens
@@ -308,23 +453,39 @@ class KVManager:
         if not self.caching:
             return  # block hashes are only needed to share blocks
         full = min(num_computed, len(seq.token_ids)) // self.block_size
-        if seq.num_inserted >= full:
+        if min(seq.inserted) >= full:
             return
         hashes = self._hashes(seq, full)
-        for i in range(seq.num_inserted, full):
-            inserted = self.prefix_cache.insert(hashes[i], seq.blocks[i])
-            if inserted and self.host_cache is not None:
-                self._writer[seq.blocks[i]] = self._fence  # the newest step wrote it
-        seq.num_inserted = full
+        for g, (pc, table) in enumerate(zip(self.prefix_caches, seq.tables, strict=True)):
+            for i in range(seq.inserted[g], full):
+                if not table[i]:  # a sliding group's block already gone below the window
+                    continue
+                inserted = pc.insert(hashes[i], table[i])
+                if inserted and self.host_cache is not None:
+                    self._writer[table[i]] = self._fence  # the newest step wrote it
+            seq.inserted[g] = full
+
+    def _evict_pages(self, pages: int) -> int:
+        """Evicts idle cached blocks, page-aware, group by group, until ``pages``
+        physical pages are unmapped or nothing idle is left; returns pages unmapped."""
+        cache = self.cache
+        before = cache.mapped_pages
+        while (left := pages - (before - cache.mapped_pages)) > 0:
+            evicted = 0
+            for g, pc in zip(self.groups, self.prefix_caches, strict=False):  # [] if not caching
+                if pc.num_evictable_blocks:
+                    evicted += pc.evict(-(-left // g.pages_per_kv_page) * g.blocks_per_page)
+                    break
+            if not evicted:
+                break
+        return before - cache.mapped_pages
 
     def shrink_to_limit(self) -> bool:
         """Gives back what is mapped above the cache's memory limit from idle cached
         prefixes. False: still over the limit (the scheduler preempts and calls again)."""
-        while (over := self.cache.over_limit_pages) > 0:
-            blocks = -(-over // self.cache.pages_per_kv_page) * self.cache.blocks_per_page
-            if not (self.prefix_cache and self.prefix_cache.evict(blocks) > 0):
-                return False
-        return True
+        if (over := self.cache.over_limit_pages) > 0:
+            self._evict_pages(over)
+        return self.cache.over_limit_pages <= 0
 
     # -- other tenants -------------------------------------------------------------------
     def poll(self) -> None:
@@ -334,39 +495,53 @@ class KVManager:
         hits = (pc.hits if pc else 0) + (hc.hits_tokens if hc else 0)
         # Pages its idle cached blocks could free at most (page-aware eviction frees
         # whole pages): what other processes may ask of it.
-        idle = pc.num_evictable_blocks if pc else 0
-        idle_pages = min(-(-idle // cache.min_blocks_per_page), cache.num_mapped_pages)
-        cache.ledger.poll(
-            cache.name, hits, pc.queries if pc else 0, idle_pages * cache.pages_per_kv_page
+        idle_pages = sum(
+            min(-(-c.num_evictable_blocks // g.min_blocks_per_page), g.num_mapped_pages)
+            * g.pages_per_kv_page
+            for g, c in zip(self.groups, self.prefix_caches, strict=False)  # [] if not caching
         )
+        cache.ledger.poll(cache.name, hits, pc.queries if pc else 0, idle_pages)
 
     def reclaim(self, pages: int) -> int:
         """Another tenant needs memory: evicts idle cached prefixes (page-aware) until
         ``pages`` physical pages are unmapped or none are left. Returns pages freed."""
-        if self.prefix_cache is None:
-            return 0
-        cache = self.cache
-        before = cache.num_mapped_pages
-        target = -(-pages // cache.pages_per_kv_page)
-        while before - cache.num_mapped_pages < target:
-            want = (target - (before - cache.num_mapped_pages)) * cache.blocks_per_page
-            if self.prefix_cache.evict(want) == 0:
-                break
-        return (before - cache.num_mapped_pages) * cache.pages_per_kv_page
+        return self._evict_pages(pages) if self.prefix_caches else 0
 
     def reset_prefix_cache(self) -> int:
         """Forgets every idle cached block, on the device and in the host tier; returns
         how many device blocks were evicted."""
         if self.host_cache is None:
-            return self.prefix_cache.reset() if self.prefix_cache else 0
+            return sum(pc.reset() for pc in self.prefix_caches)
         self.host_cache.clear()
         n = self.prefix_cache.reset()
         self._writer = {b: f for b, f in self._writer.items() if self.prefix_cache.is_cached(b)}
         return n
 
     def stats(self) -> dict[str, Any] | None:
-        """The prefix cache's figures (None without one)."""
-        return self.prefix_cache.stats() if self.prefix_cache else None
+        """The prefix cache's figures (None without one); with several KV cache groups,
+        the first group's, and each group's under ``groups``."""
+        if not self.prefix_caches:
+            return None
+        out = self.prefix_cache.stats()
+        if len(self.groups) > 1:
+            out["groups"] = [
+                {"window": w, **pc.stats()}
+                for w, pc in zip(self.windows, self.prefix_caches, strict=True)
+            ]
+        return out
+
+    def group_stats(self) -> list[dict[str, Any]]:
+        """Per KV cache group: its layers, window, mapped memory, blocks in use and
+        cached (per device)."""
+        out = []
+        for g, w in zip(self.groups, self.windows, strict=True):
+            pc = self.prefix_caches[g.index] if self.prefix_caches else None
+            out.append({
+                "layers": len(g.layers), "window": w, "mapped_bytes": g.mapped_pages * g.page_size,
+                "used_blocks": g.num_used_blocks,
+                "cached_blocks": pc.num_cached_blocks if pc else 0,
+            })  # fmt: skip
+        return out
 
     def host_stats(self) -> dict[str, Any] | None:
         """The host tier's figures (None without one)."""

@@ -199,23 +199,31 @@ class PrefixCache:
         self.policy.on_insert(block)
         return True
 
-    def release(self, blocks: Sequence[int]) -> None:
+    def release(self, blocks: Sequence[int], *, keep: bool = True) -> None:
         """A sequence lets go of its blocks (in chain order): cached ones lose a ref and
         stay cached when it reaches 0 (the chain's tail becomes idle first); the others
-        are freed at once."""
-        uncached = []
+        are freed at once. ``keep=False``: cached blocks no one holds any more leave the
+        cache and are freed too (a sliding window's blocks left behind)."""
+        uncached, dropped = [], []
         for block in reversed(blocks):  # tail first: evicted before its parents
             if block in self._hash_of:
                 ref = self._ref[block] - 1
                 if ref < 0:
                     raise ValueError(f"block {block} released more often than taken")
                 self._ref[block] = ref
-                if ref == 0:
+                if ref == 0 and keep:
                     self.policy.on_idle(block)
+                elif ref == 0:
+                    dropped.append(block)
             else:
                 uncached.append(block)
-        if uncached:
-            self._free(uncached)
+        for block in dropped:
+            self.policy.on_idle(block)  # (the policy removes idle blocks only)
+            self.policy.on_remove(block)
+            del self._block_of[self._hash_of.pop(block)]
+            del self._ref[block]
+        if uncached or dropped:
+            self._free(uncached + dropped)
         self._enforce_bound()
 
     # -- eviction --------------------------------------------------------------------

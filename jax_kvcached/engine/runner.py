@@ -137,14 +137,17 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
 
 
-def packed_sizes(t: int, seqs: int, nb: int, items: int, tile: int) -> tuple[int, ...]:
+def packed_sizes(
+    t: int, seqs: int, nb: int, items: int, tile: int, groups: int = 1
+) -> tuple[int, ...]:
     """The segments of a step's packed int32 input, in order. Per token (t each): tokens,
-    positions, slots, prompt log-probability targets (the token after each position, -1
-    where not wanted), where each token's output lies among the items' rows. Per sequence
-    slot: block tables (seqs x nb), kv lengths, first rows, query lengths, src rows, last
-    rows. Items (see :class:`~jax_kvcached.engine.attention.Ragged`): sequence, rows and
-    positions (items x tile each)."""
-    return (t, t, t, t, t, seqs * nb, seqs, seqs, seqs, seqs, seqs, items,
+    positions, slots (one row per KV cache group), prompt log-probability targets (the
+    token after each position, -1 where not wanted), where each token's output lies among
+    the items' rows. Per sequence slot: block tables (groups x seqs x nb), kv lengths,
+    first rows, query lengths, src rows, last rows. Items (see
+    :class:`~jax_kvcached.engine.attention.Ragged`): sequence, rows and positions (items
+    x tile each)."""
+    return (t, t, groups * t, t, t, groups * seqs * nb, seqs, seqs, seqs, seqs, seqs, items,
             items * tile, items * tile)  # fmt: skip
 
 
@@ -153,6 +156,8 @@ class StepInput:
     tokens: list[int]  # the new tokens
     start: int  # tokens of this sequence already in the cache (their positions come first)
     blocks: list[int]  # the sequence's block table; covers start + len(tokens) tokens
+    # The block tables of KV cache groups 1.. (a cache of several groups), as ``blocks``.
+    group_tables: tuple[list[int], ...] = ()
     # >= 0: the (single) token is the one row ``src`` of the previous step samples.
     src: int = -1
     params: SamplingParams | None = None  # this row samples its next token (None: not)
@@ -291,7 +296,7 @@ class ModelRunner:
             self._store_extra = executables.stable_repr((
                 self.graphdef, cache.handle, cache.view.shape, str(cache.dtype),
                 cache.block_size, str(cache.view.sharding), self.attention, max_batch, budget,
-                prefill, self.max_blocks, num_candidates, str(self._device),
+                prefill, self.max_blocks, num_candidates, str(self._device), cache.layer_groups,
             ))  # fmt: skip
             # The devices a stored program is loaded on (those it was compiled for).
             self._store_devices = (
@@ -372,14 +377,18 @@ class ModelRunner:
         per_device = self._per_device
         heads = self._head_spec  # (T, heads, D) split over the heads on a mesh
         windows = np.asarray(self.config.layer_windows(), np.int32)  # 0: full attention
+        groups = np.asarray(cache.layer_groups, np.int32)  # each layer's KV cache group
+        ng = cache.num_groups
 
         def step(weights, view, packed, prev, t, nb, token):
             state = self._join(weights)
             n_items, tile = self._items(t)
-            bounds = np.cumsum((0, *packed_sizes(t, max_rows, nb, n_items, tile)))
+            bounds = np.cumsum((0, *packed_sizes(t, max_rows, nb, n_items, tile, ng)))
             parts = [packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-            tokens, positions, slots, targets, token_slot = parts[:5]
-            tables = parts[5].reshape(max_rows, nb)
+            tokens, positions, group_slots, targets, token_slot = parts[:5]
+            group_slots = group_slots.reshape(ng, t)
+            group_tables = parts[5].reshape(ng, max_rows, nb)
+            tables = group_tables[0]
             kv_lens, q_start, q_lens, src, last = parts[6:11]
             lay = Ragged(tables, kv_lens, q_start, q_lens, parts[11],
                          parts[12].reshape(n_items, tile), parts[13].reshape(n_items, tile),
@@ -403,9 +412,12 @@ class ModelRunner:
 
             def attend(i, q, k, v, chain):
                 # This step's K/V first (the reads below see them), then the attention; the
-                # token chain orders every layer's calls (the scan's carry).
+                # token chain orders every layer's calls (the scan's carry). A layer writes
+                # and reads through its KV cache group's slots and tables.
+                g = 0 if ng == 1 else jnp.asarray(groups)[i]
+                slots, tables = group_slots[g], group_tables[g]
                 chain = write(i, k[0].astype(cache.dtype), v[0].astype(cache.dtype), slots, chain)
-                after = dataclasses.replace(lay, tables=ops.after(lay.tables, chain))
+                after = dataclasses.replace(lay, tables=ops.after(tables, chain))
                 window = jnp.asarray(windows)[i] if any(windows) else jnp.int32(0)
                 return attention(q[0], view, i, after, chain, window)[None], chain
 
@@ -511,7 +523,7 @@ class ModelRunner:
         return keys
 
     def _packed_sizes(self, t: int, nb: int) -> tuple[int, ...]:
-        return packed_sizes(t, self.max_rows, nb, *self._items(t))
+        return packed_sizes(t, self.max_rows, nb, *self._items(t), self.cache.num_groups)
 
     def lower(self, key: tuple[int, int] | int):
         """The lowered step of a shape, or sampler of ``key`` rows (for inspection)."""
@@ -692,9 +704,10 @@ class ModelRunner:
         rows = bucket(len(batch), self.sampler_sizes)
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
-        slots = np.full(t, -1, np.int32)
+        ng = self.cache.num_groups
+        slots = np.full((ng, t), -1, np.int32)
         targets = np.full(t, -1, np.int32)
-        tables = np.zeros((self.max_rows, nb), np.int32)
+        tables = np.zeros((ng, self.max_rows, nb), np.int32)
         src = np.full(self.max_rows, -1, np.int32)
         last = np.zeros(self.max_rows, np.int32)
         temperature = np.zeros(rows, np.float32)
@@ -702,12 +715,15 @@ class ModelRunner:
         top_p = np.ones(rows, np.float32)
         seeds = np.zeros(rows, np.uint32)
         steps = np.zeros(rows, np.int32)
-        written: set[int] = set()
+        written: list[set[int]] = [set() for _ in range(ng)]
         at = 0
         starts: list[int] = []
         for i, x in enumerate(batch):
             n = len(x.tokens)
-            if n == 0 or len(x.blocks) * bsz < x.start + n:
+            group_tables = (x.blocks, *x.group_tables)
+            if len(group_tables) != ng:
+                raise ValueError(f"a step input needs {ng} block tables (one per KV cache group)")
+            if n == 0 or any(len(b) * bsz < x.start + n for b in group_tables):
                 raise ValueError("a step input needs tokens and blocks covering them")
             if x.src >= self.max_rows or (x.src >= 0 and n != 1):
                 raise ValueError(f"bad src row {x.src} for a step of {n} tokens")
@@ -715,10 +731,11 @@ class ModelRunner:
             pos = np.arange(x.start, x.start + n)
             positions[at : at + n] = pos
             used = -(-(x.start + n) // bsz)
-            tables[i, :used] = x.blocks[:used]
-            blk = np.asarray(x.blocks, np.int64)[pos // bsz]
-            slots[at : at + n] = blk * bsz + pos % bsz
-            written.update(x.blocks[pos[0] // bsz : pos[-1] // bsz + 1])
+            for g, blocks in enumerate(group_tables):
+                tables[g, i, :used] = blocks[:used]
+                blk = np.asarray(blocks, np.int64)[pos // bsz]
+                slots[g, at : at + n] = blk * bsz + pos % bsz
+                written[g].update(blocks[pos[0] // bsz : pos[-1] // bsz + 1])
             src[i], last[i] = x.src, at + n - 1
             p = x.params or _GREEDY
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
@@ -727,10 +744,12 @@ class ModelRunner:
                 targets[at : at + n] = x.targets
             starts.append(at)
             at += n
-        self.cache.check_writable(written)
+        for group, blocks in zip(self.cache.groups, written, strict=True):
+            group.check_writable(blocks)
         lay = ragged_layout([len(x.tokens) for x in batch],
-                            [x.start + len(x.tokens) for x in batch], tables, t,
+                            [x.start + len(x.tokens) for x in batch], tables[0], t,
                             self.tile(t))  # fmt: skip
+        lay["tables"] = tables
         packed = self._pack(lay, tokens, positions, slots, targets, src, last)
         params = np.stack(
             [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]

@@ -177,9 +177,12 @@ class Scheduler:
         for seq, n in plan:
             start = seq.num_computed
             known = len(seq.token_ids)
+            more = tuple(list(t) for t in seq.tables[1:])  # other KV cache groups' tables
             if start + n <= known:
-                inputs.append(StepInput(seq.token_ids[start : start + n], start, list(seq.blocks)))
+                inputs.append(
+                    StepInput(seq.token_ids[start : start + n], start, list(seq.blocks), more)
+                )
             else:  # a decode step on the token the in-flight step samples
                 assert n == 1 and start == known and seq.last_row >= 0, "one token in flight"
-                inputs.append(StepInput([0], start, list(seq.blocks), src=seq.last_row))
+                inputs.append(StepInput([0], start, list(seq.blocks), more, src=seq.last_row))
         return SchedulerOutput([s for s, _ in plan], inputs, rejected)

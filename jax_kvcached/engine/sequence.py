@@ -22,7 +22,9 @@ class Sequence:
     on_token: Callable[[int, int, bool], None] | None = None
     num_prompt: int = -1  # set from token_ids
     num_pending: int = 0
-    blocks: list[int] = dataclasses.field(default_factory=list)
+    # Block tables, one per KV cache group (one group: ``blocks``); a sliding-window
+    # group's blocks below the window are the null block 0.
+    tables: list[list[int]] = dataclasses.field(default_factory=lambda: [[]])
     num_computed: int = 0  # tokens whose K/V is in the cache
     finish_reason: str | None = None
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
@@ -30,9 +32,10 @@ class Sequence:
     preemptions: int = 0
     extra: bytes = b""  # prefix-cache extra keys (tenant, cache_salt, adapter)
     # Chained hashes of full blocks of known tokens, computed once (kept across
-    # preemption); the first ``num_inserted`` of ``blocks`` are in the prefix cache.
+    # preemption); per group, the first ``inserted[g]`` of its table were offered to the
+    # prefix cache.
     hashes: list[bytes] = dataclasses.field(default_factory=list)
-    num_inserted: int = 0
+    inserted: list[int] = dataclasses.field(default_factory=lambda: [0])
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     last_row: int = -1  # row of the newest dispatched step that samples for it
     error: Exception | None = None  # why it was rejected (finish_reason "error")
@@ -56,6 +59,23 @@ class Sequence:
             self.logprobs = []
         if self.params.prompt_logprobs:
             self.prompt_logprobs = [None] * self.num_prompt
+
+    @property
+    def blocks(self) -> list[int]:
+        """The block table of the first KV cache group (the only one, usually)."""
+        return self.tables[0]
+
+    @blocks.setter
+    def blocks(self, value: list[int]) -> None:
+        self.tables[0] = value
+
+    @property
+    def num_inserted(self) -> int:
+        return self.inserted[0]
+
+    @num_inserted.setter
+    def num_inserted(self, value: int) -> None:
+        self.inserted[0] = value
 
     @property
     def prompt(self) -> list[int]:

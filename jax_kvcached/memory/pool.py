@@ -265,7 +265,6 @@ class Pool:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{what} must be a positive int, got {v!r}")
         code = dtype_code(dtype)
-        groups = check_layer_groups(layer_groups, num_layers)
         tp = self.tensor_parallel
         if num_kv_heads % tp:
             raise ValueError(
@@ -289,7 +288,11 @@ class Pool:
                 raise ValueError(f"a KV cache named {name!r} already exists in this pool")
             # Virtual pages: as many as the budget could fill with the smallest group's KV
             # pages (each group's planes span the same range).
-            sizes = [2 * groups.count(g) for g in range(max(groups) + 1)]
+            groups: tuple[int, ...] | None = None
+            sizes = [2 * num_layers]
+            if layer_groups is not None:
+                groups = check_layer_groups(layer_groups, num_layers)
+                sizes = [2 * groups.count(g) for g in range(max(groups) + 1)]
             group = min(sizes)
             num_pages = self.budget_pages // group
             if self.budget_pages < max(sizes):
@@ -302,7 +305,7 @@ class Pool:
             for p, d in zip(self._pools, self.local_devices, strict=True):
                 layout = (num_layers, heads, head_dim, block_size, code, num_pages)
                 shards.append(
-                    _C.KVBuffer(p, *layout, ffi_ordinal(d), d.local_hardware_id, list(groups))
+                    _C.KVBuffer(p, *layout, ffi_ordinal(d), d.local_hardware_id, list(groups or ()))
                 )
             buffer = ShardedBuffer(shards)
             cache = KVCache(

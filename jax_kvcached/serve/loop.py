@@ -258,6 +258,7 @@ class ServingLoop:
                 "host_bytes": hc.get("bytes", 0),
                 "host_capacity_bytes": hc.get("capacity_bytes", 0),
                 "failed": name in self.failed,
+                "kv_cache_groups": e["kv_cache_groups"],
             }
         return out
 

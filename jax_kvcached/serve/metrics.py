@@ -96,6 +96,16 @@ class _LoopCollector:
             for model, s in stats.items():
                 c.add_metric([model], float(s[key]))
             yield c
+        g = GaugeMetricFamily(
+            "kvcached_kv_cache_group_mapped_bytes",
+            "Physical KV memory mapped by each KV cache group of the model (window 0: full "
+            "attention).",
+            labels=["model", "kv_group", "window"],
+        )
+        for model, s in stats.items():
+            for i, grp in enumerate(s["kv_cache_groups"]):
+                g.add_metric([model, str(i), str(grp["window"])], float(grp["mapped_bytes"]))
+        yield g
         for key in ("budget", "mapped", "reserved"):
             g = GaugeMetricFamily(
                 f"kvcached_pool_{key}_bytes",

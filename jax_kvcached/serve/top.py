@@ -134,8 +134,25 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
             f"{'-' if math.isnan(rate) else f'{rate:.1f}':>9}{pre.get(model, 0):>9.0f}"
             f"{_ms(p50):>10}{_ms(p99):>8}"
         )
+    lines += _kv_group_lines(m)
     lines += _group_lines(m)
     return "\n".join(ln[:WIDTH] for ln in lines)
+
+
+def _kv_group_lines(m: dict[str, Any]) -> list[str]:
+    """Models of several KV cache groups: each group's mapped memory (window or full)."""
+    per: dict[str, list[tuple[int, int, float]]] = {}
+    for key, v in m.get("kvcached_kv_cache_group_mapped_bytes", {}).items():
+        lab = dict(key)
+        per.setdefault(lab["model"], []).append((int(lab["kv_group"]), int(lab["window"]), v))
+    lines = []
+    for model in sorted(per):
+        groups = sorted(per[model])
+        if len(groups) < 2:
+            continue
+        parts = [f"{'full' if w == 0 else f'window {w}'} {size(v)}" for _, w, v in groups]
+        lines.append(f"{model[:15]:<16}KV groups: " + ", ".join(parts))
+    return ([""] + lines) if lines else []
 
 
 def _group_lines(m: dict[str, Any]) -> list[str]:

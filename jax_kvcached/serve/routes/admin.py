@@ -37,7 +37,8 @@ def routes(ctx: AppContext) -> list[Route]:
         limits = {}
         for name, m in ctx.models.items():
             r = m.engine.pool.memory_limit_of(name)
-            limits[name] = {**dataclasses.asdict(r), "applied": r.applied}
+            limits[name] = {**dataclasses.asdict(r), "applied": r.applied,
+                            "kv_cache_groups": m.engine.kv.group_stats()}  # fmt: skip
         pools = [
             {
                 "device": str(p.device),

@@ -1,0 +1,265 @@
+"""KV cache groups in the engine: sliding-window groups give their blocks back below the
+window, outputs match the all-blocks-kept run and a dense windowed reference (greedy and
+seeded, with prefix caching and preemption), accounting is exact per group, a sliding
+group holds at most its window's blocks, and prefix hits restore exactly what a sliding
+group needs."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jax_kvcached as kv
+from jax_kvcached.engine.attention import no_cache_attention
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.kv_groups import kv_cache_groups
+from jax_kvcached.engine.kv_manager import KVManager
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.engine.sequence import Sequence
+from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+
+PAGE = 65536
+# Prompts longer than the windows; chunks of 16 straddle the window boundaries.
+PROMPTS = [[256, *range(30, 110)], [256, *range(120, 171)], [256, 7, 8, 9]]
+
+
+@pytest.fixture(scope="module")
+def models():
+    out = {name: build_model(BUILTIN_CONFIGS[name], seed=0)
+           for name in ("tiny-swa", "tiny-mistral")}  # fmt: skip
+    # A window smaller than a block and not a multiple of it (block size 8 below).
+    small = dataclasses.replace(BUILTIN_CONFIGS["tiny-swa"], sliding_window=5)
+    out["window-5"] = build_model(small, seed=1)
+    return out
+
+
+def _reference(model, prompt, n):
+    attend = no_cache_attention(model.config)
+    toks = list(prompt)
+    for _ in range(n):
+        ids = jnp.asarray([toks])
+        logits = model(ids, jnp.arange(len(toks))[None], attend)
+        toks.append(int(jnp.argmax(logits[0, -1])))
+    return toks[len(prompt) :]
+
+
+def _check_accounting(eng):
+    """Per group: mapped pages are exactly the pages of its cached blocks; nothing held."""
+    for g, group in enumerate(eng.cache.groups):
+        pc = eng.kv.prefix_caches[g] if eng.kv.prefix_caches else None
+        cached = pc.cached_blocks() if pc else []
+        assert group.num_used_blocks == len(cached), g
+        assert set(group.mapped_page_ids()) == {group.page_of(b) for b in cached}, g
+    assert eng.cache.mapped_pages == sum(g.mapped_pages for g in eng.cache.groups)
+
+
+def _engine(model, free=True, page=PAGE, **kw):
+    pool = kv.Pool(kw.pop("budget", 96) * page, page_size=page, backend="host")
+    kw.setdefault("block_size", 16)
+    eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16, attention="host",
+                 free_window_blocks=free, **kw)  # fmt: skip
+    return eng, pool
+
+
+def _bound_checker(eng):
+    """Wraps the KV manager's grow: after each, every sliding group holds at most
+    ceil((window + chunk) / block) + 1 blocks of the sequence."""
+    kvm, bs, worst = eng.kv, eng.cache.block_size, {}
+    grow = kvm.grow
+
+    def checked(seq, num_tokens):
+        ok = grow(seq, num_tokens)
+        chunk = num_tokens - seq.num_computed
+        for g, w in enumerate(kvm.windows):
+            if w and ok:
+                held = sum(1 for b in seq.tables[g] if b)
+                bound = -(-(w + chunk) // bs) + 1
+                assert held <= bound, (g, held, bound)
+                worst[g] = max(worst.get(g, 0), held)
+        return ok
+
+    kvm.grow = checked
+    return worst
+
+
+def test_groups_follow_the_layers_windows():
+    assert kv_cache_groups((16, 0, 16, 0)) == ((1, 0, 1, 0), (0, 16))
+    assert kv_cache_groups((24, 24)) == ((0, 0), (24,))
+    assert kv_cache_groups((0, 0, 0)) == ((0, 0, 0), (0,))
+    assert kv_cache_groups((512, 512, 0, 1024)) == ((1, 1, 0, 2), (0, 512, 1024))
+
+
+@pytest.mark.parametrize("name", ["tiny-swa", "tiny-mistral", "window-5"])
+def test_freeing_on_off_and_the_dense_reference_agree(models, name):
+    model = models[name]
+    bs = 8 if name == "window-5" else 16
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    seeded = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, seed=7)
+    outs = {}
+    for free in (True, False):
+        eng, pool = _engine(model, free, block_size=bs)
+        worst = _bound_checker(eng)
+        assert eng.cache.num_groups == (1 if name == "tiny-mistral" or not free else 2)
+        outs[free] = (
+            [o.token_ids for o in eng.generate(PROMPTS, greedy)],
+            [o.token_ids for o in eng.generate(PROMPTS, seeded)],
+        )
+        _check_accounting(eng)
+        if free:
+            assert worst, "the sliding group was never checked"
+            # What stays mapped is the prefix cache's (full prefixes, sliding tails).
+            assert eng.reset_prefix_cache() > 0
+            assert eng.cache.mapped_pages == 0
+        eng.close()
+        pool.close()
+    assert outs[True] == outs[False]
+    for prompt, out in zip(PROMPTS, outs[True][0], strict=True):
+        assert out == _reference(model, prompt, 6), name
+
+
+def test_without_prefix_caching_blocks_below_the_window_are_unmapped(models):
+    """Mapped memory with freeing is what the windows need, not the whole context."""
+    model = models["tiny-mistral"]  # every layer windowed (24 tokens)
+    mapped = {}
+    for free in (True, False):
+        eng, pool = _engine(model, free, prefix_caching=False, block_size=8, budget=400)
+        peak = [0]
+        step = eng.step
+
+        def tracked(step=step, eng=eng, peak=peak):
+            out = step()
+            peak[0] = max(peak[0], eng.cache.mapped_pages)
+            return out
+
+        eng.step = tracked
+        long = [[256, *range(1, 200)], [256, *range(2, 220)]]
+        eng.generate(long, SamplingParams(max_tokens=4, ignore_eos=True))
+        assert eng.cache.mapped_pages == 0  # everything freed at the end
+        mapped[free] = peak[0]
+        eng.close()
+        pool.close()
+    assert mapped[True] < mapped[False]
+
+
+def test_preemption_with_a_sliding_group(models):
+    """Too little memory for all at once: preempted sequences come back with the same
+    outputs; accounting stays exact."""
+    model = models["tiny-swa"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = [[256, *range(10 + i, 60 + i)] for i in range(4)]
+    roomy, pool = _engine(model)
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    roomy.close()
+    pool.close()
+    # 16 KiB pages hold 4 blocks; each group's KV page is 4 physical pages. A sequence
+    # needs up to 5 full blocks (2 KV pages) and 3 sliding ones: 4 do not fit in 28.
+    tight, pool = _engine(model, budget=28, page=16384)
+    got = [o.token_ids for o in tight.generate(prompts, params)]
+    assert tight.scheduler.num_preemptions > 0
+    assert got == want
+    _check_accounting(tight)
+    tight.close()
+    pool.close()
+
+
+def test_a_prefix_hit_restores_the_window_a_sliding_group_needs(models):
+    """A follow-up turn (the conversation so far plus a new message) hits the cached
+    prefix: every block in the full group, the hit point's window in the sliding one."""
+    model = models["tiny-swa"]
+    eng, pool = _engine(model)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    base = [256, *range(30, 111)]  # 82 tokens; with 5 generated, 86 (85 computed)
+    first = eng.generate([base], params)[0].token_ids
+    follow = [*base, *first, 5, 6, 7, 8, 9, 10]
+    seen = {}
+    admit = eng.kv.admit
+
+    def spy(seq):
+        n = admit(seq)
+        seen["tables"] = [list(t) for t in seq.tables]
+        seen["cached"] = n
+        return n
+
+    eng.kv.admit = spy
+    warm = eng.generate([follow], params)[0].token_ids
+    assert seen["cached"] == 80  # 5 full blocks
+    full, sliding = seen["tables"]
+    # Full group: every block of the prefix; sliding (window 16): the hit point's window,
+    # positions 65..79 -> block 4 only (blocks 0..3 are the null block).
+    assert all(full[:5]) and sliding[:4] == [0, 0, 0, 0] and sliding[4]
+    eng.kv.admit = admit
+    _check_accounting(eng)
+    eng.reset_prefix_cache()
+    cold = eng.generate([follow], params)[0].token_ids
+    assert warm == cold == _reference(model, follow, 5)
+    eng.close()
+    pool.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    window=st.integers(1, 40),
+    block=st.sampled_from([4, 8, 16]),
+    prompt=st.integers(1, 90),
+    chunks=st.lists(st.integers(1, 24), min_size=1, max_size=12),
+)
+def test_sliding_tables_hold_exactly_the_window(window, block, prompt, chunks):
+    """Any window vs block size, prompt lengths around the window, any chunking: after
+    each grow the sliding table's nulls are exactly the blocks below the chunk's window,
+    the held blocks are within the bound, and after release every page is back."""
+    pool = kv.Pool(64 * PAGE, page_size=PAGE, backend="host")
+    cache = pool.create_kv_cache("h", 2, 1, 16, "float32", block, layer_groups=(0, 1))
+    kvm = KVManager(cache, 4096, prefix_caching=False, windows=(0, window))
+    seq = Sequence(0, list(range(prompt)), SamplingParams())
+    assert kvm.admit(seq) == 0
+    pos = 0
+    for c in chunks:
+        assert kvm.grow(seq, pos + c)
+        first = max(0, pos - window + 1) // block
+        full, sliding = seq.tables
+        assert len(full) == len(sliding) == -(-(pos + c) // block)
+        assert all(full) and all(b == 0 for b in sliding[:first]) and all(sliding[first:])
+        assert len(sliding) - first <= -(-(window + c) // block) + 1
+        kvm.computed(seq, pos + c)
+        pos += c
+        used = {cache.groups[1].page_of(b) for b in sliding if b}
+        assert set(cache.groups[1].mapped_page_ids()) == used
+    kvm.release(seq)
+    assert cache.mapped_pages == 0
+    pool.close()
+
+
+def test_the_server_reports_each_kv_cache_group(models):
+    """/admin/memory, /metrics and top show each group's mapped memory, and the groups
+    add up to the model's total."""
+    import httpx
+
+    from jax_kvcached.models import ByteTokenizer
+    from jax_kvcached.serve.app import AuthConfig, BackgroundServer, ServedModel, create_app
+    from jax_kvcached.serve.loop import ServingLoop
+    from jax_kvcached.serve.top import render, scrape
+
+    model = build_model(BUILTIN_CONFIGS["tiny-gemma3"], seed=0)
+    pool = kv.Pool(96 * PAGE, page_size=PAGE, backend="host")
+    eng = Engine(model, pool, name="g", max_batch=2, tokenizer=ByteTokenizer())
+    loop = ServingLoop({"g": eng}).start()
+    app = create_app(loop, {"g": ServedModel(eng, ByteTokenizer())},
+                     auth=AuthConfig(allow_unauthenticated_admin=True))  # fmt: skip
+    http = BackgroundServer(app).start()
+    try:
+        body = {"model": "g", "prompt": "x" * 90, "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(f"{http.url}/v1/completions", json=body, timeout=120).status_code == 200
+        mem = httpx.get(f"{http.url}/admin/memory").json()["models"]["g"]["kv_cache_groups"]
+        assert [(g["layers"], g["window"]) for g in mem] == [(1, 0), (5, 16)]
+        assert sum(g["mapped_bytes"] for g in mem) == eng.cache.mapped_bytes > 0
+        m = scrape(http.url)
+        series = m["kvcached_kv_cache_group_mapped_bytes"]
+        assert {dict(k)["window"] for k in series} == {"0", "16"}
+        assert sum(series.values()) == eng.cache.mapped_bytes
+        assert "KV groups: full" in render(m) and "window 16" in render(m)
+    finally:
+        http.stop()
+        loop.stop()
+        pool.close()
