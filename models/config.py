@@ -33,6 +33,11 @@ class ModelConfig:
     # others "full_attention": Gemma, GPT-OSS).
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
+    qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3, Gemma 3)
+    # Gemma 3: the query scale is query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5),
+    # and sliding layers rotate with their own RoPE base (None: rope_theta).
+    query_pre_attn_scalar: float | None = None
+    rope_local_theta: float | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -85,6 +90,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
+        if model_type in ("gemma3_text", "gemma3"):
+            return _gemma3_from_hf(cfg.get("text_config") or cfg)
         if model_type not in registry.supported():
             raise ValueError(
                 f"unsupported model_type {model_type!r} ({', '.join(registry.supported())})"
@@ -118,6 +125,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
@@ -132,6 +140,56 @@ class ModelConfig:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _gemma3_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Gemma 3 (text) from its config.json (transformers 4.x or 5.x spelling)."""
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(cap) is not None:
+            raise ValueError(f"gemma3: {cap} is not supported")
+    act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(f"gemma3: hidden_activation {act!r} is not supported")
+    rope = cfg.get("rope_parameters") or {}
+    full = rope.get("full_attention", rope) if isinstance(rope, dict) else {}
+    local = rope.get("sliding_attention", {}) if isinstance(rope, dict) else {}
+    for params in (full, local, cfg.get("rope_scaling") or {}):
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"gemma3: rope type {kind!r} is not supported yet")
+    heads = cfg.get("num_attention_heads", 8)
+    layers = cfg.get("num_hidden_layers", 26)
+    eos = cfg.get("eos_token_id", 1)
+    return ModelConfig(
+        vocab_size=cfg.get("vocab_size", 262208),
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads", 4),
+        head_dim=cfg.get("head_dim", 256),
+        max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1e6))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        model_type="gemma3",
+        bos_token_id=cfg.get("bos_token_id", 2),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        sliding_window=int(cfg.get("sliding_window", 4096)),
+        layer_types=tuple(cfg.get("layer_types") or gemma3_layer_types(layers)),
+        qk_norm=True,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+    )
+
+
+def gemma3_layer_types(num_layers: int, pattern: int = 6) -> tuple[str, ...]:
+    """Gemma 3's attention per layer: every ``pattern``-th layer global, the rest local."""
+    return tuple(
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    )
+
 
 # Tiny random-initialised presets for demos and tests (byte-level vocabulary).
 BUILTIN_CONFIGS: dict[str, ModelConfig] = {
@@ -203,5 +261,44 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         eos_token_id=257,
         sliding_window=16,
         layer_types=("sliding_attention", "full_attention") * 2,
+    ),
+    "tiny-qwen3": ModelConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        model_type="qwen3",
+        bos_token_id=256,
+        eos_token_id=257,
+        qk_norm=True,
+    ),
+    # Gemma 3's shape in small: 5 local layers (window 16) to 1 global one.
+    "tiny-gemma3": ModelConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        model_type="gemma3",
+        bos_token_id=256,
+        eos_token_id=257,
+        sliding_window=16,
+        layer_types=gemma3_layer_types(6),
+        qk_norm=True,
+        query_pre_attn_scalar=32.0,
+        rope_local_theta=10000.0,
     ),
 }

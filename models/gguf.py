@@ -2,10 +2,12 @@
 dequantized by the ``gguf`` package.
 
 One file carries everything: the config (``<arch>.*`` metadata), the weights (F32 / F16 /
-BF16 / Q8_0 / Q4_0 / Q4_1, dequantized to the model dtype), the tokenizer (a byte-level
-BPE vocabulary with merges and special tokens) and the chat template. llama.cpp stores
-the Q and K projections with their rows permuted for its RoPE; they are permuted back so
-the weights match the Hugging Face layout our models use.
+BF16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K, dequantized to the model
+dtype), the tokenizer (a byte-level BPE vocabulary with merges, or a SentencePiece one
+with scores and byte fallback) and the chat template. llama.cpp stores a ``llama``
+model's Q and K projections with their rows permuted for its RoPE; they are permuted back
+so the weights match the Hugging Face layout our models use. Gemma files store each
+RMSNorm weight as ``1 + w``; the 1 is taken back off (our Gemma norm adds it).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import ModelConfig, gemma3_layer_types
 
-_ARCHITECTURES = ("llama", "qwen2")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+# Architectures whose Q / K rows llama.cpp permuted (its interleaved RoPE).
+_PERMUTED = ("llama",)
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -32,6 +36,15 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+}
+# Gemma's block has a norm before and after attention and MLP each.
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -98,6 +111,22 @@ class GGUFCheckpoint:
         vocab = self.meta(f"{a}.vocab_size", None) or (len(tokens) if tokens else None)
         if vocab is None:
             vocab = int(self._tensors["token_embd.weight"].dims[-1])
+        extra: dict[str, Any] = {}
+        if a == "gemma3":
+            head_dim = int(self.meta(f"{a}.attention.key_length"))
+            extra = dict(
+                sliding_window=int(self.meta(f"{a}.attention.sliding_window")),
+                layer_types=gemma3_layer_types(int(self.meta(f"{a}.block_count"))),
+                qk_norm=True,
+                # llama.cpp's choice: head_dim ** -0.5 (Gemma 3 27B alone differs).
+                query_pre_attn_scalar=float(head_dim),
+                rope_local_theta=float(self.meta(f"{a}.rope.local.freq_base", 10000.0)),
+            )
+        elif a == "qwen3":
+            extra = dict(qk_norm=True)
+        window = self.meta(f"{a}.attention.sliding_window", None)
+        if window and a == "llama":  # Mistral: one window for every layer
+            extra = dict(sliding_window=int(window))
         return ModelConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -114,21 +143,26 @@ class GGUFCheckpoint:
             model_type=a,
             bos_token_id=self.meta("tokenizer.ggml.bos_token_id", None),
             eos_token_id=self.meta("tokenizer.ggml.eos_token_id", None),
+            **extra,
         )
 
     # -- weights -----------------------------------------------------------------------
     def tensors(self, cfg: ModelConfig, dtype: Any = np.float32) -> dict[str, np.ndarray]:
         """Every weight under its Hugging Face name, dequantized, in HF layout."""
         out: dict[str, np.ndarray] = {}
+        gemma = self.architecture == "gemma3"
+        permuted = self.architecture in _PERMUTED
         for name in self._tensors:
-            hf = _hf_name(name)
+            hf = _hf_name(name, _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES)
             if hf is None:
                 raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
             w = self.dequantize(name)
-            if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
+            if permuted and (hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias")):
                 w = _unpermute(w, cfg.num_heads)
-            elif hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias"):
+            elif permuted and (hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias")):
                 w = _unpermute(w, cfg.num_kv_heads)
+            elif gemma and hf.endswith("norm.weight"):
+                w = w - 1.0  # stored as 1 + w
             out[hf] = w.astype(dtype, copy=False)
         return out
 
@@ -139,7 +173,8 @@ class GGUFCheckpoint:
 
         t = self._tensors[name]
         qtype = Q(t.tensor_type)
-        supported = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
+        supported = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K,
+                     Q.Q5_K, Q.Q6_K)  # fmt: skip
         if qtype not in supported:
             raise GGUFError(
                 f"{self.path}: tensor {name!r} has type {qtype.name}; supported: "
@@ -160,31 +195,32 @@ class GGUFCheckpoint:
 
     # -- tokenizer and chat template ---------------------------------------------------
     def tokenizer(self) -> Any:
-        """A ``tokenizers`` byte-level BPE built from the vocabulary and merges."""
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        """A ``tokenizers`` BPE: byte-level (``gpt2``: vocabulary and merges) or
+        SentencePiece (``llama``: vocabulary, scores, byte-fallback tokens)."""
+        from tokenizers import AddedToken
 
         from .tokenizer import HFTokenizer
 
         kind = self.meta("tokenizer.ggml.model", None)
-        if kind != "gpt2":
+        tokens = list(self.meta("tokenizer.ggml.tokens"))
+        types = list(self.meta("tokenizer.ggml.token_type", [1] * len(tokens)))
+        if kind == "gpt2":
+            tok = self._byte_level_bpe(tokens)
+        elif kind == "llama":
+            tok = self._sentencepiece_bpe(tokens)
+        else:
             raise GGUFError(
                 f"{self.path}: tokenizer model {kind!r} is not supported (byte-level BPE "
-                "'gpt2' only)"
+                "'gpt2' or SentencePiece 'llama')"
             )
-        tokens = list(self.meta("tokenizer.ggml.tokens"))
-        merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges")]
-        types = list(self.meta("tokenizer.ggml.token_type", [1] * len(tokens)))
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
-                         end_of_word_suffix="", fuse_unk=False)  # fmt: skip
-        tok = Tokenizer(bpe)
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens(
             [AddedToken(t, special=True, normalized=False)
              for t, ty in zip(tokens, types, strict=True) if ty == _CONTROL]
         )  # fmt: skip
-        user = [t for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED]
+        known = tok.get_vocab()
+        user = [
+            t for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED and t in known
+        ]
         if user:
             tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
         bos = self.meta("tokenizer.ggml.bos_token_id", None)
@@ -195,21 +231,73 @@ class GGUFCheckpoint:
             special_tokens={"bos_token": _token(tokens, bos), "eos_token": _token(tokens, eos)},
         )  # fmt: skip
 
+    def _byte_level_bpe(self, tokens: list[str]) -> Any:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        merges = [tuple(m.split(" ", 1)) for m in self.meta("tokenizer.ggml.merges")]
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        bpe = models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
+                         end_of_word_suffix="", fuse_unk=False)  # fmt: skip
+        tok = Tokenizer(bpe)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return tok
+
+    def _sentencepiece_bpe(self, tokens: list[str]) -> Any:
+        """SentencePiece BPE: spaces are ``▁``, unknown bytes fall back to ``<0xNN>``
+        tokens. The file has no merges: they are rebuilt from the vocabulary, a token's
+        rank its score (Gemma: its place in the file, which its scores do not follow)."""
+        from tokenizers import Tokenizer, decoders, models, normalizers
+
+        # Gemma spells tokens of several spaces with real spaces; the text has "▁"s.
+        tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+        if self.architecture == "gemma3":
+            rank = {t: -i for i, t in enumerate(tokens)}
+        else:
+            rank = dict(zip(tokens, (float(x) for x in self.meta("tokenizer.ggml.scores")),
+                            strict=True))  # fmt: skip
+        vocab = {t: i for i, t in enumerate(tokens)}
+        unk = self.meta("tokenizer.ggml.unknown_token_id", None)
+        bpe = models.BPE(vocab=vocab, merges=_spm_merges(vocab, rank), fuse_unk=True,
+                         byte_fallback=True, unk_token=_token(tokens, unk) or None)  # fmt: skip
+        tok = Tokenizer(bpe)
+        steps = [normalizers.Replace(" ", "▁")]
+        decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if self.meta("tokenizer.ggml.add_space_prefix", self.architecture != "gemma3"):
+            steps.insert(0, normalizers.Prepend("▁"))
+            decode.append(decoders.Strip(" ", 1, 0))
+        tok.normalizer = normalizers.Sequence(steps)
+        tok.decoder = decoders.Sequence(decode)
+        return tok
+
     def chat_template(self) -> str | None:
         source = self.meta("tokenizer.chat_template", None)
         return source if isinstance(source, str) and source else None
+
+
+def _spm_merges(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """Every (left, right) split of a token whose halves are tokens too, best-ranked
+    token first; a token's splits with the longer left half first."""
+    found: list[tuple[float, int, int, str, str]] = []
+    for tok, r in rank.items():
+        for i in range(1, len(tok)):
+            left, right = tok[:i], tok[i:]
+            if left in vocab and right in vocab:
+                found.append((r, len(left), len(right), left, right))
+    found.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
+    return [(m[3], m[4]) for m in found]
 
 
 def _token(tokens: list[str], i: int | None) -> str:
     return tokens[i] if i is not None and 0 <= i < len(tokens) else ""
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}"
     return None
 
 

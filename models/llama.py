@@ -1,6 +1,7 @@
 """Llama-family decoder in Flax NNX: RMSNorm, RoPE (with llama3 scaling), GQA, SwiGLU,
-optional tied embeddings; Qwen2 is the same with biases on q/k/v, Mistral with a sliding
-window (``config.layer_windows()``: the attention the engine supplies applies it).
+optional tied embeddings; Qwen2 is the same with biases on q/k/v, Qwen3 with q/k RMSNorm
+per head, Mistral with a sliding window (``config.layer_windows()``: the attention the
+engine supplies applies it).
 
 Attention is a pluggable function, ``attend(layer, q, k, v, carry) -> (out, carry)`` with
 q ``(B, T, H, D)`` and k / v ``(B, T, Hkv, D)`` after RoPE, so the same module runs over a
@@ -54,32 +55,53 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """``x / rms(x)`` over the last axis, in fp32."""
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, dtype: jnp.dtype) -> None:
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...] * y.astype(x.dtype)
+        return self.weight[...] * rms_normalize(x, self.eps).astype(x.dtype)
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    """GQA projections, RoPE, optional q/k RMSNorm per head (``norm``: the model's norm
+    class) and an optional query scale other than ``head_dim ** -0.5`` (the attention the
+    engine supplies divides by ``sqrt(head_dim)``; q is pre-scaled to make up the rest)."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, norm: type | None = None
+    ) -> None:
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.q_proj = nnx.Linear(cfg.hidden_size, h * d, use_bias=cfg.qkv_bias, **kw)
         self.k_proj = nnx.Linear(cfg.hidden_size, kvh * d, use_bias=cfg.qkv_bias, **kw)
         self.v_proj = nnx.Linear(cfg.hidden_size, kvh * d, use_bias=cfg.qkv_bias, **kw)
         self.o_proj = nnx.Linear(h * d, cfg.hidden_size, use_bias=False, **kw)
+        norm = norm or RMSNorm
+        self.q_norm = norm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = norm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        scalar = cfg.query_pre_attn_scalar
+        self.q_scale = float(d**0.5 * scalar**-0.5) if scalar and scalar != d else None
         self.shape = (h, kvh, d)
 
     def __call__(self, x, positions, inv_freq, attend_layer, carry):
         b, t, _ = x.shape
         h, kvh, d = self.shape
-        q = apply_rope(self.q_proj(x).reshape(b, t, h, d), positions, inv_freq)
-        k = apply_rope(self.k_proj(x).reshape(b, t, kvh, d), positions, inv_freq)
+        q = self.q_proj(x).reshape(b, t, h, d)
+        k = self.k_proj(x).reshape(b, t, kvh, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, inv_freq)
+        k = apply_rope(k, positions, inv_freq)
+        if self.q_scale is not None:
+            q = q * jnp.asarray(self.q_scale, q.dtype)
         v = self.v_proj(x).reshape(b, t, kvh, d)
         out, carry = attend_layer(q, k, v, carry)
         return self.o_proj(out.reshape(b, t, h * d).astype(x.dtype)), carry
@@ -109,7 +131,7 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), carry
 
 
-@register("llama", "qwen2", "mistral")
+@register("llama", "qwen2", "qwen3", "mistral")
 class LlamaModel(nnx.Module):
     """Decoder-only LM (Llama family, Qwen2): a :class:`~.interface.CausalLM`.
     ``model(tokens, positions, attend)`` returns fp32 logits. ``layers`` is one
@@ -166,32 +188,8 @@ class LlamaModel(nnx.Module):
         return logits.astype(jnp.float32)
 
     def tensor_parallel_plan(self, tp: int) -> list[tuple[object, str, int]]:
-        """(module, attribute, split axis) of each parameter split over ``tp`` devices
-        (the rest are replicated): attention heads and KV heads, the MLP's hidden units
-        and, when it divides, the vocabulary. Raises ValueError when heads do not split."""
-        cfg = self.config
-        for what, n in (
-            ("attention heads", cfg.num_heads),
-            ("KV heads", cfg.num_kv_heads),
-            ("MLP units (intermediate_size)", cfg.intermediate_size),
-        ):
-            if n % tp:
-                raise ValueError(
-                    f"tensor parallelism over {tp} devices needs {what} divisible by {tp}; "
-                    f"this {cfg.model_type} model has {n}"
-                )
-        plan: list[tuple[object, str, int]] = []
-        if cfg.vocab_size % tp == 0:
-            plan.append((self.embed_tokens, "embedding", 0))
-            if self.lm_head is not None:
-                plan.append((self.lm_head, "kernel", 1))
-        attn, mlp = self.layers.self_attn, self.layers.mlp  # stacked: (layers, in, out)
-        for mod in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-            plan.append((mod, "kernel", 2))  # split by output columns
-            if mod.bias is not None:
-                plan.append((mod, "bias", 1))
-        plan += [(attn.o_proj, "kernel", 1), (mlp.down_proj, "kernel", 1)]  # by rows
-        return plan
+        """See :func:`decoder_tp_plan`."""
+        return decoder_tp_plan(self, tp)
 
     def hf_weights(self) -> dict[str, tuple[object, str, bool, int | None]]:
         """Hugging Face tensor name -> (module, attribute, transpose, layer index into
@@ -209,11 +207,52 @@ class LlamaModel(nnx.Module):
             t[p + "post_attention_layernorm.weight"] = (
                 layer.post_attention_layernorm, "weight", False, i,
             )  # fmt: skip
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                mod = getattr(layer.self_attn, name)
-                t[p + f"self_attn.{name}.weight"] = (mod, "kernel", True, i)
-                if mod.bias is not None:
-                    t[p + f"self_attn.{name}.bias"] = (mod, "bias", False, i)
+            t.update(attention_weights(layer.self_attn, p, i))
             for name in ("gate_proj", "up_proj", "down_proj"):
                 t[p + f"mlp.{name}.weight"] = (getattr(layer.mlp, name), "kernel", True, i)
         return t
+
+
+def attention_weights(attn: Attention, p: str, i: int) -> dict[str, tuple]:
+    """The HF names of one layer's attention weights (prefix ``p``, layer ``i``)."""
+    t: dict[str, tuple] = {}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        mod = getattr(attn, name)
+        t[p + f"self_attn.{name}.weight"] = (mod, "kernel", True, i)
+        if mod.bias is not None:
+            t[p + f"self_attn.{name}.bias"] = (mod, "bias", False, i)
+    if attn.q_norm is not None:
+        t[p + "self_attn.q_norm.weight"] = (attn.q_norm, "weight", False, i)
+        t[p + "self_attn.k_norm.weight"] = (attn.k_norm, "weight", False, i)
+    return t
+
+
+def decoder_tp_plan(model: Any, tp: int) -> list[tuple[object, str, int]]:
+    """(module, attribute, split axis) of each parameter of a decoder (``embed_tokens``,
+    optional ``lm_head``, stacked ``layers`` with ``self_attn`` and ``mlp``) split over
+    ``tp`` devices (the rest are replicated): attention heads and KV heads, the MLP's
+    hidden units and, when it divides, the vocabulary. ValueError when heads do not split."""
+    cfg = model.config
+    for what, n in (
+        ("attention heads", cfg.num_heads),
+        ("KV heads", cfg.num_kv_heads),
+        ("MLP units (intermediate_size)", cfg.intermediate_size),
+    ):
+        if n % tp:
+            raise ValueError(
+                f"tensor parallelism over {tp} devices needs {what} divisible by {tp}; "
+                f"this {cfg.model_type} model has {n}"
+            )
+    plan: list[tuple[object, str, int]] = []
+    lm_head = getattr(model, "lm_head", None)
+    if cfg.vocab_size % tp == 0:
+        plan.append((model.embed_tokens, "embedding", 0))
+        if lm_head is not None:
+            plan.append((lm_head, "kernel", 1))
+    attn, mlp = model.layers.self_attn, model.layers.mlp  # stacked: (layers, in, out)
+    for mod in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+        plan.append((mod, "kernel", 2))  # split by output columns
+        if mod.bias is not None:
+            plan.append((mod, "bias", 1))
+    plan += [(attn.o_proj, "kernel", 1), (mlp.down_proj, "kernel", 1)]  # by rows
+    return plan

