@@ -555,9 +555,8 @@ class Engine:
                     self.abort(rid)
             self.run()
             self.drain()
-            spilled = 0
-            if self.prefix_cache is not None:  # idle prefixes: to the host tier, if any
-                spilled = self.prefix_cache.evict(self.prefix_cache.num_evictable_blocks)
+            # Idle prefixes of every KV cache group (to the host tier, if any).
+            spilled = sum(pc.evict(pc.num_evictable_blocks) for pc in self.kv.prefix_caches)
             self.runner.token.block_until_ready()  # (frees wait for the last step)
             self.kv.poll()
             self._asleep = self.runner.offload_weights(level)

@@ -414,7 +414,8 @@ class ModelRunner:
                 # This step's K/V first (the reads below see them), then the attention; the
                 # token chain orders every layer's calls (the scan's carry). A layer writes
                 # and reads through its KV cache group's slots and tables.
-                g = 0 if ng == 1 else jnp.asarray(groups)[i]
+                # (unrolled, i is a Python int: the group is static; scanned, an index)
+                g = groups[i] if isinstance(i, int) else jnp.asarray(groups)[i]
                 slots, tables = group_slots[g], group_tables[g]
                 chain = write(i, k[0].astype(cache.dtype), v[0].astype(cache.dtype), slots, chain)
                 after = dataclasses.replace(lay, tables=ops.after(tables, chain))
