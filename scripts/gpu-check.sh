@@ -9,7 +9,8 @@
 # attention benchmark (Pallas vs XLA vs jax's decode kernel vs dense); the cost of
 # logprobs / penalties and of n samples forked vs independent; the VMM benchmark (with the
 # host tier's copy bandwidth); the step's K/V write with and without the host sync; the
-# serving benchmark (ragged steps: the stall case and two request rates).
+# serving benchmark (ragged steps: the stall case and two request rates); the hybrid
+# benchmark (KV cache groups: sliding-window blocks given back; tiny-mistral on CUDA).
 # The bf16-vs-fp32 greedy check needs SmolLM2's GGUF (98 MB, over what a run carries):
 # put it under .models/ in the checkout (`KVCACHED_MODEL_CACHE=.models jax-kvcached download`)
 # where the carry limit allows, else that one test fails saying the file is missing.
@@ -45,4 +46,6 @@ timeout 30 python3 "$B/bench_decode.py" --parts write --backend cuda \
 timeout 120 python3 "$B/bench_serving.py" --model m=tiny-llama --parts stall,rates \
   --stall-prompts 200,900 --stall-tokens 100 --rates 4,16 --num-prompts 24 --max-id 300 --max-prompt-len 600 \
   --out "$J/bench_serving_gpu.json" 2>&1 | tee "$OUT/bench_serving_gpu.log"
+timeout 60 python3 "$B/bench_hybrid.py" --quick --models tiny-mistral --out "$J" 2>&1 \
+  | tee "$OUT/bench_hybrid_gpu.log"
 tar czf "$OUT/json.tgz" -C "$J" .

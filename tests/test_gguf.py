@@ -192,8 +192,9 @@ def test_every_supported_tensor_type_dequantizes(tmp_path):
     from gguf import GGMLQuantizationType as Q
 
     x = np.random.default_rng(1).standard_normal((4, 64)).astype(np.float32)
+    # (the K types: the real Gemma 3 file, test_gemma3.py)
     types = {Q.F32: 0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 2e-2, Q.Q4_1: 0.25, Q.Q4_0: 0.3,
-             Q.Q5_0: 0.1, Q.Q5_1: 0.1}  # (the K types: the real Gemma 3 file, test_gemma3)
+             Q.Q5_0: 0.1, Q.Q5_1: 0.1}  # fmt: skip
     path = tmp_path / "types.gguf"
     _write_gguf(path, extra=[(f"t.{q.name}", x, q) for q in types])
     ck = GGUFCheckpoint(str(path))
