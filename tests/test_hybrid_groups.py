@@ -189,6 +189,9 @@ def test_a_prefix_hit_restores_the_window_a_sliding_group_needs(models):
     # Full group: every block of the prefix; sliding (window 16): the hit point's window,
     # positions 65..79 -> block 4 only (blocks 0..3 are the null block).
     assert all(full[:5]) and sliding[:4] == [0, 0, 0, 0] and sliding[4]
+    # Both groups counted the two prompts' lookups (5 blocks each) and the 80-token hit.
+    for group in eng.kv.stats()["groups"]:
+        assert (group["queries_tokens"], group["hits_tokens"]) == (160, 80), group
     eng.kv.admit = admit
     _check_accounting(eng)
     want = _reference(model, follow, 5)  # (before the sleep takes the weights off)

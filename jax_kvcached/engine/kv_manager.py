@@ -350,9 +350,8 @@ class KVManager:
                 seq.blocks = self._take_prefix(hashes, prefix)
             else:
                 for g, pc in enumerate(self.prefix_caches):
-                    lo = self._hit_lo(g, prefix)
-                    taken = pc.match_each(hashes[lo:prefix], prefix - lo)
-                    seq.tables[g] = [0] * lo + taken
+                    taken = pc.match_each(hashes, prefix, skip=self._hit_lo(g, prefix))
+                    seq.tables[g] = [b or 0 for b in taken]  # (below a window: the null block)
             prefix = len(seq.blocks)
             seq.inserted = [prefix] * ng
             seq.num_computed = prefix * bs

@@ -173,12 +173,16 @@ class PrefixCache:
         self.policy.on_hit(block)
         self.hits += self.block_size
 
-    def match_each(self, hashes: Sequence[bytes], n: int) -> list[int | None]:
+    def match_each(self, hashes: Sequence[bytes], n: int, skip: int = 0) -> list[int | None]:
         """One entry per hash of the first ``n`` of ``hashes``: its cached block, with a
         ref taken, or None where it is not cached (the caller fills the gaps, e.g. from
-        the host tier). Counts the lookup of all ``hashes``."""
+        the host tier). Counts the lookup of all ``hashes``. ``skip``: the first entries
+        a hit covers without a block (a sliding window's, below it): None, not looked
+        up, counted as hits."""
         self.queries += len(hashes) * self.block_size
-        out = [self._block_of.get(h) if self.enabled else None for h in hashes[:n]]
+        self.hits += skip * self.block_size
+        out = [None] * skip
+        out += [self._block_of.get(h) if self.enabled else None for h in hashes[skip:n]]
         for block in out:
             if block is not None:
                 self._take(block)
@@ -219,22 +223,24 @@ class PrefixCache:
                 uncached.append(block)
         for block in dropped:
             self.policy.on_idle(block)  # (the policy removes idle blocks only)
-            self.policy.on_remove(block)
-            del self._block_of[self._hash_of.pop(block)]
-            del self._ref[block]
+        self._forget(dropped)
         if uncached or dropped:
             self._free(uncached + dropped)
         self._enforce_bound()
 
     # -- eviction --------------------------------------------------------------------
-    def _drop(self, blocks: Iterable[int], *, spill: bool = True) -> int:
-        blocks = list(blocks)
-        if blocks and spill and self._evicted is not None:
-            self._evicted([self._hash_of[b] for b in blocks], blocks)
+    def _forget(self, blocks: list[int]) -> None:
+        """Idle cached blocks leave the cache (the caller frees them)."""
         for block in blocks:
             self.policy.on_remove(block)
             del self._block_of[self._hash_of.pop(block)]
             del self._ref[block]
+
+    def _drop(self, blocks: Iterable[int], *, spill: bool = True) -> int:
+        blocks = list(blocks)
+        if blocks and spill and self._evicted is not None:
+            self._evicted([self._hash_of[b] for b in blocks], blocks)
+        self._forget(blocks)
         if blocks:
             self._free(blocks)
             self.evictions += len(blocks)
