@@ -24,6 +24,7 @@ from flax import nnx
 from .config import ModelConfig
 from .interface import Attend
 from .llama import (
+    MLP,
     Attention,
     attention_weights,
     decoder_tp_plan,
@@ -46,17 +47,6 @@ class GemmaRMSNorm(nnx.Module):
         return (rms_normalize(x, self.eps) * scale).astype(x.dtype)
 
 
-class GeluMLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
-        kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.gate_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.up_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.down_proj = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
-
-    def __call__(self, x):
-        return self.down_proj(jax.nn.gelu(self.gate_proj(x), approximate=True) * self.up_proj(x))
-
-
 class Gemma3Layer(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         def norm() -> GemmaRMSNorm:
@@ -66,7 +56,7 @@ class Gemma3Layer(nnx.Module):
         self.self_attn = Attention(cfg, dtype, rngs, norm=GemmaRMSNorm)
         self.post_attention_layernorm = norm()
         self.pre_feedforward_layernorm = norm()
-        self.mlp = GeluMLP(cfg, dtype, rngs)
+        self.mlp = MLP(cfg, dtype, rngs, act="gelu_tanh")
         self.post_feedforward_layernorm = norm()
 
     def __call__(self, x, positions, inv_freq, attend_layer, carry):

@@ -107,15 +107,24 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(b, t, h * d).astype(x.dtype)), carry
 
 
+# Gated MLP activations by name: SwiGLU (Llama family), GELU-tanh (Gemma).
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    """``down(act(gate(x)) * up(x))``; ``act`` names the activation (``_ACTIVATIONS``)."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, act: str = "silu"
+    ) -> None:
         kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.gate_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.up_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.down_proj = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        self.act = act
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):

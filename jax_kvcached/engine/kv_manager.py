@@ -536,7 +536,7 @@ class KVManager:
         for g, w in zip(self.groups, self.windows, strict=True):
             pc = self.prefix_caches[g.index] if self.prefix_caches else None
             out.append({
-                "layers": len(g.layers), "window": w, "mapped_bytes": g.mapped_pages * g.page_size,
+                "layers": len(g.layers), "window": w, "mapped_bytes": g.mapped_bytes,
                 "used_blocks": g.num_used_blocks,
                 "cached_blocks": pc.num_cached_blocks if pc else 0,
             })  # fmt: skip

@@ -74,6 +74,11 @@ class KVCacheGroup:
         return self.num_mapped_pages * self.pages_per_kv_page
 
     @property
+    def mapped_bytes(self) -> int:
+        """Physical bytes this group has mapped on each device."""
+        return self.mapped_pages * self.page_size
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks :meth:`alloc` can hand out now: free blocks of mapped pages plus what the
         tenant's room in the pool can still map for this group."""
@@ -174,14 +179,13 @@ class KVCacheGroup:
         return bool(self._buffer.is_mapped(int(page), group=self.index))
 
     def stats(self) -> dict[str, Any]:
-        kv_pages = self.num_mapped_pages
         return {
             "layers": list(self.layers),
             "used_blocks": self.num_used_blocks,
             "free_blocks": self.num_free_blocks,
-            "mapped_kv_pages": kv_pages,
-            "mapped_pages": kv_pages * self.pages_per_kv_page,
-            "mapped_bytes": kv_pages * self.pages_per_kv_page * self.page_size,
+            "mapped_kv_pages": self.num_mapped_pages,
+            "mapped_pages": self.mapped_pages,
+            "mapped_bytes": self.mapped_bytes,
             "pages_per_kv_page": self.pages_per_kv_page,
         }
 
