@@ -1,6 +1,7 @@
 // HostArena: bounded host memory for copies of one KV buffer's blocks (the host tier).
 //
-// num_slots slots, each one block of every plane, stored plane-major: the bytes of slot s
+// An arena is made for one KV cache group of the buffer (a buffer of one group: every
+// plane). num_slots slots, each one block of each of the group's planes, stored plane-major: the bytes of slot s
 // in plane p are at data() + (p * num_slots + s) * block_bytes. A run of consecutive
 // blocks copied into consecutive slots is then one copy per plane. The memory comes from
 // the buffer's backend (page-locked on CUDA, so copies are asynchronous DMA) and is
@@ -17,7 +18,8 @@ namespace kvcached {
 
 class HostArena {
  public:
-  HostArena(std::shared_ptr<PagePool> pool, size_t block_bytes, int64_t num_planes, int64_t num_slots);
+  HostArena(std::shared_ptr<PagePool> pool, size_t block_bytes, int64_t num_planes, int64_t num_slots,
+            int group = 0);
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
@@ -27,6 +29,7 @@ class HostArena {
   size_t block_bytes() const { return block_bytes_; }
   int64_t num_planes() const { return num_planes_; }
   int64_t num_slots() const { return num_slots_; }
+  int group() const { return group_; }
   // Bytes of one slot (every plane) and of the whole arena.
   size_t slot_bytes() const { return block_bytes_ * static_cast<size_t>(num_planes_); }
   size_t total_bytes() const { return slot_bytes() * static_cast<size_t>(num_slots_); }
@@ -43,6 +46,7 @@ class HostArena {
   size_t block_bytes_;
   int64_t num_planes_;
   int64_t num_slots_;
+  int group_;
   char* data_ = nullptr;
   bool pinned_ = false;  // page-locked (CUDA)
 };

@@ -454,14 +454,14 @@ std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t 
   return {};
 }
 
-std::string KVBuffer::check_block(int64_t b, size_t index, const std::string& what) const {
+std::string KVBuffer::check_block(int64_t b, size_t index, const std::string& what, int group) const {
   const int64_t nb = num_blocks();
   if (b < 0 || b >= nb) {
     return what + std::to_string(b) + " (index " + std::to_string(index) + ") out of range [0, " +
            std::to_string(nb) + ")";
   }
   if (block_straddles(b)) return what + std::to_string(b) + " straddles two pages";
-  if (!page_mapped(0, page_of_block(b))) {
+  if (!page_mapped(group, page_of_block(b))) {
     return what + std::to_string(b) + " is in an unmapped page";
   }
   return {};
@@ -503,9 +503,13 @@ void KVBuffer::copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n
 std::string KVBuffer::check_host_copy(const int32_t* blocks, const int64_t* slots, size_t n,
                                       const HostArena& arena) const {
   if (closed_) return "the KV cache is closed";
-  if (num_groups() != 1) return "the host tier copies every plane: this cache has several KV cache groups";
+  const int g = arena.group();
+  if (g < 0 || g >= num_groups()) {
+    return "the host arena's KV cache group " + std::to_string(g) + " is not one of this buffer's " +
+           std::to_string(num_groups());
+  }
   if (arena.pool() != pool_.get() || arena.block_bytes() != block_bytes() ||
-      arena.num_planes() != layout_.num_planes()) {
+      static_cast<size_t>(arena.num_planes()) != group_pages_per_kv_page(g)) {
     return "the host arena was not made for this KV buffer (its pool, block bytes or planes differ)";
   }
   std::vector<int64_t> seen_blocks(blocks, blocks + n), seen_slots(slots, slots + n);
@@ -517,7 +521,7 @@ std::string KVBuffer::check_host_copy(const int32_t* blocks, const int64_t* slot
   }
   for (size_t i = 0; i < n; ++i) {
     if (blocks[i] == 0) return "block 0 is the null block";
-    std::string err = check_block(blocks[i], i, "block ");
+    std::string err = check_block(blocks[i], i, "block ", g);
     if (!err.empty()) return err;
     if (slots[i] < 0 || slots[i] >= arena.num_slots()) {
       return "host slot " + std::to_string(slots[i]) + " (index " + std::to_string(i) +
@@ -528,13 +532,15 @@ std::string KVBuffer::check_host_copy(const int32_t* blocks, const int64_t* slot
 }
 
 template <typename F>
-void KVBuffer::for_each_host_run(const int32_t* blocks, const int64_t* slots, size_t n, F copy) const {
+void KVBuffer::for_each_host_run(int group, const int32_t* blocks, const int64_t* slots, size_t n,
+                                 F copy) const {
+  const std::vector<size_t>& planes = group_planes_[static_cast<size_t>(group)];
   size_t i = 0;
   while (i < n) {
     size_t j = i + 1;
     while (j < n && blocks[j] == blocks[j - 1] + 1 && slots[j] == slots[j - 1] + 1) ++j;
-    for (int64_t plane = 0; plane < layout_.num_planes(); ++plane) {
-      copy(plane, blocks[i], slots[i], j - i);
+    for (size_t a = 0; a < planes.size(); ++a) {
+      copy(static_cast<int64_t>(a), static_cast<int64_t>(planes[a]), blocks[i], slots[i], j - i);
     }
     i = j;
   }
@@ -546,8 +552,9 @@ uint64_t KVBuffer::copy_to_host(const int32_t* blocks, const int64_t* slots, siz
   if (!err.empty()) throw Error("copy to host: " + err);
   PhysicalBackend& be = pool_->backend();
   const size_t bb = block_bytes();
-  for_each_host_run(blocks, slots, n, [&](int64_t plane, int64_t block, int64_t slot, size_t count) {
-    be.copy_to_host(arena.at(plane, slot),
+  for_each_host_run(arena.group(), blocks, slots, n,
+                    [&](int64_t a, int64_t plane, int64_t block, int64_t slot, size_t count) {
+    be.copy_to_host(arena.at(a, slot),
                     base_ + static_cast<size_t>(plane) * plane_bytes_ + static_cast<size_t>(block) * bb,
                     count * bb);
   });
@@ -560,9 +567,10 @@ void KVBuffer::copy_from_host(HostArena& arena, const int64_t* slots, const int3
   if (!err.empty()) throw Error("copy from host: " + err);
   PhysicalBackend& be = pool_->backend();
   const size_t bb = block_bytes();
-  for_each_host_run(blocks, slots, n, [&](int64_t plane, int64_t block, int64_t slot, size_t count) {
+  for_each_host_run(arena.group(), blocks, slots, n,
+                    [&](int64_t a, int64_t plane, int64_t block, int64_t slot, size_t count) {
     be.copy_to_device(base_ + static_cast<size_t>(plane) * plane_bytes_ + static_cast<size_t>(block) * bb,
-                      arena.at(plane, slot), count * bb);
+                      arena.at(a, slot), count * bb);
   });
   be.sync_copies();
 }

@@ -169,10 +169,11 @@ class KVBuffer {
                      const int32_t* slots, size_t n);
   void copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n);
 
-  // The host tier (host_arena.h): copies blocks[i], every plane, to / from slot slots[i] of
-  // an arena made for this buffer (its pool, block bytes and planes; one group only). Both validate first
-  // (blocks in range, not the null block, not straddling, in mapped pages; slots in
-  // range; no block or slot twice) and throw Error, copying nothing. copy_to_host
+  // The host tier (host_arena.h): copies blocks[i] of the arena's KV cache group (each of
+  // the group's planes) to / from slot slots[i] of an arena made for this buffer and group
+  // (its pool, block bytes, group and the group's plane count). Both validate first
+  // (blocks in range, not the null block, not straddling, in pages the group has mapped;
+  // slots in range; no block or slot twice) and throw Error, copying nothing. copy_to_host
   // enqueues (asynchronous on CUDA) and returns a ticket for copies_done(); an unmap
   // waits for every enqueued copy first. copy_from_host returns once its copies are done.
   uint64_t copy_to_host(const int32_t* blocks, const int64_t* slots, size_t n, HostArena& arena);
@@ -192,15 +193,15 @@ class KVBuffer {
     return static_cast<size_t>(group) * static_cast<size_t>(layout_.num_pages) + static_cast<size_t>(page);
   }
   bool page_mapped(int group, int64_t page) const { return !phys_[slot_index(group, page)].empty(); }
-  // Block b (the index-th given) in range, not straddling, in a mapped page of group 0;
+  // Block b (the index-th given) in range, not straddling, in a page the group has mapped;
   // else why ("<what><b> ...").
-  std::string check_block(int64_t b, size_t index, const std::string& what) const;
+  std::string check_block(int64_t b, size_t index, const std::string& what, int group = 0) const;
   std::string check_host_copy(const int32_t* blocks, const int64_t* slots, size_t n,
                               const HostArena& arena) const;
-  // Calls copy(plane, block, slot, count) per plane for each run of consecutive blocks
-  // going to consecutive slots.
+  // Calls copy(arena_plane, plane, block, slot, count) per plane of a group for each run
+  // of consecutive blocks going to consecutive slots (arena_plane: its index in the group).
   template <typename F>
-  void for_each_host_run(const int32_t* blocks, const int64_t* slots, size_t n, F copy) const;
+  void for_each_host_run(int group, const int32_t* blocks, const int64_t* slots, size_t n, F copy) const;
 
   std::shared_ptr<PagePool> pool_;
   KVLayout layout_;

@@ -158,7 +158,7 @@ NB_MODULE(_C, m) {
             return b.copy_to_host(blocks.data(), slots.data(), blocks.shape(0), arena);
           },
           nb::arg("blocks"), nb::arg("slots"), nb::arg("arena"), nb::call_guard<nb::gil_scoped_release>(),
-          "Enqueues copies of blocks (every plane) into host slots; returns a ticket.")
+          "Enqueues copies of blocks of the arena's group (its planes) into host slots; returns a ticket.")
       .def(
           "copy_from_host",
           [](KVBuffer& b, HostArena& arena, SlotArray slots, IdArray blocks) {
@@ -166,7 +166,7 @@ NB_MODULE(_C, m) {
             b.copy_from_host(arena, slots.data(), blocks.data(), blocks.shape(0));
           },
           nb::arg("arena"), nb::arg("slots"), nb::arg("blocks"), nb::call_guard<nb::gil_scoped_release>(),
-          "Copies host slots into blocks (every plane); returns when done.")
+          "Copies host slots into blocks of the arena's group (its planes); returns when done.")
       .def("copies_done", &KVBuffer::copies_done, nb::arg("ticket"),
            nb::call_guard<nb::gil_scoped_release>(),
            "Whether the copies of a ticket are done (raises if one failed).")
@@ -202,11 +202,18 @@ NB_MODULE(_C, m) {
           "A DLPack capsule over the whole virtual buffer (zero-copy).");
 
   nb::class_<HostArena>(m, "HostArena")
-      .def(nb::new_([](std::shared_ptr<KVBuffer> buffer, int64_t num_slots) {
-             return std::make_shared<HostArena>(buffer->shared_pool(), buffer->block_bytes(),
-                                                buffer->layout().num_planes(), num_slots);
+      .def(nb::new_([](std::shared_ptr<KVBuffer> buffer, int64_t num_slots, int group) {
+             if (group < 0 || group >= buffer->num_groups()) {
+               throw Error("KV cache group " + std::to_string(group) + " out of range [0, " +
+                           std::to_string(buffer->num_groups()) + ")");
+             }
+             return std::make_shared<HostArena>(
+                 buffer->shared_pool(), buffer->block_bytes(),
+                 static_cast<int64_t>(buffer->group_pages_per_kv_page(group)), num_slots, group);
            }),
-           nb::arg("buffer"), nb::arg("num_slots"))
+           nb::arg("buffer"), nb::arg("num_slots"), nb::arg("group") = 0,
+           "Host slots for blocks of one KV cache group of a buffer (each of its planes).")
+      .def_prop_ro("group", &HostArena::group)
       .def_prop_ro("num_slots", &HostArena::num_slots)
       .def_prop_ro("num_planes", &HostArena::num_planes)
       .def_prop_ro("block_bytes", &HostArena::block_bytes)

@@ -204,6 +204,60 @@ def test_a_prefix_hit_restores_the_window_a_sliding_group_needs(models):
     pool.close()
 
 
+def test_the_host_tier_keeps_each_groups_blocks(monkeypatch):
+    """With a host tier, each group's evicted blocks go to its own tier (a sliding group
+    keeps only its last window's): asleep the model maps nothing, and the follow-up turn
+    restores the full group's whole prefix and the sliding group's window from the host
+    (the same tokens as the dense reference). A sliding group's failed restore shrinks
+    the hit to what every group holds: recomputed, same tokens, nothing leaked."""
+    model = build_model(BUILTIN_CONFIGS["tiny-swa"], seed=0)  # its own: a sleep takes these
+    eng, pool = _engine(model, host_cache_tokens=512)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    base = [256, *range(30, 111)]
+    first = eng.generate([base], params)[0].token_ids
+    follow = [*base, *first, 5, 6, 7, 8, 9, 10]
+    want = _reference(model, follow, 5)
+    assert eng.sleep()["mapped_pages"] == 0 == eng.cache.mapped_pages
+    eng.wake()
+    full_tier, sliding_tier = eng.kv.host_caches
+    # 85 computed tokens: 5 full blocks; the sliding group (window 16) had kept block 4.
+    assert (full_tier.num_entries, sliding_tier.num_entries) == (5, 1)
+    slot = 2 * 2 * eng.cache.block_bytes  # 2 layers each, K and V
+    assert sliding_tier.store.slot_bytes == full_tier.store.slot_bytes == slot
+    seen = {}
+    admit = eng.kv.admit
+
+    def spy(seq):
+        n = admit(seq)
+        seen["tables"], seen["cached"] = [list(t) for t in seq.tables], n
+        return n
+
+    monkeypatch.setattr(eng.kv, "admit", spy)
+    assert eng.generate([follow], params)[0].token_ids == want
+    assert seen["cached"] == 80
+    full, sliding = seen["tables"]
+    assert all(full[:5]) and sliding[:4] == [0, 0, 0, 0] and sliding[4]
+    host = eng.stats()["host_cache"]
+    assert (host["restores"], host["hits_tokens"], host["restored_blocks"]) == (1, 80, 6)
+    assert [g["restored_blocks"] for g in host["groups"]] == [5, 1]
+    _check_accounting(eng)
+    # Again from the host, but the sliding group's copy back fails: no group hit at all.
+    eng.sleep()
+    eng.wake()
+
+    def broken(slots, blocks):
+        raise kv.KVCacheError("injected copy failure")
+
+    monkeypatch.setattr(sliding_tier.store, "copy_in", broken)
+    assert eng.generate([follow], params)[0].token_ids == want
+    assert seen["cached"] == 0 and eng.stats()["host_cache"]["restores"] == 1
+    _check_accounting(eng)
+    assert eng.reset_prefix_cache() > 0 and eng.cache.mapped_pages == 0
+    assert full_tier.num_entries == sliding_tier.num_entries == 0
+    eng.close()
+    pool.close()
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     window=st.integers(1, 40),

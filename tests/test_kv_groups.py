@@ -8,6 +8,7 @@ import pytest
 
 import jax_kvcached as kv
 from jax_kvcached.memory import ops
+from jax_kvcached.memory.host_store import HostStore
 
 PAGE = 65536
 
@@ -94,3 +95,53 @@ def test_groups_share_one_budget(pool):
     assert g1.num_free_blocks > 0
     assert cache.stats()["groups"][0]["mapped_pages"] == g0.mapped_pages
     assert cache.mapped_pages == g0.mapped_pages + g1.mapped_pages
+
+
+def test_the_host_tier_copies_a_groups_own_planes(pool):
+    """A host store per group: a slot holds the group's layers' planes only, round trips
+    are byte-identical through an unmap, and a block of another group's page is refused."""
+    cache = _cache(pool)
+    g0, g1 = cache.groups
+    s0, s1 = HostStore(cache, 4, 0), HostStore(cache, 4, 1)
+    assert (s0.slot_bytes, s1.slot_bytes) == (6 * cache.block_bytes, 2 * cache.block_bytes)
+    assert s0.total_bytes + s1.total_bytes == 4 * 2 * 4 * cache.block_bytes  # 4 slots x 4 layers
+    a, b = g0.alloc(2).tolist(), g1.alloc(2).tolist()
+    planes = {0: (0, 2, 3), 1: (1,)}
+    rng = np.random.default_rng(0)
+
+    @jax.jit
+    def write(layer, k, v, slots, token):
+        return ops.write_kv(cache, layer, k, v, slots, token)
+
+    for group, blocks in ((0, a), (1, b)):
+        slots = jnp.asarray([x * 16 + t for x in blocks for t in range(16)], jnp.int32)
+        for layer in planes[group]:
+            k, v = (jnp.asarray(rng.standard_normal((32, 2, 64)), jnp.float32) for _ in "kv")
+            jax.block_until_ready(write(layer, k, v, slots, ops.new_token()))
+    before = np.asarray(cache.view).copy()
+
+    def group_bytes(view, group, block):
+        return b"".join(view[layer, :, block].tobytes() for layer in planes[group])
+
+    for store, group, blocks in ((s0, 0, a), (s1, 1, b)):
+        assert store.done(store.copy_out(blocks, [0, 1]))
+        assert store.read_slot(1) == group_bytes(before, group, blocks[1])
+    g0.free(a)
+    g1.free(b)
+    assert cache.mapped_pages == 0
+    # Group 1's blocks come back elsewhere (group 0 holds page 0 now): same bytes.
+    g0.alloc(8)
+    b2 = g1.alloc(10).tolist()[8:]
+    ahead = np.asarray(cache.view).copy()
+    s1.copy_in([0, 1], b2)
+    after = np.asarray(cache.view)
+    for old, new in zip(b, b2, strict=True):
+        assert group_bytes(after, 1, new) == group_bytes(before, 1, old)
+        assert group_bytes(after, 0, new) == group_bytes(ahead, 0, new)  # other planes: as were
+    with pytest.raises(kv.KVCacheError, match="unmapped page"):  # a page group 0 has not mapped
+        cache.shards[0].copy_to_host(np.array([20], np.int32), np.array([2], np.int64),
+                                     s0.arenas[0])  # fmt: skip
+    with pytest.raises(ValueError, match="not allocated"):
+        s0.copy_out([b2[0]], [2])  # allocated in group 1, not in group 0
+    with pytest.raises(ValueError, match="group 2 out of range"):
+        HostStore(cache, 4, 2)

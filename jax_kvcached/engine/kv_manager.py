@@ -10,7 +10,9 @@ back through :meth:`reclaim`.
 
 With a host tier (``host_cache_blocks`` > 0), evicted prefix blocks are copied to host
 memory first, and :meth:`admit` restores a prompt's prefix from there when it continues
-past the device-cached blocks (new blocks, KV copied back, no recompute).
+past the device-cached blocks (new blocks, KV copied back, no recompute). Each KV cache
+group has its own tier (the group's layers of a block; ``host_cache_blocks`` each), keyed
+like its prefix cache; a hit counts a group's blocks on the device and in its tier alike.
 
 It also owns the device fence: the arrays of the last dispatched step, set by the engine
 after each dispatch. Every block freed here is unmapped only once the fence is ready, and
@@ -63,8 +65,9 @@ class KVManager:
       prefix_caching: share the KV of cached prompt prefixes across requests.
       max_cached_tokens: the prefix cache's bound (default ``KVCACHED_MAX_CACHED_TOKENS``).
       eviction: the prefix cache's eviction policy (``"lru"``, ``"lfu"`` or an instance).
-      host_cache_blocks: blocks the host tier holds (0: no tier; needs prefix caching
-        and one KV cache group).
+      host_cache_blocks: blocks the host tier holds, per KV cache group (0: no tier;
+        needs prefix caching). A group's block is its layers' share, so the tier's host
+        bytes are those of this many blocks of every layer.
       windows: each KV cache group's sliding window in tokens (0: full attention; default
         all full). A sliding group gives back the blocks below its window.
     """
@@ -90,11 +93,6 @@ class KVManager:
                 f"windows must give each of the {len(self.groups)} KV cache groups a window "
                 f">= 0 (0: full attention), got {windows!r}"
             )
-        if host_cache_blocks and len(self.groups) > 1:
-            raise ValueError(
-                "the host tier copies every layer of a block: it needs a KV cache of one "
-                f"group, {cache.name!r} has {len(self.groups)} (run without host_cache_*)"
-            )
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
         self._fence: Any = None
@@ -107,7 +105,7 @@ class KVManager:
                     max_cached_tokens,
                     policy=eviction,
                     free=lambda blocks, g=g: self._free(blocks, g.index),
-                    evicted=self._spill if g.index == 0 else None,
+                    evicted=lambda hashes, blocks, g=g: self._spill(hashes, blocks, g.index),
                 )  # fmt: skip
                 for g in self.groups
             ]
@@ -117,15 +115,27 @@ class KVManager:
         self.prefix_cache: PrefixCache | None = (
             self.prefix_caches[0] if self.prefix_caches else None
         )
-        self.host_cache: HostCache | None = None
-        # With a host tier: each cached block's writer, the fence of the step that wrote
-        # it (None: restored on the host), so a spill waits only for steps still running.
-        self._writer: dict[int, Any] = {}
+        # The host tier, one per group (none without one).
+        self.host_caches: list[HostCache] = []
+        # With a host tier: each cached (group, block)'s writer, the fence of the step that
+        # wrote it (None: restored on the host), so a spill waits only for running steps.
+        self._writer: dict[tuple[int, int], Any] = {}
+        # Prompt tokens served from the tier and admissions that restored some.
+        self.host_hit_tokens = 0
+        self.host_restores = 0
         # Blocks shared by forked sequences (n samples of one prompt): holders beyond the
         # first. Only the last holder releases a block (to the prefix cache, or frees it).
         self._shared: dict[int, int] = {}
         if host_cache_blocks and self.caching:
-            self.host_cache = HostCache(HostStore(cache, host_cache_blocks), self.block_size)
+            self.host_caches = [
+                HostCache(HostStore(cache, host_cache_blocks, g.index), self.block_size)
+                for g in self.groups
+            ]
+
+    @property
+    def host_cache(self) -> HostCache | None:
+        """The first group's host tier (None without one)."""
+        return self.host_caches[0] if self.host_caches else None
 
     # -- the fence ---------------------------------------------------------------------
     def set_fence(self, arrays: Any) -> None:
@@ -141,54 +151,83 @@ class KVManager:
             jax.block_until_ready(self._fence)
 
     # -- the host tier -------------------------------------------------------------------
-    def _spill(self, hashes: list[bytes], blocks: list[int]) -> None:
-        """Evicted blocks go to the host tier (before the prefix cache frees them)."""
-        if self.host_cache is None:
+    def _spill(self, hashes: list[bytes], blocks: list[int], group: int) -> None:
+        """Evicted blocks of a group go to its host tier (before they are freed)."""
+        if not self.host_caches:
             return
         # Every step that wrote them must be done; usually long ago (no wait).
-        writers = [self._writer.pop(b, self._fence) for b in blocks]
+        writers = [self._writer.pop((group, b), self._fence) for b in blocks]
         running = {id(f): f for f in writers if f is not None and not _ready(f)}
         if running:
             jax.block_until_ready(list(running.values()))
-        self.host_cache.store_blocks(hashes, blocks)
+        self.host_caches[group].store_blocks(hashes, blocks)
 
-    def _prefix(self, hashes: list[bytes]) -> tuple[int, int]:
-        """(n, on_device): the longest prefix of ``hashes`` whose every block is cached
-        on the device or servable from the host tier, and how many of those are on the
-        device. Page-aware eviction empties whole pages, so a chain's evicted blocks
-        need not be its tail: device and host blocks may alternate."""
-        pc, hc = self.prefix_cache, self.host_cache
-        if hc is None:
-            n = pc.lookup(hashes)
-            return n, n
-        n = dev = 0
-        for h in hashes:
-            if pc.block_of(h) is not None:
-                dev += 1
-            elif not hc.ready(h):
-                break
-            n += 1
-        return n, dev
+    def _has(self, group: int, h: bytes) -> bool:
+        """Whether a group can serve block ``h``: cached on the device or ready in its
+        host tier."""
+        if self.prefix_caches[group].block_of(h) is not None:
+            return True
+        return bool(self.host_caches) and self.host_caches[group].ready(h)
 
-    def _take_prefix(self, hashes: list[bytes], n: int) -> list[int]:
-        """The blocks of the first ``n`` hashes (see :meth:`_prefix`), each held: device
-        ones matched, host ones restored into new blocks and cached. Shorter when memory
-        for a restore cannot be had (the rest is recomputed)."""
-        pc = self.prefix_cache
-        if self.host_cache is None:
-            return pc.match(hashes)
-        found = pc.match_each(hashes, n)
-        missing = [i for i, b in enumerate(found) if b is None]
-        restored = self._restore([hashes[i] for i in missing]) if missing else []
-        if len(restored) < len(missing):  # cut before the first block not restored
-            cut = missing[len(restored)]
-            pc.release([b for b in found[cut:] if b is not None])
-            found = found[:cut]
-        for i, b in zip(missing, restored, strict=False):
-            found[i] = b
-            pc.insert(hashes[i], b)
-            self._writer[b] = None  # written by a finished host copy
-        return found
+    def _hit(self, hashes: list[bytes]) -> tuple[int, list[int]]:
+        """(n, on_device): the longest prefix (in blocks) of ``hashes`` every group can
+        serve, each full group all its blocks and each sliding group those of its last
+        window before the hit point (on the device or from its host tier); and per group
+        how many of the blocks it needs are on the device. Page-aware eviction empties
+        whole pages, so device and host blocks of a chain may alternate."""
+        n = len(hashes)
+        for g, w in enumerate(self.windows):
+            if not w:
+                k = 0
+                while k < n and self._has(g, hashes[k]):
+                    k += 1
+                n = k
+        sliding = [g for g, w in enumerate(self.windows) if w]
+        while n > 0 and not all(
+            all(self._has(g, h) for h in hashes[self._hit_lo(g, n) : n]) for g in sliding
+        ):
+            n -= 1
+        on_device = [
+            sum(pc.block_of(h) is not None for h in hashes[self._hit_lo(g, n) : n])
+            for g, pc in enumerate(self.prefix_caches)
+        ]
+        return n, on_device
+
+    def _take(self, hashes: list[bytes], n: int) -> tuple[list[list[int]], int]:
+        """Each group's table for a hit of ``n`` blocks (see :meth:`_hit`), its blocks
+        held (the null block below a sliding window): device ones matched, host ones
+        restored into new blocks and cached. When memory or a copy fails a restore, the
+        hit shrinks to the longest prefix every group still holds (the rest is
+        recomputed). Returns the tables and the hit."""
+        found = [
+            pc.match_each(hashes, n, skip=self._hit_lo(g, n))
+            for g, pc in enumerate(self.prefix_caches)
+        ]
+        if self.host_caches:
+            restored_at: set[int] = set()
+            for g, f in enumerate(found):
+                missing = [i for i in range(self._hit_lo(g, n), n) if f[i] is None]
+                if not missing:
+                    continue
+                blocks = self._restore([hashes[i] for i in missing], g)
+                for i, b in zip(missing, blocks, strict=False):
+                    f[i] = b
+                    self.prefix_caches[g].insert(hashes[i], b)
+                    self._writer[(g, b)] = None  # written by a finished host copy
+                    restored_at.add(i)
+            m = n
+            while m > 0 and any(
+                None in f[self._hit_lo(g, m) : m] for g, f in enumerate(found)
+            ):  # a restore fell short: (blocks below lo(g, m) <= lo(g, n) were never taken)
+                m -= 1
+            for g, f in enumerate(found):
+                self.prefix_caches[g].release([b for b in f[m:n] if b is not None])
+                del f[m:]
+            if restored := [i for i in restored_at if i < m]:
+                self.host_hit_tokens += len(restored) * self.block_size
+                self.host_restores += 1
+            n = m
+        return [[b or 0 for b in f] for f in found], n
 
     def _alloc(self, n: int, group: int = 0) -> list[int] | None:
         """``n`` new blocks of a group: evicting own idle prefixes (the group's, then the
@@ -215,20 +254,25 @@ class KVManager:
             if g != group
         )
 
-    def _restore(self, hashes: list[bytes]) -> list[int]:
-        """New blocks holding the host tier's copies of ``hashes`` (fewer, in order, when
-        memory or a copy fails; an empty list then frees what was allocated)."""
+    def _restore(self, hashes: list[bytes], group: int) -> list[int]:
+        """New blocks of a group holding its host tier's copies of ``hashes`` (fewer, in
+        order, when memory or a copy fails; an empty list then frees what was
+        allocated)."""
+
+        got: list[int] = []
 
         def new_blocks(n: int) -> list[int] | None:
-            blocks = self._alloc(n)
+            blocks = self._alloc(n, group)
             if blocks is not None:
+                got.extend(blocks)
                 self._wait_fence()  # no dispatched step still reads them
             return blocks
 
         try:
-            return self.host_cache.restore(hashes, new_blocks)
+            return self.host_caches[group].restore(hashes, new_blocks)
         except KVCacheError as err:  # their contents are undefined: recompute instead
             log.warning("%r: restoring from the host tier failed (%s)", self.cache.name, err)
+            self._free(got, group)
             return []
 
     # -- arithmetic ------------------------------------------------------------------------
@@ -265,22 +309,6 @@ class KVManager:
             seq.hashes += hash_blocks(new, self.block_size, seq.extra, parent)
         return seq.hashes[:num_blocks]
 
-    def _group_hit(self, hashes: list[bytes]) -> int:
-        """The longest prefix (in blocks) of ``hashes`` every group can serve: each full
-        group caches all its blocks, each sliding group those of its last window before
-        the hit point."""
-        full = [pc for g, pc in enumerate(self.prefix_caches) if not self.windows[g]]
-        n = min((pc.lookup(hashes) for pc in full), default=len(hashes))
-        while n > 0:
-            if all(
-                all(pc.block_of(h) is not None for h in hashes[self._hit_lo(g, n) : n])
-                for g, pc in enumerate(self.prefix_caches)
-                if self.windows[g]
-            ):
-                return n
-            n -= 1
-        return 0
-
     def _hit_lo(self, group: int, n: int) -> int:
         """The first block of a group a hit of ``n`` blocks needs."""
         return self.first_needed_block(group, n * self.block_size)
@@ -308,12 +336,8 @@ class KVManager:
             # The last token is always recomputed: it yields the next token's logits.
             hashes = self._hashes(seq, (seq.num_tokens - 1) // bs)
         while True:  # (evicting for room may evict the hit's own blocks: look again)
-            if ng == 1:
-                prefix, dev = self._prefix(hashes) if self.caching else (0, 0)
-                hit = [dev]
-            else:
-                prefix = self._group_hit(hashes) if self.caching else 0
-                hit = [prefix - self._hit_lo(g, prefix) for g in range(ng)]
+            # hit: blocks of each group the prefix gives without an allocation.
+            prefix, hit = self._hit(hashes) if self.caching else (0, [0] * ng)
             need = self._needs(seq, hit)
             short = [g for g in range(ng) if need[g] > self.available_blocks(g) - hit[g]]
             if not short:
@@ -346,13 +370,7 @@ class KVManager:
         seq.tables = [[] for _ in range(ng)]
         seq.inserted = [0] * ng
         if self.caching:
-            if ng == 1:
-                seq.blocks = self._take_prefix(hashes, prefix)
-            else:
-                for g, pc in enumerate(self.prefix_caches):
-                    taken = pc.match_each(hashes, prefix, skip=self._hit_lo(g, prefix))
-                    seq.tables[g] = [b or 0 for b in taken]  # (below a window: the null block)
-            prefix = len(seq.blocks)
+            seq.tables, prefix = self._take(hashes, prefix)
             seq.inserted = [prefix] * ng
             seq.num_computed = prefix * bs
             seq.cached_tokens = seq.num_computed
@@ -460,8 +478,8 @@ class KVManager:
                 if not table[i]:  # a sliding group's block already gone below the window
                     continue
                 inserted = pc.insert(hashes[i], table[i])
-                if inserted and self.host_cache is not None:
-                    self._writer[table[i]] = self._fence  # the newest step wrote it
+                if inserted and self.host_caches:
+                    self._writer[(g, table[i])] = self._fence  # the newest step wrote it
             seq.inserted[g] = full
 
     def _evict_pages(self, pages: int) -> int:
@@ -490,8 +508,8 @@ class KVManager:
     def poll(self) -> None:
         """At each step: reports the prefix hits to the ledger and honours what other
         processes of a group asked of this tenant (memory back, a lower limit)."""
-        pc, hc, cache = self.prefix_cache, self.host_cache, self.cache
-        hits = (pc.hits if pc else 0) + (hc.hits_tokens if hc else 0)
+        pc, cache = self.prefix_cache, self.cache
+        hits = (pc.hits if pc else 0) + self.host_hit_tokens
         # Pages its idle cached blocks could free at most (page-aware eviction frees
         # whole pages): what other processes may ask of it.
         idle_pages = sum(
@@ -509,11 +527,12 @@ class KVManager:
     def reset_prefix_cache(self) -> int:
         """Forgets every idle cached block, on the device and in the host tier; returns
         how many device blocks were evicted."""
-        if self.host_cache is None:
-            return sum(pc.reset() for pc in self.prefix_caches)
-        self.host_cache.clear()
-        n = self.prefix_cache.reset()
-        self._writer = {b: f for b, f in self._writer.items() if self.prefix_cache.is_cached(b)}
+        for hc in self.host_caches:
+            hc.clear()
+        n = sum(pc.reset() for pc in self.prefix_caches)
+        self._writer = {
+            (g, b): f for (g, b), f in self._writer.items() if self.prefix_caches[g].is_cached(b)
+        }
         return n
 
     def stats(self) -> dict[str, Any] | None:
@@ -543,12 +562,26 @@ class KVManager:
         return out
 
     def host_stats(self) -> dict[str, Any] | None:
-        """The host tier's figures (None without one)."""
-        return self.host_cache.stats() if self.host_cache else None
+        """The host tier's figures (None without one). With several KV cache groups,
+        memory and block counters are summed over the groups' tiers (``capacity_blocks``
+        / ``capacity_tokens`` are each group's), and each group's are under ``groups``.
+        ``hits_tokens`` and ``restores`` count prompt tokens and admissions."""
+        if not self.host_caches:
+            return None
+        per = [hc.stats() for hc in self.host_caches]
+        out = dict(per[0])
+        for key in ("capacity_bytes", "entries", "bytes", "restored_blocks", "stored_blocks",
+                    "bytes_to_host", "bytes_from_host", "evictions", "copy_failures"):  # fmt: skip
+            out[key] = sum(p[key] for p in per)
+        out["hits_tokens"] = self.host_hit_tokens
+        out["restores"] = self.host_restores
+        if len(per) > 1:
+            out["groups"] = [{"window": w, **p} for w, p in zip(self.windows, per, strict=True)]
+        return out
 
     def close(self) -> None:
         """Gives the host tier's memory back."""
-        if self.host_cache is not None:
-            self.host_cache.close()
-            self.host_cache = None
-            self._writer.clear()
+        for hc in self.host_caches:
+            hc.close()
+        self.host_caches = []
+        self._writer.clear()

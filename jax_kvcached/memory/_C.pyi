@@ -100,11 +100,12 @@ class KVBuffer:
     def copy_to_host(
         self, blocks: npt.NDArray[np.int32], slots: npt.NDArray[np.int64], arena: HostArena
     ) -> int:
-        """Enqueues copies of blocks (every plane) into host slots; returns a ticket."""
+        """Enqueues copies of blocks of the arena's group (its planes) into host slots;
+        returns a ticket."""
     def copy_from_host(
         self, arena: HostArena, slots: npt.NDArray[np.int64], blocks: npt.NDArray[np.int32]
     ) -> None:
-        """Copies host slots into blocks (every plane); returns when done."""
+        """Copies host slots into blocks of the arena's group (its planes); returns when done."""
     def copies_done(self, ticket: int) -> bool:
         """Whether the copies of a ticket are done (raises if one failed)."""
     def take_device_error(self) -> tuple[int, int]:
@@ -120,12 +121,14 @@ class KVBuffer:
         """A DLPack capsule over the whole virtual buffer (zero-copy)."""
 
 class HostArena:
-    """Host memory for num_slots copies of one block of every plane of ``buffer``
-    (page-locked on CUDA)."""
+    """Host memory for num_slots copies of one block of each plane of one KV cache group
+    of ``buffer`` (page-locked on CUDA)."""
 
-    def __init__(self, buffer: KVBuffer, num_slots: int) -> None: ...
+    def __init__(self, buffer: KVBuffer, num_slots: int, group: int = 0) -> None: ...
     @property
     def num_slots(self) -> int: ...
+    @property
+    def group(self) -> int: ...
     @property
     def num_planes(self) -> int: ...
     @property

@@ -1,9 +1,9 @@
-"""HostStore: bounded host memory for copies of one KV cache's blocks (the host tier).
+"""HostStore: bounded host memory for copies of one KV cache group's blocks (the host tier).
 
 One C++ ``HostArena`` per device shard of the cache (page-locked memory on CUDA), all
-with the same ``num_slots`` slots: slot ``s`` holds one block of every layer's K and V
-plane, on every device. The arenas are allocated once and never grow, so the store's
-host memory is bounded by construction.
+with the same ``num_slots`` slots: slot ``s`` holds one block of the group's layers' K
+and V planes (every layer for a cache of one group), on every device. The arenas are
+allocated once and never grow, so the store's host memory is bounded by construction.
 
 Copies out are enqueued (asynchronous DMA on CUDA, a memcpy on the host backend) and
 return a ticket; :meth:`HostStore.done` says whether they have completed (and raises if
@@ -30,15 +30,23 @@ Ticket = tuple[int, ...]  # one per shard
 
 
 class HostStore:
-    """``num_slots`` host slots for blocks of ``cache`` (one arena per device shard)."""
+    """``num_slots`` host slots for blocks of one KV cache group of ``cache`` (one arena
+    per device shard)."""
 
-    def __init__(self, cache: KVCache, num_slots: int) -> None:
+    def __init__(self, cache: KVCache, num_slots: int, group: int = 0) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots <= 0:
             raise ValueError(f"a host store needs a positive number of slots, got {num_slots!r}")
+        if (
+            isinstance(group, bool)
+            or not isinstance(group, int)
+            or not 0 <= group < len(cache.groups)
+        ):
+            raise ValueError(f"KV cache group {group!r} out of range [0, {len(cache.groups)})")
         self.cache = cache
+        self.group = cache.groups[group]
         self.num_slots = num_slots
-        self._arenas = [_C.HostArena(shard, num_slots) for shard in cache.shards]
-        # Host bytes of one slot: every plane of one block, on every local device.
+        self._arenas = [_C.HostArena(shard, num_slots, group) for shard in cache.shards]
+        # Host bytes of one slot: the group's planes of one block, on every local device.
         self.slot_bytes: int = sum(a.slot_bytes for a in self._arenas)
         self.pinned: bool = self._arenas[0].pinned
         self._free = list(range(num_slots))  # a heap: lowest slots first (runs stay runs)
@@ -72,11 +80,13 @@ class HostStore:
         if self._closed:
             raise KVCacheError(f"the host store of {self.cache.name!r} is closed")
         for b in blocks:
-            if not self.cache.is_allocated(b):
-                raise ValueError(f"block {int(b)} of {self.cache.name!r} is not allocated")
+            if not self.group.is_allocated(b):
+                several = len(self.cache.groups) > 1
+                where = f" (KV cache group {self.group.index})" if several else ""
+                raise ValueError(f"block {int(b)} of {self.cache.name!r}{where} is not allocated")
 
     def copy_out(self, blocks: Sequence[int], slots: Sequence[int]) -> Ticket:
-        """Enqueues copies of ``blocks`` into ``slots`` (every plane, every device);
+        """Enqueues copies of ``blocks`` into ``slots`` (the group's planes, every device);
         returns their ticket. Raises (and enqueues nothing) on a bad block or slot."""
         self._check_blocks(blocks)
         b = np.asarray(blocks, np.int32)
@@ -100,7 +110,7 @@ class HostStore:
             shard.copy_from_host(arena, s, b)
 
     def read_slot(self, slot: int) -> bytes:
-        """The bytes one slot holds: every plane of its block, device after device."""
+        """The bytes one slot holds: the group's planes of its block, device after device."""
         return b"".join(a.read_slot(int(slot)) for a in self._arenas)
 
     def close(self) -> None:

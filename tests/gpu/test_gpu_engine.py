@@ -145,20 +145,31 @@ def test_kv_cache_groups_on_cuda_match_the_cpu_run():
     the XLA path) reading each layer through its group's tables; the sliding group's
     blocks below the window freed; the same tokens as the CPU run, nothing leaked."""
 
-    def run(backend, device, attention="auto", free=True):
+    def run(backend, device, attention="auto", free=True, host=0):
         with jax.default_device(device):
             model = build_model(BUILTIN_CONFIGS["tiny-swa"], seed=3)
             pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
             eng = Engine(model, pool, name="h", max_batch=4, attention=attention,
-                         max_num_batched_tokens=32, free_window_blocks=free)  # fmt: skip
+                         max_num_batched_tokens=32, free_window_blocks=free,
+                         host_cache_tokens=host)  # fmt: skip
             assert eng.cache.num_groups == (2 if free else 1)
-            outs = eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+            params = SamplingParams(max_tokens=12, ignore_eos=True)
+            outs = [o.token_ids for o in eng.generate(PROMPTS, params)]
+            if host:  # each group's idle prefixes to its page-locked tier
+                eng.sleep()
+                eng.wake()
+            # Follow-up turns hit the full group's prefix and the sliding group's window.
+            follow = [[*p, *o, 5, 6, 7] for p, o in zip(PROMPTS, outs, strict=True)]
+            outs += [o.token_ids for o in eng.generate(follow, params)]
+            if host:
+                assert eng.stats()["host_cache"]["restores"] > 0
             eng.reset_prefix_cache()
             assert set(pool.mapped_pages_per_device().values()) == {0}
             pool.close()
-        return [o.token_ids for o in outs]
+        return outs
 
     cpu = run("host", jax.devices("cpu")[0])
     assert run("cuda", _gpus()[0]) == cpu
     assert run("cuda", _gpus()[0], attention="xla") == cpu
     assert run("cuda", _gpus()[0], free=False) == cpu
+    assert run("cuda", _gpus()[0], host=4096) == cpu
