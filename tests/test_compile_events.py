@@ -1,6 +1,7 @@
 """Compiles counted from JAX's monitoring events; a warm start compiles nothing."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -65,6 +66,15 @@ def test_a_warm_start_compiles_nothing(tmp_path):
     assert warm["tokens"] == cold["tokens"]
     for run in runs:
         assert run["served_events"] == dict.fromkeys(run["served_events"], 0), run
+    # Without the store, JAX's persistent cache serves the programs: none is stored (an
+    # executable it loads serializes without its CPU kernels: a later start that loaded
+    # it would fail to run it), and the answers stay the same.
+    shutil.rmtree(tmp_path / "xla" / "kvcached-executables")
+    proc = subprocess.run([sys.executable, "-c", _START, str(tmp_path / "xla")],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    third = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert third["stored"] == [0, 0] and third["tokens"] == cold["tokens"]
 
 
 def test_the_executable_store_drops_what_does_not_load_and_stays_under_its_cap(tmp_path):

@@ -21,6 +21,7 @@ _lock = threading.Lock()
 _counts: collections.Counter = collections.Counter()
 _names: collections.Counter = collections.Counter()  # (kind, function name) -> count
 _registered = False
+_local = threading.local()  # this thread's persistent-cache loads (listeners run in it)
 
 
 def _listener(event: str, duration: float, **kwargs: Any) -> None:
@@ -39,6 +40,7 @@ def _hit_listener(event: str, **kwargs: Any) -> None:
     if event == _CACHE_HIT:
         with _lock:
             _counts["cache_hits"] += 1
+        _local.hits = getattr(_local, "hits", 0) + 1
 
 
 def _register() -> None:
@@ -51,6 +53,14 @@ def _register() -> None:
 
     jax.monitoring.register_event_duration_secs_listener(_listener)
     jax.monitoring.register_event_listener(_hit_listener)
+
+
+def thread_cache_hits() -> int:
+    """Loads from JAX's persistent compilation cache made by the calling thread so far
+    (a compile in this thread that moved it was such a load, whatever other threads
+    compile meanwhile)."""
+    _register()
+    return getattr(_local, "hits", 0)
 
 
 def compile_events() -> dict[str, int]:

@@ -7,7 +7,10 @@ code and its native library (their bytes), JAX's version, the devices, ``XLA_FLA
 function, its static key and its arguments' shapes, dtypes and shardings, plus what the
 caller adds (the model's graph, the cache's layout and handle, the runner's settings).
 Any change is another file; a file that fails to load is dropped and compiled again; the
-least recently used files go when the store outgrows ``MAX_BYTES`` (2 GiB).
+least recently used files go when the store outgrows ``MAX_BYTES`` (2 GiB). Only
+executables XLA compiled in this process are stored: one JAX's persistent cache loaded
+serializes without its CPU kernels (a later load of it fails when it runs: "Function ...
+not found"), so the runner leaves those out.
 """
 
 from __future__ import annotations

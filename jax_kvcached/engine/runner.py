@@ -48,7 +48,7 @@ from jax_kvcached.engine.attention import (
     paged_attention,
     ragged_layout,
 )
-from jax_kvcached.engine.compile_events import compile_events
+from jax_kvcached.engine.compile_events import compile_events, thread_cache_hits
 from jax_kvcached.engine.logit_inputs import Entries, entry_sizes, pack_rows
 from jax_kvcached.engine.sampler_programs import sampler_programs
 from jax_kvcached.engine.sampling import MAX_LOGPROBS, NUM_CANDIDATES, SamplingParams
@@ -566,8 +566,11 @@ class ModelRunner:
                 if program is not None:
                     self._programs[key] = program
                     return
+            hits = thread_cache_hits()
             program = fn.lower(*args).compile()
-            if store_key is not None:
+            if store_key is not None and thread_cache_hits() == hits:
+                # (only XLA's own compiles: an executable JAX's persistent cache loaded
+                # serializes without its CPU kernels, and a reload of it fails to run)
                 self.store.save(store_key, program)
             self._programs[key] = program
 
