@@ -166,6 +166,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="the host tier's bound in bytes per model, e.g. 4GiB (default: "
         "$KVCACHED_HOST_CACHE_BYTES; with --host-cache-tokens the smaller holds; 0: off)",
     )  # fmt: skip
+    s.add_argument(
+        "--idle-sleep", type=float, default=None, metavar="SECONDS",
+        help="put a model to sleep (weights and KV memory given back) after this long "
+        "without requests; a request wakes it (default: never)",
+    )  # fmt: skip
+    s.add_argument(
+        "--max-awake", type=int, default=None, metavar="N",
+        help="keep at most N models awake: waking one puts the least recently used idle "
+        "one to sleep (default: all)",
+    )  # fmt: skip
+    s.add_argument(
+        "--sleep-level", type=int, default=1, choices=[1, 2],
+        help="1: a sleeping model's weights go to host memory; 2: they are dropped and "
+        "read again from the checkpoint on wake (default 1)",
+    )  # fmt: skip
+    s.add_argument(
+        "--preload-tokens", type=int, default=4096, metavar="N",
+        help="on wake, copy up to N tokens of the model's most-hit prefixes back from its "
+        "host tier before its first request (default 4096; 0: off; needs a host tier)",
+    )  # fmt: skip
     s.add_argument("--seed", type=int, default=0, help="weights of the built-in presets")
     s.add_argument(
         "--no-warmup", action="store_true",
@@ -234,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
         a.add_argument(
             "size", help="e.g. 2GiB, 512MiB" + (", or none (the budget)" if what == "limit" else "")
         )
+    a = action("sleep", "put a served model to sleep (its server gives back weights and KV)")
+    a.add_argument("name", help="the tenant (a served model's name)")
+    a.add_argument("--level", type=int, default=1, choices=[1, 2],
+                   help="1: weights to host memory; 2: dropped (reloaded on wake)")  # fmt: skip
+    a.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it")
+    a = action("wake", "wake a sleeping served model")
+    a.add_argument("name", help="the tenant (a served model's name)")
+    a.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for it")
     w = action("watch", "list every --interval seconds")
     w.add_argument("--interval", type=float, default=1.0, help="seconds between frames")
     w.add_argument("--count", type=int, default=None, help="frames, then exit (default: forever)")
@@ -383,6 +411,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_model_len is not None and args.max_model_len < 2:
             print("error: --max-model-len must be >= 2", file=sys.stderr)
             return 2
+        if args.idle_sleep is not None and not args.idle_sleep > 0:
+            print("error: --idle-sleep must be > 0 seconds", file=sys.stderr)
+            return 2
+        if args.max_awake is not None and args.max_awake < 1:
+            print("error: --max-awake must be >= 1", file=sys.stderr)
+            return 2
+        if args.preload_tokens < 0:
+            print("error: --preload-tokens must be >= 0", file=sys.stderr)
+            return 2
         try:
             specs = parse_specs(
                 args.model or ["smollm2-135m"], args.limit, args.guarantee, args.served_model_name
@@ -410,7 +447,9 @@ def main(argv: list[str] | None = None) -> int:
                 devices=args.devices, max_model_len=args.max_model_len, dtype=args.dtype,
                 chat_template=args.chat_template, generation_config=args.generation_config,
                 default_sampling=sampling, access_log=not args.no_access_log,
-                allowed_origins=origins, log_level=args.log_level, **host_cache,
+                allowed_origins=origins, log_level=args.log_level, idle_sleep=args.idle_sleep,
+                max_awake=args.max_awake, sleep_level=args.sleep_level,
+                preload_tokens=args.preload_tokens, **host_cache,
             )  # fmt: skip
         except (ValueError, FileNotFoundError, RuntimeError) as e:  # a bad model, size...
             return _fail(e)
@@ -434,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_ctl(
                 args.action, args.group, getattr(args, "name", None), getattr(args, "size", None),
                 interval=getattr(args, "interval", 1.0), count=getattr(args, "count", None),
+                level=getattr(args, "level", 1), timeout=getattr(args, "timeout", 60.0),
             )  # fmt: skip
         except (ValueError, KeyError, GroupMismatch) as e:
             msg = e.args[0] if isinstance(e, KeyError) and e.args else e

@@ -104,3 +104,42 @@ def test_bad_sleep_and_wake_calls_are_clear_errors(engine):
         assert not bare.sleeping
     finally:
         bare.close()
+
+
+def test_preload_brings_the_most_hit_prefixes_back_on_wake(engine):
+    """A system prompt hit by every request is copied back from the host tier on wake:
+    the first request after it hits on the device as before the sleep (none restored on
+    its path), within the preload's token budget; exact accounting after it. Without a
+    preload the same request is served from the tier instead."""
+    system = "You are a helpful assistant. Answer briefly and precisely, please. " * 2
+    ask = [system + q for q in ("Who?", "What?", "When?", "Where?")]
+    engine.generate(ask[:3], GREEDY)
+    pc = engine.prefix_cache
+    hits0 = pc.hits
+    want = engine.generate(ask[3:], GREEDY)[0].token_ids
+    warm_hit = pc.hits - hits0  # the system prompt's blocks, on the device
+    assert warm_hit >= 128
+    for preload in (0, 4096):
+        engine.sleep()
+        info = engine.wake(preload_tokens=preload)
+        assert info["compiled"] == 0
+        restores, hits0 = engine.stats()["host_cache"]["restores"], pc.hits
+        assert engine.generate(ask[3:], GREEDY)[0].token_ids == want
+        restored = engine.stats()["host_cache"]["restores"] - restores
+        if preload:
+            assert info["preloaded_tokens"] >= warm_hit
+            assert pc.hits - hits0 >= 0.9 * warm_hit and restored == 0
+        else:
+            assert info["preloaded_tokens"] == 0
+            assert pc.hits - hits0 < warm_hit and restored == 1
+    # A budget below the prompt preloads that much at most, parents first.
+    engine.sleep()
+    assert engine.wake(preload_tokens=32)["preloaded_tokens"] == 32
+    assert pc.num_cached_blocks == 32 // engine.cache.block_size
+    engine.reset_prefix_cache()
+    assert engine.cache.num_mapped_pages == 0
+    engine.sleep()
+    with pytest.raises(ValueError, match="preload_tokens"):
+        engine.wake(preload_tokens=-1)
+    assert engine.sleeping
+    engine.wake()

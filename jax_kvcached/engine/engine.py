@@ -530,6 +530,11 @@ class Engine:
     def sleep_level(self) -> int | None:
         return None if self._asleep is None else self._asleep.level
 
+    @property
+    def can_reload(self) -> bool:
+        """Whether the weights can be read again from a checkpoint (a level-2 sleep)."""
+        return self._reload is not None
+
     def sleep(self, level: int = 1, *, abort: bool = False) -> dict[str, Any]:
         """Gives the device memory back while idle: the requests in flight finish first
         (``abort=True``: they are aborted), idle cached prefixes go to the host tier when
@@ -560,25 +565,41 @@ class Engine:
             self.runner.token.block_until_ready()  # (frees wait for the last step)
             self.kv.poll()
             self._asleep = self.runner.offload_weights(level)
+            self.pool.publish_sleep(self.name, level)  # (a process group's ctl sees it)
             return {
                 "level": level, "weight_bytes": self._asleep.nbytes, "evicted_blocks": spilled,
                 "mapped_pages": self.cache.mapped_pages, "seconds": time.perf_counter() - t0,
             }  # fmt: skip
 
-    def wake(self) -> dict[str, Any]:
+    def wake(self, *, preload_tokens: int = 0) -> dict[str, Any]:
         """Brings the weights back (a copy from host memory, or a reload of the
-        checkpoint after a level-2 sleep); nothing compiles. ValueError when awake; a
-        failed wake leaves the engine asleep (retry it)."""
+        checkpoint after a level-2 sleep); nothing compiles. ``preload_tokens``: then
+        copies the host tier's most-hit prefixes back, up to that many tokens (per KV
+        cache group), so the first requests hit them on the device. KV memory is mapped
+        on demand (nothing to do for it here). ValueError when awake; a failed wake
+        leaves the engine asleep (retry it)."""
+        if isinstance(preload_tokens, bool) or preload_tokens < 0:
+            raise ValueError(f"preload_tokens must be >= 0, got {preload_tokens!r}")
         with self._lock:
             if self._asleep is None:
                 raise ValueError(f"{self.name!r} is awake")
             t0 = time.perf_counter()
+            compiled = self.num_compiled
             model = self._reload() if self._asleep.level == 2 else None
             loaded = time.perf_counter() - t0
             copy = self.runner.restore_weights(self._asleep, model)
             level, self._asleep = self._asleep.level, None
-            return {"level": level, "reload_s": loaded, "weights_s": copy,
-                    "seconds": time.perf_counter() - t0}  # fmt: skip
+            self.pool.publish_sleep(self.name, 0)
+            t1 = time.perf_counter()
+            blocks = self.kv.preload(preload_tokens)  # per KV cache group
+            return {
+                "level": level, "reload_s": loaded, "weights_s": copy,
+                "preload_s": time.perf_counter() - t1,
+                "preloaded_tokens": blocks[0] * self.cache.block_size,
+                "preloaded_blocks": sum(blocks),
+                "compiled": self.num_compiled - compiled,
+                "seconds": time.perf_counter() - t0,
+            }  # fmt: skip
 
     def step(self) -> list[Sequence]:
         """Advances the pipeline: dispatches the next step (the host prepares it while the
@@ -846,6 +867,8 @@ class Engine:
             "prefix_cache": self.kv.stats(),
             "host_cache": self.kv.host_stats(),
             "kv_cache_groups": self.kv.group_stats(),
+            "sleeping": self.sleeping,
+            "sleep_level": self.sleep_level,
         }
 
     def close(self) -> None:

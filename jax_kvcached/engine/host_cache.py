@@ -13,6 +13,8 @@ gets new blocks with the KV copied back instead of recomputed.
   that failed drops its entries (counted in ``copy_failures``), never serves them.
 - Inclusive: a restored entry stays in the tier, so evicting the block again later needs
   no copy.
+- Preload: each entry keeps its hit count (the device's before it was evicted, plus its
+  restores) and its depth in its chain; :meth:`HostCache.most_hit` ranks them for a wake.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class _Entry:
     slot: int
     ticket: Ticket
     ready: bool = False  # its copy out has completed
+    hits: int = 0  # takes on the device before, and restores since
+    depth: int = 0  # index in its chain
 
 
 class HostCache:
@@ -57,6 +61,7 @@ class HostCache:
         self.bytes_from_host = 0
         self.evictions = 0  # entries dropped for room
         self.copy_failures = 0  # blocks whose copy failed (never served)
+        self.preloaded_blocks = 0  # copied back on a wake, before any request
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -123,26 +128,47 @@ class HostCache:
             "bytes_from_host": self.bytes_from_host,
             "evictions": self.evictions,
             "copy_failures": self.copy_failures,
+            "preloaded_blocks": self.preloaded_blocks,
         }
+
+    def most_hit(self, n: int, skip: Callable[[bytes], bool]) -> list[tuple[bytes, int, int]]:
+        """Up to ``n`` servable entries, most hit first (ties: shallower first, so a
+        chain's parents come before its children), leaving out those ``skip`` names:
+        (hash, hits, depth) each."""
+        ranked = sorted(
+            ((h, e.hits, e.depth) for h, e in self._entries.items() if not skip(h)),
+            key=lambda x: (-x[1], x[2]),
+        )
+        return [x for x in ranked if self.ready(x[0])][:n]
 
     # -- storing ---------------------------------------------------------------------
     def _drop(self, h: bytes) -> None:
         e = self._entries.pop(h)
         self.store.release([e.slot])
 
-    def store_blocks(self, hashes: Sequence[bytes], blocks: Sequence[int]) -> int:
-        """Copies evicted ``blocks`` (cached under ``hashes``) out; the caller has waited
-        for every computation that wrote them. Hashes already in the tier are only
-        marked used. Makes room by dropping the least recently used entries; stores
-        what fits (the first ones given). Returns the blocks copied."""
+    def store_blocks(
+        self,
+        hashes: Sequence[bytes],
+        blocks: Sequence[int],
+        meta: Sequence[tuple[int, int]] | None = None,
+    ) -> int:
+        """Copies evicted ``blocks`` (cached under ``hashes``; ``meta``: each one's
+        (hits, depth)) out; the caller has waited for every computation that wrote them.
+        Hashes already in the tier are only marked used (and keep the larger hit count).
+        Makes room by dropping the least recently used entries; stores what fits (the
+        first ones given). Returns the blocks copied."""
+        meta = list(meta) if meta is not None else [(0, 0)] * len(hashes)
         new_h: list[bytes] = []
         new_b: list[int] = []
-        for h, b in zip(hashes, blocks, strict=True):
+        new_m: list[tuple[int, int]] = []
+        for h, b, m in zip(hashes, blocks, meta, strict=True):
             if h in self._entries:
                 self._entries.move_to_end(h)
+                self._entries[h].hits = max(self._entries[h].hits, m[0])
             elif h not in self._pinned:
                 new_h.append(h)
                 new_b.append(b)
+                new_m.append(m)
         while self.store.num_free < len(new_h) and self._entries:
             self._drop(next(iter(self._entries)))
             self.evictions += 1
@@ -157,8 +183,8 @@ class HostCache:
             self.copy_failures += len(slots)
             log.warning("host tier of %r: copy to host failed (%s)", self.store.cache.name, err)
             return 0
-        for h, s in zip(new_h, slots, strict=True):
-            self._entries[h] = _Entry(s, ticket)
+        for h, s, (hits, depth) in zip(new_h, slots, new_m, strict=False):
+            self._entries[h] = _Entry(s, ticket, hits=hits, depth=depth)
         self.stored_blocks += len(slots)
         self.bytes_to_host += len(slots) * self.store.slot_bytes
         return len(slots)
@@ -189,11 +215,32 @@ class HostCache:
         finally:
             for h in hashes:  # back, most recently used
                 self._entries[h] = self._pinned.pop(h)
+        for h in hashes:
+            self._entries[h].hits += 1
         self.restores += 1
         self.restored_blocks += n
         self.hits_tokens += n * self.block_size
         self.bytes_from_host += n * self.store.slot_bytes
         return blocks
+
+    def preload(self, hashes: Sequence[bytes], blocks: Sequence[int]) -> None:
+        """Copies servable entries into allocated ``blocks`` (every computation that may
+        still read them done) before any request asks: not counted as hits. Raises
+        KVCacheError if a copy fails."""
+        self.store.copy_in([self._entries[h].slot for h in hashes], blocks)
+        for h in hashes:
+            self._entries.move_to_end(h)
+        self.preloaded_blocks += len(hashes)
+        self.bytes_from_host += len(hashes) * self.store.slot_bytes
+
+    def hits_of(self, h: bytes) -> int:
+        """An entry's hit count (0 if absent)."""
+        e = self._entries.get(h) or self._pinned.get(h)
+        return 0 if e is None else e.hits
+
+    def depth_of(self, h: bytes) -> int:
+        e = self._entries.get(h) or self._pinned.get(h)
+        return 0 if e is None else e.depth
 
     def clear(self) -> int:
         """Drops every entry (none may be mid-restore); returns how many."""

@@ -160,7 +160,9 @@ class KVManager:
         running = {id(f): f for f in writers if f is not None and not _ready(f)}
         if running:
             jax.block_until_ready(list(running.values()))
-        self.host_caches[group].store_blocks(hashes, blocks)
+        pc = self.prefix_caches[group]
+        meta = [(pc.hits_of(b), pc.depth_of(b)) for b in blocks]
+        self.host_caches[group].store_blocks(hashes, blocks, meta)
 
     def _has(self, group: int, h: bytes) -> bool:
         """Whether a group can serve block ``h``: cached on the device or ready in its
@@ -210,9 +212,10 @@ class KVManager:
                 if not missing:
                     continue
                 blocks = self._restore([hashes[i] for i in missing], g)
+                hc = self.host_caches[g]
                 for i, b in zip(missing, blocks, strict=False):
                     f[i] = b
-                    self.prefix_caches[g].insert(hashes[i], b)
+                    self.prefix_caches[g].insert(hashes[i], b, i, hc.hits_of(hashes[i]))
                     self._writer[(g, b)] = None  # written by a finished host copy
                     restored_at.add(i)
             m = n
@@ -274,6 +277,43 @@ class KVManager:
             log.warning("%r: restoring from the host tier failed (%s)", self.cache.name, err)
             self._free(got, group)
             return []
+
+    def preload(self, max_tokens: int) -> list[int]:
+        """Copies each group's most-hit host-tier blocks back to the device (parents
+        before children on equal hits), up to ``max_tokens`` tokens of blocks per group
+        and the prefix cache's bound, into memory the model can map now without evicting
+        or reclaiming anything; they join the prefix cache idle, as if a request had
+        just finished with them. Returns the blocks copied per group."""
+        done = [0] * len(self.groups)
+        if not self.host_caches or max_tokens <= 0:
+            return done
+        bound = self.prefix_cache.max_cached_tokens
+        budget = (max_tokens if bound < 0 else min(max_tokens, bound)) // self.block_size
+        for g, (hc, pc) in enumerate(zip(self.host_caches, self.prefix_caches, strict=True)):
+            room = budget - pc.num_cached_blocks
+            picks = hc.most_hit(room, skip=lambda h, pc=pc: pc.block_of(h) is not None)
+            picks = picks[: min(len(picks), self.groups[g].num_free_blocks)]
+            if not picks:
+                continue
+            picks.sort(key=lambda x: x[2])  # chain order: parents first
+            try:
+                blocks = self.groups[g].alloc(len(picks)).tolist()
+            except PoolExhausted:  # another tenant took the room meanwhile
+                continue
+            self._wait_fence()
+            hashes = [h for h, _, _ in picks]
+            try:
+                hc.preload(hashes, blocks)
+            except KVCacheError as err:
+                log.warning("%r: preloading from the host tier failed (%s)", self.cache.name, err)
+                self._free(blocks, g)
+                continue
+            for (h, hits, depth), b in zip(picks, blocks, strict=True):
+                pc.insert(h, b, depth, hits)
+                self._writer[(g, b)] = None
+            pc.release(blocks)  # idle: evictable like any cached prefix
+            done[g] = len(blocks)
+        return done
 
     # -- arithmetic ------------------------------------------------------------------------
     @property
@@ -477,7 +517,7 @@ class KVManager:
             for i in range(seq.inserted[g], full):
                 if not table[i]:  # a sliding group's block already gone below the window
                     continue
-                inserted = pc.insert(hashes[i], table[i])
+                inserted = pc.insert(hashes[i], table[i], i)
                 if inserted and self.host_caches:
                     self._writer[(g, table[i])] = self._fence  # the newest step wrote it
             seq.inserted[g] = full

@@ -88,6 +88,8 @@ class PrefixCache:
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
         self._ref: dict[int, int] = {}
+        self._hits: dict[int, int] = {}  # takes per cached block (the preload's ranking)
+        self._depth: dict[int, int] = {}  # index in its chain per cached block
         self.queries = 0  # tokens looked up
         self.hits = 0  # tokens found
         self.evictions = 0  # blocks evicted
@@ -166,8 +168,17 @@ class PrefixCache:
             self._take(block)
         return out
 
+    def hits_of(self, block: int) -> int:
+        """How often requests have taken a cached block (0 if it is not cached)."""
+        return self._hits.get(block, 0)
+
+    def depth_of(self, block: int) -> int:
+        """A cached block's index in its chain (0: a prompt's first block)."""
+        return self._depth.get(block, 0)
+
     def _take(self, block: int) -> None:
         """A new request holds a cached block: a ref and a hit."""
+        self._hits[block] = self._hits.get(block, 0) + 1
         self._ref[block] += 1
         self.policy.on_busy(block)
         self.policy.on_hit(block)
@@ -188,9 +199,11 @@ class PrefixCache:
                 self._take(block)
         return out
 
-    def insert(self, h: bytes, block: int) -> bool:
-        """Registers a computed full block held (ref 1) by one sequence. Returns False
-        (and changes nothing) when caching is off or the hash is already cached."""
+    def insert(self, h: bytes, block: int, depth: int = 0, hits: int = 0) -> bool:
+        """Registers a computed full block held (ref 1) by one sequence (``depth``: its
+        index in its chain; ``hits``: takes it had before, e.g. in the host tier).
+        Returns False (and changes nothing) when caching is off or the hash is already
+        cached."""
         if not self.enabled or h in self._block_of:
             return False
         if block in self._hash_of:
@@ -200,6 +213,9 @@ class PrefixCache:
         self._block_of[h] = block
         self._hash_of[block] = h
         self._ref[block] = 1
+        self._depth[block] = depth
+        if hits:
+            self._hits[block] = hits
         self.policy.on_insert(block)
         return True
 
@@ -235,6 +251,8 @@ class PrefixCache:
             self.policy.on_remove(block)
             del self._block_of[self._hash_of.pop(block)]
             del self._ref[block]
+            self._depth.pop(block, None)
+            self._hits.pop(block, None)
 
     def _drop(self, blocks: Iterable[int], *, spill: bool = True) -> int:
         blocks = list(blocks)

@@ -409,6 +409,24 @@ class Pool:
         for p in self._pools:
             p.trim()
 
+    def publish_sleep(self, name: str, level: int) -> None:
+        """In a process group: tenant ``name`` is asleep at ``level`` (0: awake), for
+        ``ctl list`` and the other processes. Alone: nothing to publish."""
+        if isinstance(self.ledger, SharedLedger):
+            self.ledger.publish_sleep(name, level)
+
+    def sleep_request(self, name: str) -> int:
+        """In a process group: a sleep (1, 2: the level) or wake (3) another process
+        (``ctl sleep`` / ``ctl wake``) asked of tenant ``name``; else 0. It stays until
+        :meth:`clear_sleep_request` (carried out or refused)."""
+        if isinstance(self.ledger, SharedLedger):
+            return self.ledger.sleep_request(name)
+        return 0
+
+    def clear_sleep_request(self, name: str) -> None:
+        if isinstance(self.ledger, SharedLedger):
+            self.ledger.clear_sleep_request(name)
+
     def group_records(self) -> list[TenantRecord] | None:
         """Every tenant of the process group (all its processes), or None outside one."""
         return self.ledger.records() if isinstance(self.ledger, SharedLedger) else None

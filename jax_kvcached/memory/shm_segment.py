@@ -6,7 +6,7 @@ on Linux) holds a fixed header and a table of tenant rows:
 - header: magic, layout version, page size, the group's budget in pages, table size.
 - row: a name and int64 fields (:data:`FIELDS`): the owner's pid and start time, the
   tenant's mapped and reserved pages, limit, guarantee, the pages others ask it to give
-  back, prefix-cache counters.
+  back, prefix-cache counters, its sleep state and a sleep or wake asked of it.
 
 The lock is ``flock`` on the segment's file: the kernel drops it when its holder dies, even
 by ``kill -9``, so a dead process never deadlocks the group. Every write is one aligned
@@ -34,7 +34,7 @@ import numpy as np
 from jax_kvcached.memory.errors import KVCacheError
 
 MAGIC = b"JAXKVGRP"
-VERSION = 1
+VERSION = 2
 MAX_TENANTS = 64
 NAME_BYTES = 64
 SHM_DIR = "/dev/shm"
@@ -57,6 +57,8 @@ FIELDS = (
     "query_tokens",
     "idle_pages",  # pages its engine could give back now (idle cached prefixes); -1 unknown
     "updated_ns",  # when the owner last published (time.time_ns)
+    "sleep_level",  # 0 awake, 1 or 2 asleep at that level (its owner publishes it)
+    "sleep_request",  # 0 none, 1 or 2 sleep at that level, 3 wake (ctl asks; owner clears)
 )
 F = {name: i for i, name in enumerate(FIELDS)}
 
@@ -72,7 +74,7 @@ HEADER = np.dtype(
         ("pad", "<i8"),
     ]
 )
-ROW = np.dtype([("name", f"S{NAME_BYTES}"), ("f", "<i8", (len(FIELDS),)), ("pad", "<i8", (3,))])
+ROW = np.dtype([("name", f"S{NAME_BYTES}"), ("f", "<i8", (len(FIELDS),)), ("pad", "<i8", (1,))])
 SIZE = HEADER.itemsize + MAX_TENANTS * ROW.itemsize
 
 _GROUP_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")

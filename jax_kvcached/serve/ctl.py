@@ -1,9 +1,11 @@
 """``jax-kvcached ctl``: a process group's tenants, live (like kvcached's ``kvctl``).
 
 ``list`` shows every tenant of the group (pid, mapped, reserved, limit, guarantee, hit
-rate); ``limit NAME SIZE`` / ``guarantee NAME SIZE`` change a running process's tenant
-(it shrinks to a lower limit at its next steps); ``watch`` repeats ``list``; ``cleanup``
-removes the segments of groups (the named one, or every one) that no live process uses.
+rate, awake or asleep); ``limit NAME SIZE`` / ``guarantee NAME SIZE`` change a running
+process's tenant (it shrinks to a lower limit at its next steps); ``sleep NAME`` /
+``wake NAME`` ask its server to put it to sleep or wake it (and wait until it has);
+``watch`` repeats ``list``; ``cleanup`` removes the segments of groups (the named one, or
+every one) that no live process uses.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def table(ledger: SharedLedger, records: list[TenantRecord]) -> str:
         f", reserved {fmt_bytes(reserved * ps)}, free "
         f"{fmt_bytes((budget - mapped - reserved) * ps)}, {len(records)} tenants",
         f"{'NAME':<16} {'PID':>7} {'MAPPED':>10} {'RESERVED':>10} {'LIMIT':>10} "
-        f"{'GUARANTEE':>10} {'HIT%':>5} {'GIVEN':>10}",
+        f"{'GUARANTEE':>10} {'HIT%':>5} {'GIVEN':>10} {'STATE':>7}",
     ]
     for r in records:
         hit = "-" if r.hit_rate is None else f"{100 * r.hit_rate:.0f}"
@@ -49,8 +51,37 @@ def table(ledger: SharedLedger, records: list[TenantRecord]) -> str:
             f"{r.name[:16]:<16} {r.pid:>7} {fmt_bytes(r.mapped_pages * ps):>10} "
             f"{fmt_bytes(r.reserved_pages * ps):>10} {fmt_bytes(limit):>10} "
             f"{fmt_bytes(r.guarantee_pages * ps):>10} {hit:>5} {fmt_bytes(r.given_pages * ps):>10}"
+            f" {_state(r):>7}"
         )
     return "\n".join(lines)
+
+
+def _state(r: TenantRecord) -> str:
+    state = f"asleep{r.sleep_level}" if r.sleep_level else "awake"
+    return state + ("*" if r.sleep_request else "")  # *: a change asked, not yet done
+
+
+def _sleep_or_wake(
+    ledger: SharedLedger, name: str, level: int | None, timeout: float, out: TextIO
+) -> int:
+    """Asks ``name``'s server to sleep (at ``level``) or wake (None), then waits up to
+    ``timeout`` seconds for its state to change."""
+    ledger.request_sleep(name, 3 if level is None else level)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = next((r for r in ledger.records() if r.name == name), None)
+        if r is None:
+            raise KeyError(f"tenant {name!r} left the group")
+        if not r.sleep_request:  # carried out, or refused (see its server's log)
+            if bool(r.sleep_level) == (level is not None):
+                print(f"{name}: {_state(r)}", file=out)
+                return 0
+            break
+        time.sleep(0.05)
+    r = next((r for r in ledger.records() if r.name == name), None)
+    state = _state(r) if r else "gone"
+    print(f"{name}: still {state} after {timeout:g} s (its server may be busy)", file=out)
+    return 1
 
 
 def _group(group: str | None) -> str:
@@ -73,6 +104,8 @@ def run_ctl(
     interval: float = 1.0,
     count: int | None = None,
     out: TextIO | None = None,
+    level: int = 1,
+    timeout: float = 60.0,
 ) -> int:
     """Runs one ``ctl`` action; ValueError / KeyError for bad groups, names and sizes."""
     out = out or sys.stdout  # (read now: a default bound at import would go stale)
@@ -99,6 +132,9 @@ def run_ctl(
                 if res.guarantee_shortfall_bytes:
                     what += f" ({fmt_bytes(res.guarantee_shortfall_bytes)} held by others now)"
             print(f"{what}; mapped {fmt_bytes(res.mapped_bytes)}", file=out)
+        elif action in ("sleep", "wake"):
+            assert name is not None
+            return _sleep_or_wake(ledger, name, level if action == "sleep" else None, timeout, out)
         elif action == "watch":
             n = 0
             while count is None or n < count:

@@ -282,6 +282,10 @@ def serve(
     access_log: bool = True,
     allowed_origins: list[str] | None = None,
     log_level: str = "info",
+    idle_sleep: float | None = None,
+    max_awake: int | None = None,
+    sleep_level: int = 1,
+    preload_tokens: int = 4096,
 ) -> None:
     """Binds the port and answers at once (``/health`` reports the warm-up), loads and
     compiles the models in the background, then serves until SIGINT / SIGTERM. On the
@@ -346,7 +350,11 @@ def serve(
                 max_prefill_tokens=max_prefill_tokens,
                 host_cache_tokens=host_cache_tokens, host_cache_bytes=host_cache_bytes,
             )  # fmt: skip
-            loop = ServingLoop({n: m.engine for n, m in models.items()}, max_queue=max_queue)
+            loop = ServingLoop(
+                {n: m.engine for n, m in models.items()}, max_queue=max_queue,
+                idle_sleep_s=idle_sleep, max_awake=max_awake, sleep_level=sleep_level,
+                preload_tokens=preload_tokens,
+            )  # fmt: skip
             held["loop"] = loop.start()
             if server.should_exit:  # a signal came during the warm-up
                 return

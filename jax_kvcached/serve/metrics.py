@@ -77,6 +77,14 @@ class _LoopCollector:
         yield gauge(
             "kvcached_model_failed", "1 if the model's engine was taken out of service.", "failed"
         )
+        yield gauge(
+            "kvcached_model_sleeping", "1 if the model is asleep (weights and KV given back).",
+            "sleeping",
+        )  # fmt: skip
+        yield gauge(
+            "kvcached_model_waiting_for_wake", "Requests waiting for the model to wake.",
+            "waiting_for_wake",
+        )  # fmt: skip
         for name, doc, key in (
             ("kvcached_preemptions", "Requests preempted for memory.", "preemptions"),
             ("kvcached_steps", "Engine steps dispatched.", "steps"),
@@ -91,6 +99,10 @@ class _LoopCollector:
              "host_bytes_to_host"),
             ("kvcached_host_copied_from_host_bytes", "Bytes restored from the host tier.",
              "host_bytes_from_host"),
+            ("kvcached_model_sleeps", "Times the model was put to sleep.", "sleeps"),
+            ("kvcached_model_wakes", "Times the model was woken.", "wakes"),
+            ("kvcached_model_wake_failures", "Wakes that failed (the model stayed asleep).",
+             "wake_failures"),
         ):  # fmt: skip
             c = CounterMetricFamily(name, doc, labels=["model"])
             for model, s in stats.items():
@@ -173,6 +185,13 @@ class ServerMetrics:
             "kvcached_requests", "Requests answered, by outcome.", ["model", "outcome"],
             registry=self.registry,
         )  # fmt: skip
+        self.wake_seconds = Histogram(
+            "kvcached_wake_seconds", "Time to wake a sleeping model (weights back, preload).",
+            ["model"], buckets=TTFT_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        loop.wake_listeners.append(
+            lambda model, out: self.wake_seconds.labels(model).observe(out["seconds"])
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -104,10 +104,13 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
     host_cap = _by_model(m, "kvcached_host_cache_capacity_bytes")
     host_hit = _by_model(m, "kvcached_host_hit_rate")
     failed = _by_model(m, "kvcached_model_failed")
+    asleep = _by_model(m, "kvcached_model_sleeping")
     models = sorted(mapped)
 
     def name(model: str) -> str:
-        return (model[:8] + " FAILED" if failed.get(model) else model)[:15]
+        if failed.get(model):
+            return (model[:8] + " FAILED")[:15]
+        return (model[:8] + " ASLEEP" if asleep.get(model) else model)[:15]
 
     for model in models:
         lines.append(

@@ -1,19 +1,66 @@
-"""``GET|POST /admin/memory``: per-model limits and guarantees, in whichever pool each
-model lives (the admin key is required)."""
+"""Admin routes (the admin key is required): ``GET|POST /admin/memory`` (per-model
+limits and guarantees, in whichever pool each model lives; each model's sleep state) and
+``POST /admin/sleep`` / ``POST /admin/wake`` (a model's weights and KV memory given back,
+and brought back)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jax_kvcached.serve.context import AppContext
+from jax_kvcached.serve.loop import Conflict, Unavailable
 from jax_kvcached.serve.protocol import APIError
 
 
+def _sleep_body(body: Any, fields: set[str]) -> str:
+    if not isinstance(body, dict) or set(body) - fields or "model" not in body:
+        keys = ", ".join(f"'{f}'" for f in sorted(fields))
+        raise APIError(400, f"expected a JSON object with 'model' (keys: {keys})")
+    if not isinstance(body["model"], str):
+        raise APIError(400, "'model' must be a string", param="model")
+    return body["model"]
+
+
 def routes(ctx: AppContext) -> list[Route]:
+    async def command(name: str, call: Any) -> Response:
+        ctx.served(name)  # 404 first
+        try:
+            out = await run_in_threadpool(call)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except Conflict as e:
+            raise APIError(409, str(e), code="conflict") from None
+        except Unavailable as e:
+            raise APIError(503, str(e), type="server_error") from None
+        except TimeoutError:
+            raise APIError(
+                504, f"model {name!r} did not finish in time", type="server_error"
+            ) from None
+        return JSONResponse({"model": name, **out})
+
+    async def sleep(request: Request) -> Response:
+        ctx.auth.check(request, admin=True)
+        body = await ctx.read_json(request)
+        name = _sleep_body(body, {"model", "level", "abort"})
+        level = body.get("level", ctx.loop.sleep_level)
+        if isinstance(level, bool) or level not in (1, 2):
+            raise APIError(400, f"'level' must be 1 or 2, got {level!r}", param="level")
+        abort = body.get("abort", False)
+        if not isinstance(abort, bool):
+            raise APIError(400, "'abort' must be true or false", param="abort")
+        return await command(name, lambda: ctx.loop.sleep(name, level, abort=abort))
+
+    async def wake(request: Request) -> Response:
+        ctx.auth.check(request, admin=True)
+        name = _sleep_body(await ctx.read_json(request), {"model"})
+        return await command(name, lambda: ctx.loop.wake(name))
+
     async def memory(request: Request) -> Response:
         ctx.auth.check(request, admin=True)
         if request.method == "POST":
@@ -38,7 +85,9 @@ def routes(ctx: AppContext) -> list[Route]:
         for name, m in ctx.models.items():
             r = m.engine.pool.memory_limit_of(name)
             limits[name] = {**dataclasses.asdict(r), "applied": r.applied,
-                            "kv_cache_groups": m.engine.kv.group_stats()}  # fmt: skip
+                            "kv_cache_groups": m.engine.kv.group_stats(),
+                            "sleeping": m.engine.sleeping,
+                            "sleep_level": m.engine.sleep_level}  # fmt: skip
         pools = [
             {
                 "device": str(p.device),
@@ -60,4 +109,8 @@ def routes(ctx: AppContext) -> list[Route]:
         body = {"budget_bytes": budget, "pools": pools, "models": limits, "groups": groups}
         return JSONResponse(body)
 
-    return [Route("/admin/memory", memory, methods=["GET", "POST"])]
+    return [
+        Route("/admin/memory", memory, methods=["GET", "POST"]),
+        Route("/admin/sleep", sleep, methods=["POST"]),
+        Route("/admin/wake", wake, methods=["POST"]),
+    ]
