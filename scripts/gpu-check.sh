@@ -48,4 +48,7 @@ timeout 120 python3 "$B/bench_serving.py" --model m=tiny-llama --parts stall,rat
   --out "$J/bench_serving_gpu.json" 2>&1 | tee "$OUT/bench_serving_gpu.log"
 timeout 60 python3 "$B/bench_hybrid.py" --quick --models tiny-mistral --out "$J" 2>&1 \
   | tee "$OUT/bench_hybrid_gpu.log"
+# Sleep and wake of six tiny models on the GPU (two awake): wake time, device bytes.
+timeout 90 python3 "$B/bench_sleep.py" --quick --out "$J/bench_sleep_gpu.json" 2>&1 \
+  | tee "$OUT/bench_sleep_gpu.log"
 tar czf "$OUT/json.tgz" -C "$J" .
