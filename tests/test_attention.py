@@ -43,7 +43,7 @@ def _reference(q, kc, vc, q_lens, kv_lens, window=0):
     return jnp.concatenate(out)
 
 
-@settings(max_examples=24, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=16, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     seqs=st.integers(1, 3),
     groups=st.sampled_from([1, 2, 4]),

@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -162,9 +163,30 @@ def test_cli_serve_tensor_parallel(tmp_path):
     assert proc.returncode == 0, out
 
 
+# Every case in one process (one JAX start): the tensor-parallel case runs first, so its
+# two CPU devices exist when JAX starts.
+_BAD_ARGS_RUNNER = """
+import contextlib, io, json, sys
+from jax_kvcached.cli import main
+out = []
+for args in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = main(["serve", "--no-warmup", *args])
+        except SystemExit as e:  # argparse
+            rc = e.code
+    out.append([rc, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
 def test_cli_serve_rejects_bad_arguments(tmp_path):
-    cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", "--no-warmup"]
-    for args, msg in [
+    cases = [
+        (
+            ["--model", "a=tiny-qwen2", "--tensor-parallel", "2"],
+            "1 KV heads, which do not split over the 2",
+        ),
         (
             ["--model", "a=tiny-llama", "--model", "tiny-qwen2", "--served-model-name", "x"],
             "--served-model-name names one --model",
@@ -179,17 +201,22 @@ def test_cli_serve_rejects_bad_arguments(tmp_path):
         (["--model", "a=tiny-llama", "--limit", "a=lots"], "cannot parse"),
         (["--model", "a=no-such-model"], "neither a packaged model"),
         (["--model", "a=tiny-llama", "--tensor-parallel", "0"], "--tensor-parallel must be"),
-        (
-            ["--model", "a=tiny-qwen2", "--tensor-parallel", "2"],
-            "1 KV heads, which do not split over the 2",
-        ),
         (["--model", "a=tiny-llama", "--devices", "0,9"], "--devices / --tensor-parallel"),
         (["--model", "a=tiny-llama", "--tensor-parallel", "2", "--devices", "0"], "lists 1"),
         (["--model", "a=tiny-llama", "--host-cache-tokens", "-5"], "--host-cache-tokens must be"),
         (["--model", "a=tiny-llama", "--host-cache-bytes", "lots"], "--host-cache-bytes: cannot"),
-    ]:
-        r = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
+        (["--model", "a=tiny-llama", "--idle-sleep", "0"], "--idle-sleep must be > 0"),
+        (["--model", "a=tiny-llama", "--max-awake", "0"], "--max-awake must be >= 1"),
+        (["--model", "a=tiny-llama", "--sleep-level", "3"], "invalid choice"),
+        (["--model", "a=tiny-llama", "--preload-tokens", "-1"], "--preload-tokens must be"),
+    ]
+    args = json.dumps([a for a, _ in cases])
+    r = subprocess.run([sys.executable, "-c", _BAD_ARGS_RUNNER, args], capture_output=True,
+                       text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    results = json.loads(r.stdout.splitlines()[-1])
+    for (a, msg), (rc, err) in zip(cases, results, strict=True):
+        assert rc == 2 and msg in err, (a, err)
 
 
 def test_top_and_ctl_start_without_jax(tmp_path):
