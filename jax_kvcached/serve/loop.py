@@ -7,12 +7,7 @@ others' host work (scheduling, hashing, streaming). Requests come in from any th
 through :meth:`submit`; their events go out through a callback, from the loop thread.
 
 Sleep (:meth:`ServingLoop.sleep`, :meth:`ServingLoop.wake`, ``idle_sleep_s``,
-``max_awake``): a model put to sleep stops admitting requests, finishes (or aborts) the
-ones it runs, then gives back its weights and KV memory (``Engine.sleep``). A request to
-a sleeping model waits and wakes it (its time to first token includes the wake); with
-``max_awake`` models awake, waking one first puts the least recently used idle one to
-sleep (none idle: the request waits for one). A failed wake fails the requests that
-were waiting for it (503) and leaves the model asleep, to be retried by the next.
+``max_awake``): :mod:`jax_kvcached.serve.sleep_control` decides, on the loop thread.
 """
 
 from __future__ import annotations
@@ -29,34 +24,13 @@ from typing import Any
 from jax_kvcached.engine.engine import Engine, Prompt
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.sequence import Sequence as Seq
+from jax_kvcached.serve.errors import Conflict, Overloaded, Unavailable, UnknownModel
+from jax_kvcached.serve.sleep_control import SleepControl
+
+__all__ = ["Conflict", "Finished", "Overloaded", "Request", "ServingLoop", "Unavailable",
+           "UnknownModel"]  # fmt: skip
 
 log = logging.getLogger("jax_kvcached.serve.loop")
-
-
-class Overloaded(RuntimeError):
-    """The model's request queue is full (HTTP 429)."""
-
-
-class Unavailable(RuntimeError):
-    """The loop is not running or the model's engine failed (HTTP 503)."""
-
-
-class UnknownModel(KeyError):
-    """No engine serves this model (HTTP 404)."""
-
-
-class Conflict(RuntimeError):
-    """The model is not in a state the command applies to (HTTP 409): waking an awake
-    model, putting a sleeping one to sleep, no idle model to make room for a wake."""
-
-
-@dataclasses.dataclass
-class _SleepOrder:
-    """A sleep asked for (by an admin, or the idle policy): done once the model drains."""
-
-    level: int
-    done: Future | None = None  # the caller's (None: the policy's or ctl's)
-    from_group: bool = False  # asked through the process group (ctl): clear it when done
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,21 +96,6 @@ class ServingLoop:
             raise ValueError("a ServingLoop needs at least one engine")
         if max_queue < 0:
             raise ValueError("max_queue must be >= 0")
-        if idle_sleep_s is not None and not idle_sleep_s > 0:
-            raise ValueError(f"idle_sleep_s must be > 0 seconds, got {idle_sleep_s!r}")
-        if max_awake is not None and (isinstance(max_awake, bool) or max_awake < 1):
-            raise ValueError(f"max_awake must be >= 1, got {max_awake!r}")
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level!r}")
-        if preload_tokens < 0:
-            raise ValueError(f"preload_tokens must be >= 0, got {preload_tokens!r}")
-        if sleep_level == 2:
-            for name, engine in engines.items():
-                if not engine.can_reload:
-                    raise ValueError(
-                        f"sleep level 2 drops the weights: model {name!r} has no checkpoint "
-                        "to read them again from (use level 1)"
-                    )
         self.engines = dict(engines)
         self.max_queue = max_queue
         self.idle_wait_s = idle_wait_s
@@ -156,21 +115,17 @@ class ServingLoop:
         self._stop = threading.Event()
         self._accepting = True  # under _lock; False once the loop has shut down
         self._abandoned = False  # stop() ended the requests past a step still running
-        # Sleep: policies, orders waiting for their model to drain, requests waiting for
-        # their model to wake (loop thread only), when each model last had a request.
-        self.idle_sleep_s = idle_sleep_s
-        self.max_awake = max_awake
+        self.sleep_control = SleepControl(
+            self, idle_sleep_s=idle_sleep_s, max_awake=max_awake, level=sleep_level,
+            preload_tokens=preload_tokens,
+        )  # fmt: skip
+        # (its figures, read by the metrics and the admin routes)
         self.sleep_level = sleep_level
-        self.preload_tokens = preload_tokens
-        self._sleep_orders: dict[str, _SleepOrder] = {}
-        self._parked: dict[str, deque[Request]] = {n: deque() for n in self.engines}
-        self._last_used = dict.fromkeys(self.engines, time.monotonic())
-        self.sleeps = dict.fromkeys(self.engines, 0)
-        self.wakes = dict.fromkeys(self.engines, 0)
-        self.wake_failures = dict.fromkeys(self.engines, 0)
-        self.last_wake: dict[str, dict[str, Any]] = {}
-        # Called (model, wake stats) on the loop thread after each wake (metrics).
-        self.wake_listeners: list[Callable[[str, dict[str, Any]], None]] = []
+        self.sleeps = self.sleep_control.sleeps
+        self.wakes = self.sleep_control.wakes
+        self.wake_failures = self.sleep_control.wake_failures
+        self.last_wake = self.sleep_control.last_wake
+        self.wake_listeners = self.sleep_control.wake_listeners
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> ServingLoop:
@@ -365,7 +320,7 @@ class ServingLoop:
                 "sleeps": self.sleeps[name],
                 "wakes": self.wakes[name],
                 "wake_failures": self.wake_failures[name],
-                "waiting_for_wake": len(self._parked[name]),
+                "waiting_for_wake": self.sleep_control.waiting(name),
             }
         return out
 
@@ -373,7 +328,7 @@ class ServingLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                if not (self._round() | self._sleep_round()):
+                if not (self._round() | self.sleep_control.round()):
                     self._wake.wait(self.idle_wait_s)
                     self._wake.clear()
         except BaseException as e:  # a bug in the loop itself: fail everything, loudly
@@ -414,24 +369,23 @@ class ServingLoop:
             self._commands.clear()
         for kind, req in commands:
             if kind in ("sleep", "wake"):
-                self._order_command(kind, req)
+                self.sleep_control.command(kind, req)
                 continue
             if kind == "add":
-                self._last_used[req.model] = time.monotonic()
+                self.sleep_control.touch(req.model)
                 if req.cancelled:
                     self._close(req, None, None)
                 elif req.model in self.failed:
                     self._close(req, "error", Unavailable(self.failed[req.model]))
-                elif req.model in self._sleep_orders or self.engines[req.model].sleeping:
-                    self._parked[req.model].append(req)  # served after the wake
+                elif self.sleep_control.parks(req.model):
+                    self.sleep_control.park(req)  # served after the wake
                 else:
                     self._add(req)
             elif kind == "cancel" and req.request_id is not None and not req.closed:
                 self.engines[req.model].abort(req.request_id)
                 self._active[req.model].pop(req.request_id, None)
                 self._close(req, None, None)
-            elif kind == "cancel" and req in self._parked[req.model]:
-                self._parked[req.model].remove(req)
+            elif kind == "cancel" and self.sleep_control.unpark(req):
                 self._close(req, None, None)
         return bool(commands)
 
@@ -450,175 +404,6 @@ class ServingLoop:
             return
         req.request_id = rid
         self._active[req.model][rid] = req
-
-    # -- sleep (the loop thread) -----------------------------------------------------
-    def _order_command(self, kind: str, args: tuple[Any, ...]) -> None:
-        name, fut = args[0], args[-1]
-        engine = self.engines[name]
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            if name in self.failed:
-                raise Unavailable(f"model {name!r} is unavailable: {self.failed[name]}")
-            if kind == "sleep":
-                _, level, abort = args[:3]
-                if engine.sleeping or name in self._sleep_orders:
-                    raise Conflict(f"model {name!r} is asleep already (or falling asleep)")
-                self._sleep_orders[name] = _SleepOrder(level, fut)
-                if abort:
-                    for rid, req in list(self._active[name].items()):
-                        engine.abort(rid)
-                        self._active[name].pop(rid, None)
-                        self._close(req, "error", Unavailable(f"model {name!r} was put to sleep"))
-                return  # done by _sleep_round once it has drained
-            if not engine.sleeping:
-                raise Conflict(f"model {name!r} is awake")
-            t0 = time.perf_counter()
-            if not self._make_room(name):
-                raise Conflict(
-                    f"{self.max_awake} models are awake and none is idle: cannot wake {name!r} now"
-                )
-            fut.set_result(self._wake_engine(name, time.perf_counter() - t0))
-        except Exception as e:
-            fut.set_exception(e)
-
-    def _idle(self, name: str) -> bool:
-        return not (self.engines[name].has_work or self._active[name] or self._parked[name])
-
-    def _sleep_engine(self, name: str, level: int) -> dict[str, Any]:
-        engine = self.engines[name]
-        out = engine.sleep(level)
-        self.sleeps[name] += 1
-        log.info("model %r asleep (level %d, %.3f s)", name, level, out["seconds"])
-        return out
-
-    def _wake_engine(self, name: str, room_s: float = 0.0) -> dict[str, Any]:
-        """Wakes a model; on failure it stays asleep and the error is raised. ``room_s``:
-        the seconds spent putting another model to sleep first (reported with it)."""
-        try:
-            out = self.engines[name].wake(preload_tokens=self.preload_tokens)
-            out["room_s"] = room_s
-        except Exception:
-            self.wake_failures[name] += 1
-            raise
-        self.wakes[name] += 1
-        self.last_wake[name] = out
-        self._last_used[name] = time.monotonic()
-        for listener in self.wake_listeners:
-            try:
-                listener(name, out)
-            except Exception:
-                log.exception("a wake listener failed")
-        return out
-
-    def _make_room(self, name: str) -> bool:
-        """Under ``max_awake``, puts the least recently used idle awake model to sleep if
-        waking ``name`` needs room; False: none is idle (try again later)."""
-        if self.max_awake is None:
-            return True
-        awake = [n for n, e in self.engines.items() if not e.sleeping and n not in self.failed]
-        if len(awake) < self.max_awake:
-            return True
-        idle = [n for n in awake if n != name and n not in self._sleep_orders and self._idle(n)]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda n: self._last_used[n])
-        try:
-            self._sleep_engine(victim, self.sleep_level)
-        except Exception as e:
-            self._fail_engine(victim, e)
-        return True
-
-    def _group_request(self, name: str) -> bool:
-        """Carries out a sleep or wake another process asked of ``name`` (``ctl sleep`` /
-        ``ctl wake``, through the process group's ledger), and clears it once done or
-        refused (a sleep: once its model has drained); True if it woke it."""
-        engine = self.engines[name]
-        request = engine.pool.sleep_request(name)
-        if not request or (request in (1, 2) and name in self._sleep_orders):
-            return False  # none, or a sleep under way
-        woke = False
-        if request in (1, 2) and not engine.sleeping:
-            if request == 2 and not engine.can_reload:
-                log.warning("ctl asked a level-2 sleep of %r, which has no checkpoint", name)
-            else:
-                self._sleep_orders[name] = _SleepOrder(request, from_group=True)
-                return False  # cleared when it sleeps
-        elif request == 3 and engine.sleeping:
-            t0 = time.perf_counter()
-            if self._make_room(name):
-                try:
-                    self._wake_engine(name, time.perf_counter() - t0)
-                    woke = True
-                except Exception as e:
-                    log.error("waking %r failed (it stays asleep): %r", name, e)
-            else:
-                log.warning("ctl asked to wake %r: %d models are awake, none idle", name,
-                            self.max_awake)  # fmt: skip
-        engine.pool.clear_sleep_request(name)
-        return woke
-
-    def _sleep_round(self) -> bool:
-        """Carries out sleep orders of drained models, wakes sleeping models that have
-        requests waiting, and puts idle ones to sleep (``idle_sleep_s``). True if any
-        model changed state."""
-        changed = False
-        now = time.monotonic()
-        for name, engine in self.engines.items():
-            if name in self.failed:
-                continue
-            if not self._idle(name) and not engine.sleeping:
-                self._last_used[name] = now
-            changed |= self._group_request(name)
-            order = self._sleep_orders.get(name)
-            if order is not None and not (engine.has_work or self._active[name]):
-                del self._sleep_orders[name]
-                try:
-                    out = self._sleep_engine(name, order.level)
-                except Exception as e:
-                    if order.done is not None:
-                        order.done.set_exception(e)
-                    if order.from_group:
-                        engine.pool.clear_sleep_request(name)
-                    self._fail_engine(name, e)
-                    continue
-                if order.done is not None:
-                    order.done.set_result(out)
-                if order.from_group:
-                    engine.pool.clear_sleep_request(name)
-                changed = True
-            elif order is None and engine.sleeping and self._parked[name]:
-                t0 = time.perf_counter()
-                if not self._make_room(name):
-                    continue  # every awake model is busy: the requests wait
-                parked, self._parked[name] = self._parked[name], deque()
-                try:
-                    self._wake_engine(name, time.perf_counter() - t0)
-                except Exception as e:
-                    log.error("waking %r failed (it stays asleep): %r", name, e)
-                    for req in parked:
-                        self._close(req, "error", Unavailable(f"waking model {name!r} failed: {e}"))
-                    changed = True
-                    continue
-                for req in parked:
-                    if not req.cancelled:
-                        self._add(req)
-                    else:
-                        self._close(req, None, None)
-                changed = True
-            elif (
-                order is None
-                and self.idle_sleep_s is not None
-                and not engine.sleeping
-                and self._idle(name)
-                and now - self._last_used[name] >= self.idle_sleep_s
-            ):
-                try:
-                    self._sleep_engine(name, self.sleep_level)
-                except Exception as e:
-                    self._fail_engine(name, e)
-                changed = True
-        return changed
 
     def _streamer(self, req: Request) -> Callable[[int, int, bool], None]:
         def on_token(rid: int, token: int, finished: bool) -> None:
@@ -684,26 +469,24 @@ class ServingLoop:
     def _fail_engine(self, name: str, err: BaseException) -> None:
         log.error("engine %r failed and is taken out of service: %r", name, err)
         self.failed[name] = repr(err)
-        for req in [*self._active[name].values(), *self._parked[name]]:
+        for req in self._active[name].values():
             self._close(req, "error", Unavailable(f"model {name!r} failed: {err!r}"))
         self._active[name].clear()
-        self._parked[name].clear()
-        order = self._sleep_orders.pop(name, None)
-        if order is not None and order.done is not None and not order.done.done():
-            order.done.set_exception(Unavailable(f"model {name!r} failed: {err!r}"))
+        self.sleep_control.fail(name, err)
+
+    def _abort_all(self, name: str, err: Exception) -> None:
+        """Ends every request ``name``'s engine runs with ``err`` (their blocks freed)."""
+        engine = self.engines[name]
+        for rid, req in list(self._active[name].items()):
+            engine.abort(rid)
+            self._active[name].pop(rid, None)
+            self._close(req, "error", err)
 
     def _shutdown(self) -> None:
         with self._lock:
             self._accepting = False
         self._drain()
-        for order in self._sleep_orders.values():
-            if order.done is not None and not order.done.done():
-                order.done.set_exception(Unavailable("the server is shutting down"))
-        self._sleep_orders.clear()
-        for parked in self._parked.values():
-            for req in parked:
-                self._close(req, "error", Unavailable("the server is shutting down"))
-            parked.clear()
+        self.sleep_control.shutdown()
         for name, engine in self.engines.items():
             if name not in self.failed:
                 try:
