@@ -543,7 +543,9 @@ class Engine:
         :meth:`wake` reads the checkpoint again; engines made by :meth:`from_pretrained`).
         The compiled steps stay. Requests added while asleep wait for :meth:`wake`
         (:meth:`run` and :meth:`generate` wake first). The model object the engine was
-        built from shares the weights: it is unusable while the engine sleeps."""
+        built from shares the weights: a sleep deletes them, so that object is unusable
+        from then on (the engine holds the weights it wakes with; build another model
+        object to run one outside it)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
         with self._lock:
