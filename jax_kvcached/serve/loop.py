@@ -25,7 +25,7 @@ from jax_kvcached.engine.engine import Engine, Prompt
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.sequence import Sequence as Seq
 from jax_kvcached.serve.errors import Conflict, Overloaded, Unavailable, UnknownModel
-from jax_kvcached.serve.sleep_control import SleepControl
+from jax_kvcached.serve.sleep_control import LoopActions, SleepControl
 
 __all__ = ["Conflict", "Finished", "Overloaded", "Request", "ServingLoop", "Unavailable",
            "UnknownModel"]  # fmt: skip
@@ -115,9 +115,13 @@ class ServingLoop:
         self._stop = threading.Event()
         self._accepting = True  # under _lock; False once the loop has shut down
         self._abandoned = False  # stop() ended the requests past a step still running
+        actions = LoopActions(
+            running=lambda name: bool(self._active[name]), add=self._add, close=self._close,
+            fail=self._fail_engine, abort_all=self._abort_all,
+        )  # fmt: skip
         self.sleep_control = SleepControl(
-            self, idle_sleep_s=idle_sleep_s, max_awake=max_awake, level=sleep_level,
-            preload_tokens=preload_tokens,
+            self.engines, self.failed, actions, idle_sleep_s=idle_sleep_s, max_awake=max_awake,
+            level=sleep_level, preload_tokens=preload_tokens,
         )  # fmt: skip
         # (its figures, read by the metrics and the admin routes)
         self.sleep_level = sleep_level

@@ -9,7 +9,8 @@ the requests wait for one. A failed wake fails the requests parked for it (503) 
 leaves the model asleep, to be tried again by the next request.
 
 Everything here runs on the loop thread; the loop calls :meth:`SleepControl.round` each
-round and hands over commands, parked requests and failures.
+round and hands over commands, parked requests and failures, and gives it the few
+actions it needs of the loop (:class:`LoopActions`).
 """
 
 from __future__ import annotations
@@ -18,17 +19,32 @@ import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from jax_kvcached.engine.engine import Engine
 from jax_kvcached.serve.errors import Conflict, Unavailable
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
-
-    from jax_kvcached.serve.loop import Request, ServingLoop
-
 log = logging.getLogger("jax_kvcached.serve.sleep")
+
+
+class Request(Protocol):
+    """What this module reads of a loop's request."""
+
+    model: str
+    cancelled: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopActions:
+    """What the sleep control asks of its serving loop (all on the loop thread)."""
+
+    running: Callable[[str], bool]  # whether the model has requests in its engine
+    add: Callable[[Any], None]  # hand a request to its (awake) engine
+    close: Callable[[Any, str | None, Any], None]  # end a request: (kind, value) event
+    fail: Callable[[str, BaseException], None]  # take a model out of service
+    abort_all: Callable[[str, Exception], None]  # end every request a model runs
 
 
 @dataclasses.dataclass
@@ -41,11 +57,19 @@ class _Order:
 
 
 class SleepControl:
-    """The sleep policies of ``loop``'s models (see the module)."""
+    """The sleep policies of a serving loop's models (see the module).
+
+    Args:
+      engines: the loop's engines by model name.
+      failed: the loop's models taken out of service (read only here).
+      actions: what it asks of the loop.
+    """
 
     def __init__(
         self,
-        loop: ServingLoop,
+        engines: Mapping[str, Engine],
+        failed: Mapping[str, str],
+        actions: LoopActions,
         *,
         idle_sleep_s: float | None = None,
         max_awake: int | None = None,
@@ -61,14 +85,15 @@ class SleepControl:
         if preload_tokens < 0:
             raise ValueError(f"preload_tokens must be >= 0, got {preload_tokens!r}")
         if level == 2:
-            for name, engine in loop.engines.items():
+            for name, engine in engines.items():
                 if not engine.can_reload:
                     raise ValueError(
                         f"sleep level 2 drops the weights: model {name!r} has no checkpoint "
                         "to read them again from (use level 1)"
                     )
-        self.loop = loop
-        self.engines = loop.engines
+        self.engines = engines
+        self.failed = failed
+        self.actions = actions
         self.idle_sleep_s = idle_sleep_s
         self.max_awake = max_awake
         self.level = level
@@ -108,8 +133,8 @@ class SleepControl:
         return len(self._parked[name])
 
     def _idle(self, name: str) -> bool:
-        loop = self.loop
-        return not (self.engines[name].has_work or loop._active[name] or self._parked[name])
+        engine = self.engines[name]
+        return not (engine.has_work or self.actions.running(name) or self._parked[name])
 
     # -- commands (an admin's sleep / wake) ------------------------------------------
     def command(self, kind: str, args: tuple[Any, ...]) -> None:
@@ -120,15 +145,15 @@ class SleepControl:
         if not fut.set_running_or_notify_cancel():
             return
         try:
-            if name in self.loop.failed:
-                raise Unavailable(f"model {name!r} is unavailable: {self.loop.failed[name]}")
+            if name in self.failed:
+                raise Unavailable(f"model {name!r} is unavailable: {self.failed[name]}")
             if kind == "sleep":
                 _, level, abort = args[:3]
                 if engine.sleeping or name in self._orders:
                     raise Conflict(f"model {name!r} is asleep already (or falling asleep)")
                 self._orders[name] = _Order(level, fut)
                 if abort:
-                    self.loop._abort_all(name, Unavailable(f"model {name!r} was put to sleep"))
+                    self.actions.abort_all(name, Unavailable(f"model {name!r} was put to sleep"))
                 return  # done by round() once it has drained
             if not engine.sleeping:
                 raise Conflict(f"model {name!r} is awake")
@@ -172,7 +197,7 @@ class SleepControl:
         waking ``name`` needs room; False: none is idle (try again later)."""
         if self.max_awake is None:
             return True
-        failed = self.loop.failed
+        failed = self.failed
         awake = [n for n, e in self.engines.items() if not e.sleeping and n not in failed]
         if len(awake) < self.max_awake:
             return True
@@ -183,7 +208,7 @@ class SleepControl:
         try:
             self._sleep(victim, self.level)
         except Exception as e:
-            self.loop._fail_engine(victim, e)
+            self.actions.fail(victim, e)
         return True
 
     def _group_request(self, name: str) -> bool:
@@ -222,7 +247,7 @@ class SleepControl:
         changed = False
         now = time.monotonic()
         for name, engine in self.engines.items():
-            if name in self.loop.failed:
+            if name in self.failed:
                 continue
             if not self._idle(name) and not engine.sleeping:
                 self._last_used[name] = now
@@ -241,13 +266,13 @@ class SleepControl:
                 try:
                     self._sleep(name, self.level)
                 except Exception as e:
-                    self.loop._fail_engine(name, e)
+                    self.actions.fail(name, e)
                 changed = True
         return changed
 
     def _carry_out(self, name: str, order: _Order) -> bool:
         """A sleep order, once its model has drained; True if it slept (or failed)."""
-        if self.engines[name].has_work or self.loop._active[name]:
+        if self.engines[name].has_work or self.actions.running(name):
             return False
         del self._orders[name]
         try:
@@ -256,7 +281,7 @@ class SleepControl:
             if order.done is not None:
                 order.done.set_exception(e)
             self._clear_group_request(name, order)
-            self.loop._fail_engine(name, e)
+            self.actions.fail(name, e)
             return True
         if order.done is not None:
             order.done.set_result(out)
@@ -279,20 +304,20 @@ class SleepControl:
         except Exception as e:
             log.error("waking %r failed (it stays asleep): %r", name, e)
             for req in parked:
-                self.loop._close(req, "error", Unavailable(f"waking model {name!r} failed: {e}"))
+                self.actions.close(req, "error", Unavailable(f"waking model {name!r} failed: {e}"))
             return True
         for req in parked:
             if req.cancelled:
-                self.loop._close(req, None, None)
+                self.actions.close(req, None, None)
             else:
-                self.loop._add(req)
+                self.actions.add(req)
         return True
 
     # -- failures and shutdown -------------------------------------------------------
     def fail(self, name: str, err: BaseException) -> None:
         """``name``'s engine failed: its parked requests and its pending order too."""
         for req in self._parked[name]:
-            self.loop._close(req, "error", Unavailable(f"model {name!r} failed: {err!r}"))
+            self.actions.close(req, "error", Unavailable(f"model {name!r} failed: {err!r}"))
         self._parked[name].clear()
         order = self._orders.pop(name, None)
         if order is not None and order.done is not None and not order.done.done():
@@ -306,5 +331,5 @@ class SleepControl:
         self._orders.clear()
         for parked in self._parked.values():
             for req in parked:
-                self.loop._close(req, "error", Unavailable("the server is shutting down"))
+                self.actions.close(req, "error", Unavailable("the server is shutting down"))
             parked.clear()
