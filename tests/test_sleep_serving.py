@@ -302,3 +302,30 @@ def test_ctl_sleeps_and_wakes_a_model_of_the_group(served):
     assert not engs["a"].sleeping and s.complete("a", PROMPTS[0]) == want["a"][0]
     with pytest.raises(KeyError, match="no tenant named"):
         run_ctl("sleep", group, "nope", out=out)
+
+
+def test_a_stop_past_a_stuck_step_ends_parked_requests_and_commands(engines):
+    """When stop() gives up on a loop thread stuck in a step, requests parked for a wake
+    and sleep / wake commands not yet taken end with the shutdown error (no caller waits
+    forever); the loop thread, once free, answers none of them again."""
+    from concurrent.futures import Future
+
+    from jax_kvcached.serve.errors import Unavailable
+    from jax_kvcached.serve.loop import Request
+
+    engs, _, _ = engines
+    loop = ServingLoop(engs)  # not started: its thread is as good as stuck
+    events = []
+    req = Request("a", engs["a"].prompt(PROMPTS[0]), _params(),
+                  lambda kind, value: events.append((kind, value)))  # fmt: skip
+    loop.sleep_control.park(req)
+    fut: Future = Future()
+    loop._commands.append(("wake", ("b", fut)))
+    loop._outstanding["a"] += 1  # (as submit() counts a parked request)
+    loop._abandon()
+    assert [k for k, _ in events] == ["error"] and isinstance(events[0][1], Unavailable)
+    with pytest.raises(Unavailable, match="shutting down"):
+        fut.result(0)
+    assert not loop._commands and loop.sleep_control.waiting("a") == 0
+    loop.sleep_control.shutdown()  # the loop thread's own shutdown later: nothing twice
+    assert len(events) == 1

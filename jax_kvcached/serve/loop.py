@@ -161,10 +161,17 @@ class ServingLoop:
         with self._lock:
             self._accepting = False
             waiting = [req for kind, req in self._commands if kind == "add"]
+            # sleep / wake commands not taken yet: answered here, never by the loop
+            orders = [args for kind, args in self._commands if kind in ("sleep", "wake")]
+            self._commands = deque(c for c in self._commands if c[0] not in ("sleep", "wake"))
+        for args in orders:
+            if args[-1].set_running_or_notify_cancel():
+                args[-1].set_exception(Unavailable("the server is shutting down"))
         for name in self.engines:
             for req in [*list(self._active[name].values()), *waiting]:
                 if req.model == name:
                     self._close(req, "error", Unavailable("the server is shutting down"))
+        self.sleep_control.shutdown()  # requests parked for a wake, sleeps under way
 
     def shutdown(self, timeout: float) -> None:
         """Graceful stop: refuses new requests at once, lets in-flight ones finish for up

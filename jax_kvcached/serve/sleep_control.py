@@ -274,17 +274,18 @@ class SleepControl:
         """A sleep order, once its model has drained; True if it slept (or failed)."""
         if self.engines[name].has_work or self.actions.running(name):
             return False
-        del self._orders[name]
+        self._orders.pop(name, None)
+        waiter = order.done if order.done is not None and not order.done.done() else None
         try:
             out = self._sleep(name, order.level)
         except Exception as e:
-            if order.done is not None:
-                order.done.set_exception(e)
+            if waiter is not None:
+                waiter.set_exception(e)
             self._clear_group_request(name, order)
             self.actions.fail(name, e)
             return True
-        if order.done is not None:
-            order.done.set_result(out)
+        if waiter is not None:
+            waiter.set_result(out)
         self._clear_group_request(name, order)
         return True
 
@@ -324,12 +325,14 @@ class SleepControl:
             order.done.set_exception(Unavailable(f"model {name!r} failed: {err!r}"))
 
     def shutdown(self) -> None:
-        """Ends every pending order and parked request with the shutdown error."""
-        for order in self._orders.values():
+        """Ends every pending order and parked request with the shutdown error (also
+        from another thread, when the loop thread is stuck in a step: requests end at
+        most once)."""
+        orders, self._orders = self._orders, {}
+        for order in orders.values():
             if order.done is not None and not order.done.done():
                 order.done.set_exception(Unavailable("the server is shutting down"))
-        self._orders.clear()
         for parked in self._parked.values():
-            for req in parked:
+            while parked:
+                req = parked.popleft()
                 self.actions.close(req, "error", Unavailable("the server is shutting down"))
-            parked.clear()
