@@ -3,6 +3,7 @@ model (none lost, same answers, nothing compiled), --idle-sleep and --max-awake 
 three models, sleep and wake from several threads, `ctl sleep` / `ctl wake` through a
 process group, metrics and bad admin input."""
 
+import dataclasses
 import io
 import random
 import threading
@@ -304,28 +305,53 @@ def test_ctl_sleeps_and_wakes_a_model_of_the_group(served):
         run_ctl("sleep", group, "nope", out=out)
 
 
-def test_a_stop_past_a_stuck_step_ends_parked_requests_and_commands(engines):
-    """When stop() gives up on a loop thread stuck in a step, requests parked for a wake
-    and sleep / wake commands not yet taken end with the shutdown error (no caller waits
-    forever); the loop thread, once free, answers none of them again."""
-    from concurrent.futures import Future
-
+def test_a_stop_past_a_stuck_step_ends_parked_requests_and_commands(served, monkeypatch):
+    """When stop() gives up on a loop thread stuck in a step, the request parked for a
+    wake and a wake command not yet taken end with the shutdown error (no caller waits
+    out its timeout); the loop thread, once free, answers neither again."""
     from jax_kvcached.serve.errors import Unavailable
-    from jax_kvcached.serve.loop import Request
 
-    engs, _, _ = engines
-    loop = ServingLoop(engs)  # not started: its thread is as good as stuck
-    events = []
-    req = Request("a", engs["a"].prompt(PROMPTS[0]), _params(),
-                  lambda kind, value: events.append((kind, value)))  # fmt: skip
-    loop.sleep_control.park(req)
-    fut: Future = Future()
-    loop._commands.append(("wake", ("b", fut)))
-    loop._outstanding["a"] += 1  # (as submit() counts a parked request)
-    loop._abandon()
-    assert [k for k, _ in events] == ["error"] and isinstance(events[0][1], Unavailable)
-    with pytest.raises(Unavailable, match="shutting down"):
-        fut.result(0)
-    assert not loop._commands and loop.sleep_control.waiting("a") == 0
-    loop.sleep_control.shutdown()  # the loop thread's own shutdown later: nothing twice
-    assert len(events) == 1
+    make, engs, _ = served
+    engs["a"].sleep()
+    engs["c"].sleep()
+    release, stuck = threading.Event(), threading.Event()
+    step, calls = engs["b"].step, []
+
+    def slow_step():
+        calls.append(1)
+        # Once a's request is parked, b's next step hangs (a compile, say).
+        if not stuck.is_set() and loop.stats()["a"]["waiting_for_wake"] == 1:
+            stuck.set()
+            release.wait(60)
+        return step()
+
+    monkeypatch.setattr(engs["b"], "step", slow_step)
+    loop = ServingLoop(engs, max_awake=1).start()
+    events = {"a": [], "b": []}
+    params = dataclasses.replace(_params(), max_tokens=50)
+    loop.submit("b", PROMPTS[0], params, lambda k, v: events["b"].append(k))
+    while not calls:
+        time.sleep(0.005)
+    # b is busy: a cannot wake under max_awake=1, so its request is parked.
+    loop.submit("a", PROMPTS[1], _params(), lambda k, v: events["a"].append((k, v)))
+    assert stuck.wait(60)
+    box = {}
+    waker = threading.Thread(target=lambda: box.update(r=_outcome(lambda: loop.wake("c"))))
+    waker.start()
+    time.sleep(0.2)  # the wake command waits in the queue of the stuck loop
+    assert loop.stop(timeout=0.5) is False  # given up: ended from this thread
+    waker.join(10)
+    kinds = [k for k, _ in events["a"] if k != "token"]
+    assert kinds == ["error"] and isinstance(events["a"][-1][1], Unavailable)
+    assert isinstance(box["r"], Unavailable) and "shutting down" in str(box["r"])
+    assert events["b"][-1] == "error"
+    release.set()
+    time.sleep(0.5)  # the loop thread finishes its step and its shutdown
+    assert [k for k, _ in events["a"] if k != "token"] == ["error"]  # nothing twice
+
+
+def _outcome(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return e
