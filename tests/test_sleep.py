@@ -136,6 +136,7 @@ def test_preload_brings_the_most_hit_prefixes_back_on_wake(engine):
     engine.sleep()
     assert engine.wake(preload_tokens=32)["preloaded_tokens"] == 32
     assert pc.num_cached_blocks == 32 // engine.cache.block_size
+    assert engine.kv.preload(16) == [0]  # a budget below what is cached: nothing more
     engine.reset_prefix_cache()
     assert engine.cache.num_mapped_pages == 0
     engine.sleep()

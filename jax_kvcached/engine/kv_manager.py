@@ -290,9 +290,10 @@ class KVManager:
         bound = self.prefix_cache.max_cached_tokens
         budget = (max_tokens if bound < 0 else min(max_tokens, bound)) // self.block_size
         for g, (hc, pc) in enumerate(zip(self.host_caches, self.prefix_caches, strict=True)):
-            room = budget - pc.num_cached_blocks
+            room = min(budget - pc.num_cached_blocks, self.groups[g].num_free_blocks)
+            if room <= 0:  # the bound is reached already, or no free room
+                continue
             picks = hc.most_hit(room, skip=lambda h, pc=pc: pc.block_of(h) is not None)
-            picks = picks[: min(len(picks), self.groups[g].num_free_blocks)]
             if not picks:
                 continue
             picks.sort(key=lambda x: x[2])  # chain order: parents first
