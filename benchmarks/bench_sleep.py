@@ -177,7 +177,6 @@ def main() -> None:
         sizes[n] = {"awake": awake, "asleep": asleep}
         e.wake()
         e.reset_prefix_cache()
-        e.kv.reset_prefix_cache()
     for n in list(engines)[2:]:
         engines[n].sleep()  # two awake to start with
     runs = {}

@@ -77,9 +77,13 @@ class HostCache:
         """Host bytes the entries hold (entries x one block's bytes on every device)."""
         return self.num_entries * self.store.slot_bytes
 
+    def _entry(self, h: bytes) -> _Entry | None:
+        """The entry under ``h``, also while it is being restored (None if none)."""
+        return self._entries.get(h) or self._pinned.get(h)
+
     def slot_of(self, h: bytes) -> int | None:
         """The host slot holding the copy cached under ``h`` (None if none)."""
-        e = self._entries.get(h) or self._pinned.get(h)
+        e = self._entry(h)
         return None if e is None else e.slot
 
     def __contains__(self, h: object) -> bool:
@@ -175,7 +179,7 @@ class HostCache:
         slots = self.store.alloc(len(new_h))
         if not slots:
             return 0
-        new_h, new_b = new_h[: len(slots)], new_b[: len(slots)]
+        new_h, new_b, new_m = new_h[: len(slots)], new_b[: len(slots)], new_m[: len(slots)]
         try:
             ticket = self.store.copy_out(new_b, slots)
         except (KVCacheError, ValueError) as err:
@@ -183,7 +187,7 @@ class HostCache:
             self.copy_failures += len(slots)
             log.warning("host tier of %r: copy to host failed (%s)", self.store.cache.name, err)
             return 0
-        for h, s, (hits, depth) in zip(new_h, slots, new_m, strict=False):
+        for h, s, (hits, depth) in zip(new_h, slots, new_m, strict=True):
             self._entries[h] = _Entry(s, ticket, hits=hits, depth=depth)
         self.stored_blocks += len(slots)
         self.bytes_to_host += len(slots) * self.store.slot_bytes
@@ -235,12 +239,8 @@ class HostCache:
 
     def hits_of(self, h: bytes) -> int:
         """An entry's hit count (0 if absent)."""
-        e = self._entries.get(h) or self._pinned.get(h)
+        e = self._entry(h)
         return 0 if e is None else e.hits
-
-    def depth_of(self, h: bytes) -> int:
-        e = self._entries.get(h) or self._pinned.get(h)
-        return 0 if e is None else e.depth
 
     def clear(self) -> int:
         """Drops every entry (none may be mid-restore); returns how many."""
