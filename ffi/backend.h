@@ -55,9 +55,12 @@ class PhysicalBackend {
   virtual void unmap(uintptr_t addr, size_t n, bool synchronize = true) = 0;
 
   // Small state the device's kernels read and write (a KV buffer's page map and error
-  // record): zeroed memory, freed with free_state, and synchronous host copies.
+  // record): zeroed memory, given back with free_state, and synchronous host copies.
   virtual uintptr_t alloc_state(size_t bytes) = 0;
-  virtual void free_state(uintptr_t p) = 0;
+  // `bytes`: what alloc_state was asked for. CUDA keeps the memory (zeroed: every page
+  // unmapped) for the life of the process: a captured CUDA graph of a step may still
+  // hold its address, and its replay then writes nothing instead of reading freed memory.
+  virtual void free_state(uintptr_t p, size_t bytes) = 0;
   virtual void write_state(uintptr_t dst, const void* src, size_t bytes) = 0;
   virtual void read_state(void* dst, uintptr_t src, size_t bytes) = 0;
 

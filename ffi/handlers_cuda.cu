@@ -5,8 +5,15 @@
 // kernel against the buffer's device page map, skips and records bad ones, and never
 // waits for the device. Map and unmap are host calls; the backend's unmap waits for the
 // device first, so no kernel enqueued earlier can read a page after it is unmapped.
-// None of these handlers is command-buffer (CUDA graph) compatible: a replay would skip
-// their host work.
+//
+// Command buffers (CUDA graphs): XLA captures a handler that declares
+// kCmdBufferCompatible once (at each record: when its operands' addresses change) and
+// then replays the captured device work without calling it. Only write_kv_async
+// qualifies: its host part is checks of static facts (the handle, shapes, the buffer's
+// layer count) and every per-step check runs in the kernel against the device page map,
+// so a replay does what a call would. The others copy operands to the host and
+// synchronize the stream (not allowed while capturing), and map / unmap change the
+// buffer from the host: a replay would skip exactly the work they exist for.
 #include <cuda_runtime_api.h>
 
 #include <mutex>
@@ -282,7 +289,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cuda, WriteKvAsyncCuda,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>());
+                                  .Ret<ffi::AnyBuffer>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cuda, CopyBlocksCuda,
                               ffi::Ffi::Bind()

@@ -144,7 +144,7 @@ class HostBackend final : public PhysicalBackend {
     if (p == nullptr) throw PoolExhausted("host memory exhausted (state)");
     return reinterpret_cast<uintptr_t>(p);
   }
-  void free_state(uintptr_t p) override { std::free(reinterpret_cast<void*>(p)); }
+  void free_state(uintptr_t p, size_t /*bytes*/) override { std::free(reinterpret_cast<void*>(p)); }
   void write_state(uintptr_t dst, const void* src, size_t bytes) override {
     std::memcpy(reinterpret_cast<void*>(dst), src, bytes);
   }

@@ -111,7 +111,8 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int d
   }
   base_ = pool_->backend().reserve(total_bytes());
   try {
-    state_ = pool_->backend().alloc_state(kStateHeader + map_bytes);
+    state_bytes_ = kStateHeader + map_bytes;
+    state_ = pool_->backend().alloc_state(state_bytes_);
   } catch (...) {
     pool_->backend().free_range(base_, total_bytes());
     throw;
@@ -124,7 +125,7 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int d
 KVBuffer::~KVBuffer() {
   try {
     close();
-    pool_->backend().free_state(state_);
+    pool_->backend().free_state(state_, state_bytes_);
     pool_->backend().free_range(base_, total_bytes());
   } catch (...) {
   }

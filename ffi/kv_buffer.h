@@ -213,6 +213,7 @@ class KVBuffer {
   int local_id_;
   uintptr_t base_ = 0;
   uintptr_t state_ = 0;  // see device_state()
+  size_t state_bytes_ = 0;
   mutable std::shared_mutex mu_;
   bool closed_ = false;
   std::vector<int32_t> layer_group_;                // per layer

@@ -42,6 +42,30 @@ nb::capsule handler(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
+// What a handler declares to XLA, read the way XLA reads it: a call frame carrying the
+// metadata extension makes the handler fill in its FFI version and traits and return.
+nb::dict handler_metadata(nb::capsule target) {
+  auto fn = reinterpret_cast<XLA_FFI_Error* (*)(XLA_FFI_CallFrame*)>(target.data());
+  XLA_FFI_Metadata metadata{};
+  metadata.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  metadata.api_version.struct_size = XLA_FFI_Api_Version_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension ext{};
+  ext.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+  ext.extension_base.type = XLA_FFI_Extension_Metadata;
+  ext.metadata = &metadata;
+  XLA_FFI_CallFrame frame{};
+  frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  frame.extension_start = &ext.extension_base;
+  // The struct sizes above are the handler's own (same headers), so it never needs the
+  // API to report an error: a null API is not dereferenced.
+  if (fn(&frame) != nullptr) throw Error("the handler refused the metadata query");
+  nb::dict d;
+  d["api_version"] = nb::make_tuple(metadata.api_version.major_version, metadata.api_version.minor_version);
+  d["traits"] = static_cast<uint32_t>(metadata.traits);
+  d["command_buffer_compatible"] = (metadata.traits & XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE) != 0;
+  return d;
+}
+
 nb::dict stats_dict(const PoolStats& s) {
   nb::dict d;
   d["page_size"] = s.page_size;
@@ -264,4 +288,7 @@ NB_MODULE(_C, m) {
   handlers["cuda"] = cuda;
 #endif
   m.attr("handlers") = handlers;
+  m.def("handler_metadata", &handler_metadata, nb::arg("handler"),
+        "What a handler capsule (from `handlers`) declares to XLA: its FFI api_version, traits "
+        "and whether it may be captured into a command buffer (CUDA graph).");
 }

@@ -153,3 +153,7 @@ def bench_backend(
 
 # platform ("cpu", "cuda") -> op name -> PyCapsule of the XLA FFI handler
 handlers: dict[str, dict[str, Any]]
+
+def handler_metadata(handler: Any) -> dict[str, Any]:
+    """What a handler capsule declares to XLA: api_version, traits,
+    command_buffer_compatible."""

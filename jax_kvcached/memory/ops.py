@@ -45,6 +45,11 @@ _TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
 _PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
 _registered = False
 
+# The CUDA handlers XLA may capture into a command buffer (CUDA graph), declared with
+# ``kCmdBufferCompatible``: those whose every call launches the same device work (all
+# per-step checks on the device). See :func:`handler_traits`.
+COMMAND_BUFFER_OPS = frozenset({"write_kv_async"})
+
 
 def _register() -> None:
     global _registered
@@ -57,6 +62,16 @@ def _register() -> None:
 
 
 _register()
+
+
+def handler_traits(platform: str) -> dict[str, dict[str, Any]]:
+    """What each custom call's handler on ``platform`` (``cpu``, ``cuda``) declares to
+    XLA: ``api_version`` (the FFI headers it was built with), ``traits`` and
+    ``command_buffer_compatible``. Raises ValueError for a platform this build lacks."""
+    table = _C.handlers.get(platform)
+    if table is None:
+        raise ValueError(f"this build has no {platform!r} handlers (has {sorted(_C.handlers)})")
+    return {op: _C.handler_metadata(capsule) for op, capsule in table.items()}
 
 
 def new_token(device: Any = None) -> jax.Array:
