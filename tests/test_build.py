@@ -48,6 +48,7 @@ def test_handlers_declare_command_buffer_compatibility_as_the_policy_says():
             ops.handler_traits("cuda")
         pytest.skip("host-only build: no CUDA handlers to check")
     cuda = ops.handler_traits("cuda")
-    assert {op for op, m in cuda.items() if m["command_buffer_compatible"]} == ops.COMMAND_BUFFER_OPS
+    capturable = {op for op, m in cuda.items() if m["command_buffer_compatible"]}
+    assert capturable == ops.COMMAND_BUFFER_OPS
     assert {m["api_version"] for m in cuda.values()} == versions
     assert {"map_pages", "unmap_pages"}.isdisjoint(ops.COMMAND_BUFFER_OPS)

@@ -295,3 +295,27 @@ def test_bad_logit_bias_and_stop_ids_are_refused(model):
         with pytest.raises((ValueError, TypeError)):
             SamplingParams(**bad)
     pool.close()
+
+
+def test_a_step_is_one_dispatch_unless_a_row_processes_its_logits(model):
+    """The step program samples (and gives the sampled tokens' log-probabilities)
+    itself: one program per step. A row with penalties or biases adds processing and
+    sampling on the processed logits (and their log-probabilities) behind the step."""
+    pool = _pool()
+    eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, max_model_len=256)
+    cases = [
+        (SamplingParams(max_tokens=5, ignore_eos=True), 1),
+        (SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3), 1),
+        (SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2), 1),
+        (SamplingParams(max_tokens=5, ignore_eos=True, presence_penalty=0.5), 3),
+        (SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={3: 1.0}, logprobs=1), 4),
+    ]
+    for params, per_step in cases:
+        steps, dispatches = eng.steps, eng.runner.dispatches
+        out = eng.generate([PROMPT[:6], PROMPT[:4]], params)  # every step samples
+        assert all(len(o.token_ids) == 5 for o in out)
+        assert eng.runner.dispatches - dispatches == per_step * (eng.steps - steps), params
+        if params.logprobs is not None:
+            assert all(len(o.logprobs) == 5 for o in out)
+    _accounting_exact(eng, pool)
+    pool.close()

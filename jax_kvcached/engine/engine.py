@@ -162,6 +162,9 @@ class Engine:
       free_window_blocks: sliding-window layers form their own KV cache groups and give
         back the blocks below their window as sequences advance (``False``: one group,
         every block kept while its sequence runs; the attention is windowed either way).
+      command_buffers: on CUDA, run each step as command buffers (CUDA graphs, with its
+        branches and layer loop inside them); None: on unless ``XLA_FLAGS`` sets
+        ``--xla_gpu_enable_command_buffer`` (see ``runner.compiler_options``).
     """
 
     def __init__(
@@ -191,6 +194,7 @@ class Engine:
         mesh: Any = None,
         reload: Callable[[], Any] | None = None,
         free_window_blocks: bool = True,
+        command_buffers: bool | None = None,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(
@@ -239,6 +243,7 @@ class Engine:
                 model, self.cache, attention, max_batch=max_batch,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
+                command_buffers=command_buffers,
             )  # fmt: skip
         except BaseException:
             self.cache.close()  # a model that cannot run here leaves the pool as it was

@@ -3,14 +3,13 @@
 A step takes up to ``max_num_batched_tokens`` new tokens (``max_prefill_tokens`` when no
 sequence decodes) from up to ``max_batch`` sequences laid out on one flat token axis:
 decode rows (one token) and prefill chunks alike, each sequence with its own cached length
-and block table (:mod:`jax_kvcached.engine.attention`). Every layer writes the step's K/V
-into the cache (one ``ops.write_kv_async`` call) and then attends over the cache (the
-layers run under ``jax.lax.scan``: one layer body in the program, the layer index an
-operand of both custom calls); each
-sequence's last row gives its logits and the next token is sampled on the device. Every
+and block table (:mod:`jax_kvcached.engine.attention`). The step program
+(:mod:`jax_kvcached.engine.step_program`) writes each layer's K/V into the cache and
+attends over it, and samples every sequence's next token: one dispatch per step. Every
 integer input travels as one packed array (one transfer). A decode row whose input token
 is still being sampled by the previous step takes it from that step's device output
 (``StepInput.src``), so the host never waits for a step before preparing the next one.
+On CUDA the programs compile as command buffers (:func:`compiler_options`).
 
 Shapes come from a fixed, bounded set (:meth:`ModelRunner.step_shapes`): token counts in
 powers of two up to the budget, times block-table widths (one width for attention that
@@ -41,18 +40,21 @@ import numpy as np
 from flax import nnx
 
 from jax_kvcached.engine import executables
-from jax_kvcached.engine.attention import (
-    Ragged,
-    host_paged_attention,
-    num_items,
-    paged_attention,
-    ragged_layout,
-)
+from jax_kvcached.engine.attention import num_items, ragged_layout
 from jax_kvcached.engine.compile_events import compile_events, thread_cache_hits
+from jax_kvcached.engine.launches import Launches, count_launches
 from jax_kvcached.engine.logit_inputs import Entries, entry_sizes, pack_rows
 from jax_kvcached.engine.sampler_programs import sampler_programs
-from jax_kvcached.engine.sampling import MAX_LOGPROBS, NUM_CANDIDATES, SamplingParams
+from jax_kvcached.engine.sampling import NUM_CANDIDATES, SamplingParams
 from jax_kvcached.engine.sleep import Offloaded, offload, restore
+from jax_kvcached.engine.step_program import (
+    LOGPROBS,
+    SAMPLE,
+    StepSpec,
+    logit_rows,
+    make_step,
+    packed_sizes,
+)
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.kv_cache import KVCache
 from jax_kvcached.models.sharding import shard_model
@@ -75,22 +77,6 @@ def resolve_attention(impl: str, cache: KVCache) -> str:
     return impl
 
 
-def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array):
-    """The ragged paged attention of a resolved choice (:func:`resolve_attention`):
-    ``(q, view, layer, layout, window=0) -> out``. ``xla`` is the portable fallback;
-    ``pallas-interpret`` runs the kernel interpreted (tests)."""
-    if impl == "xla":
-        return paged_attention
-    if impl == "host":
-        return functools.partial(host_paged_attention, cache, token)
-    from jax_kvcached.engine.pallas_attention import pallas_paged_attention
-
-    splits = max(1, min(8, nb // 32))  # flash decoding: split long contexts
-    return functools.partial(
-        pallas_paged_attention, num_splits=splits, interpret=impl == "pallas-interpret"
-    )
-
-
 def default_token_budget(backend: str) -> int:
     """The default ``max_num_batched_tokens`` (the most new tokens of a step while any
     sequence decodes): 64 on a CPU, 2048 on a GPU (a step's cost there hardly grows
@@ -103,6 +89,28 @@ def default_prefill_budget(backend: str, budget: int) -> int:
     stream waits for it, so bigger chunks prefill faster): 256 on a CPU, else the step
     budget; never below it."""
     return budget if backend == "cuda" else max(budget, 256)
+
+
+# XLA's default command-buffer commands plus conditionals and loops: the step's branches
+# (sampling, log-probabilities, prompt scores) and its scanned layers then run inside the
+# CUDA graph. A conditional outside one copies its predicate to the host and waits for
+# the device: a host sync in every step.
+COMMAND_BUFFER_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
+
+
+def compiler_options(backend: str, command_buffers: bool | None = None) -> dict[str, str]:
+    """The XLA options the runner compiles its programs with. On CUDA the step runs as
+    command buffers (CUDA graphs: one launch replays a step's kernels) of
+    :data:`COMMAND_BUFFER_COMMANDS`; ``False`` turns them off; ``None`` (default): on,
+    unless ``XLA_FLAGS`` sets ``--xla_gpu_enable_command_buffer`` (that choice is kept).
+    A CPU has no command buffers: no options."""
+    if backend != "cuda":
+        return {}
+    if command_buffers is None:
+        if "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", ""):
+            return {}
+        command_buffers = True
+    return {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_COMMANDS if command_buffers else ""}
 
 
 TOKEN_STEP = 16  # a CPU step's budget beside decode rows comes in multiples of this
@@ -135,20 +143,6 @@ def bucket(n: int, sizes: tuple[int, ...]) -> int:
         if s >= n:
             return s
     raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
-
-
-def packed_sizes(
-    t: int, seqs: int, nb: int, items: int, tile: int, groups: int = 1
-) -> tuple[int, ...]:
-    """The segments of a step's packed int32 input, in order. Per token (t each): tokens,
-    positions, slots (one row per KV cache group), prompt log-probability targets (the
-    token after each position, -1 where not wanted), where each token's output lies among
-    the items' rows. Per sequence slot: block tables (groups x seqs x nb), kv lengths,
-    first rows, query lengths, src rows, last rows. Items (see
-    :class:`~jax_kvcached.engine.attention.Ragged`): sequence, rows and positions (items
-    x tile each)."""
-    return (t, t, groups * t, t, t, groups * seqs * nb, seqs, seqs, seqs, seqs, seqs, items,
-            items * tile, items * tile)  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -190,7 +184,8 @@ class ModelRunner:
     tokens: these bound the shape set. ``scan_layers``: run the model's layers under
     ``jax.lax.scan`` (default on a GPU) or unrolled over per-layer weight arrays (default
     on a CPU, where XLA copies every slice of a stacked weight; the runner then holds its
-    own per-layer copy of the stacked weights, the model given keeps its arrays)."""
+    own per-layer copy of the stacked weights, the model given keeps its arrays).
+    ``command_buffers``: see :func:`compiler_options`."""
 
     def __init__(
         self,
@@ -204,6 +199,7 @@ class ModelRunner:
         max_model_len: int | None = None,
         num_candidates: int = NUM_CANDIDATES,
         scan_layers: bool | None = None,
+        command_buffers: bool | None = None,
     ) -> None:
         cfg = model.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
@@ -285,7 +281,16 @@ class ModelRunner:
         self.widths = (top,) if self.attention in _WALKS_CONTEXT else ladder(8, top, 8, 2.0)
         # Logit processing: token lists of these widths (prompt + output + biases).
         self.entry_sizes = entry_sizes(max_len + 64)
-        self._jitted = jax.jit(self._make_step(), static_argnums=(4, 5))
+        spec = StepSpec(
+            graphdef=self.graphdef, cache=cache, attention=self.attention,
+            max_rows=self.max_rows, num_candidates=num_candidates,
+            windows=np.asarray(cfg.layer_windows(), np.int32), join=self._join,
+            items=self._items, per_device=self._per_device, head_spec=self._head_spec,
+            logits_sharding=None if self.mesh is None else self._device,
+        )  # fmt: skip
+        self._jitted = jax.jit(make_step(spec), static_argnums=(4, 5))
+        self.compiler_options = compiler_options(cache.backend, command_buffers)
+        self.dispatches = 0  # programs dispatched by run_padded (the step and any after it)
         # Every program a step runs, compiled ahead of time (see compile()): key -> a
         # jax Compiled (called with its dynamic arguments), kept in ``store`` on disk
         # when JAX's persistent compilation cache is on (a warm start loads them).
@@ -297,13 +302,16 @@ class ModelRunner:
                 self.graphdef, cache.handle, cache.view.shape, str(cache.dtype),
                 cache.block_size, str(cache.view.sharding), self.attention, max_batch, budget,
                 prefill, self.max_blocks, num_candidates, str(self._device), cache.layer_groups,
+                sorted(self.compiler_options.items()),
             ))  # fmt: skip
             # The devices a stored program is loaded on (those it was compiled for).
             self._store_devices = (
                 [cache.device] if self.mesh is None else list(self.mesh.devices.flat)
             )
-        # On a mesh every device samples the same rows from the replicated logits (one
-        # program per device: XLA's partitioner then never sees the sampler's barriers).
+        # The programs of a step whose rows process their logits (penalties, biases):
+        # processing, sampling and log-probabilities on the processed logits, dispatched
+        # behind the step. On a mesh every device samples the same rows from the
+        # replicated logits (XLA's partitioner then never sees the sampler's barriers).
         sample_rows, process_rows, logprob_rows = sampler_programs(
             self.max_rows, num_candidates, barrier=self.mesh is None
         )
@@ -370,84 +378,6 @@ class ModelRunner:
             leaves.append(LayerList(weights[at : at + n]) if split else weights[at])
             at += n if split else 1
         return jax.tree.unflatten(self._weights_def, leaves)
-
-    def _make_step(self):
-        graphdef, cache = self.graphdef, self.cache
-        max_rows = self.max_rows
-        per_device = self._per_device
-        heads = self._head_spec  # (T, heads, D) split over the heads on a mesh
-        windows = np.asarray(self.config.layer_windows(), np.int32)  # 0: full attention
-        groups = np.asarray(cache.layer_groups, np.int32)  # each layer's KV cache group
-        ng = cache.num_groups
-
-        def step(weights, view, packed, prev, t, nb, token):
-            state = self._join(weights)
-            n_items, tile = self._items(t)
-            bounds = np.cumsum((0, *packed_sizes(t, max_rows, nb, n_items, tile, ng)))
-            parts = [packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-            tokens, positions, group_slots, targets, token_slot = parts[:5]
-            group_slots = group_slots.reshape(ng, t)
-            group_tables = parts[5].reshape(ng, max_rows, nb)
-            tables = group_tables[0]
-            kv_lens, q_start, q_lens, src, last = parts[6:11]
-            lay = Ragged(tables, kv_lens, q_start, q_lens, parts[11],
-                         parts[12].reshape(n_items, tile), parts[13].reshape(n_items, tile),
-                         token_slot)  # fmt: skip
-            # Decode rows fed by the previous step's samples (still on the device).
-            fed = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)],
-                            tokens[jnp.clip(q_start, 0, t - 1)])  # fmt: skip
-            tokens = tokens.at[q_start].set(fed, mode="drop")  # unused slots: past the axis
-            model = nnx.merge(graphdef, state)
-            write = per_device(
-                lambda i, k, v, slots, token: ops.write_kv_async(cache, i, k, v, slots, token),
-                (None, heads, heads, None, None), None,
-            )  # fmt: skip
-            attention = per_device(
-                lambda q, view, i, lay, token, w: attention_fn(self.attention, cache, nb, token)(
-                    q, view, i, lay, window=w
-                ),
-                (heads, cache.sharding.spec if self.mesh else None, None, None, None, None),
-                heads,
-            )  # fmt: skip
-
-            def attend(i, q, k, v, chain):
-                # This step's K/V first (the reads below see them), then the attention; the
-                # token chain orders every layer's calls (the scan's carry). A layer writes
-                # and reads through its KV cache group's slots and tables.
-                # (unrolled, i is a Python int: the group is static; scanned, an index)
-                g = groups[i] if isinstance(i, int) else jnp.asarray(groups)[i]
-                slots, tables = group_slots[g], group_tables[g]
-                chain = write(i, k[0].astype(cache.dtype), v[0].astype(cache.dtype), slots, chain)
-                after = dataclasses.replace(lay, tables=ops.after(tables, chain))
-                window = jnp.asarray(windows)[i] if any(windows) else jnp.int32(0)
-                return attention(q[0], view, i, after, chain, window)[None], chain
-
-            hidden, chain = model.hidden_states(tokens[None], positions[None], attend, token)
-            hidden = hidden[0]  # (t, E)
-            logits = model.logits(hidden[jnp.clip(last, 0, t - 1)])  # (max_rows, vocab)
-            scores = prompt_scores(model, hidden, targets)
-            if self.mesh is not None:  # the logits gathered onto every device
-                logits = jax.lax.with_sharding_constraint(logits, self._device)
-            return (logits, scores), chain
-
-        def prompt_scores(model, hidden, targets):
-            """Prompt log-probabilities ``(1 + 2K, t)`` f32, per position: the target's
-            log-probability, then the K most likely ids (exact below 2^24) and their
-            log-probabilities. Computed (every position's logits) only when a row asks."""
-
-            def score(_):
-                lp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
-                want = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], -1)
-                vals, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
-                out = jnp.concatenate([want, ids.astype(jnp.float32), vals], axis=-1)
-                return jnp.moveaxis(out, -1, 0)
-
-            shape = (1 + 2 * MAX_LOGPROBS, *targets.shape)
-            return jax.lax.cond(
-                jnp.any(targets >= 0), score, lambda _: jnp.zeros(shape, jnp.float32), None
-            )
-
-        return step
 
     @property
     def _head_spec(self):
@@ -523,13 +453,19 @@ class ModelRunner:
         keys += [("process", r, p) for r in self.sampler_sizes for p in self.entry_sizes]
         return keys
 
+    def launches(self, shape: tuple[int, int]) -> Launches:
+        """What one step of ``shape`` (tokens, block-table width) launches on the device
+        when run op by op (:func:`~jax_kvcached.engine.launches.count_launches`): the
+        kernels a command buffer replays at once."""
+        return count_launches(self._program(shape).as_text())
+
     def _packed_sizes(self, t: int, nb: int) -> tuple[int, ...]:
         return packed_sizes(t, self.max_rows, nb, *self._items(t), self.cache.num_groups)
 
     def lower(self, key: tuple[int, int] | int):
         """The lowered step of a shape, or sampler of ``key`` rows (for inspection)."""
         if isinstance(key, int):  # the sampler of that many rows
-            logits = jax.ShapeDtypeStruct((self.max_rows, self.config.vocab_size), jnp.float32)
+            logits = jax.ShapeDtypeStruct((key, self.config.vocab_size), jnp.float32)
             params = jax.ShapeDtypeStruct((5, key), jnp.int32)
             return self._jitted_sample.lower(logits, params)
         t, nb = key
@@ -567,7 +503,7 @@ class ModelRunner:
                     self._programs[key] = program
                     return
             hits = thread_cache_hits()
-            program = fn.lower(*args).compile()
+            program = fn.lower(*args).compile(compiler_options=self.compiler_options or None)
             if store_key is not None and thread_cache_hits() == hits:
                 # (only XLA's own compiles: an executable JAX's persistent cache loaded
                 # serializes without its CPU kernels, and a reload of it fails to run)
@@ -592,7 +528,7 @@ class ModelRunner:
             return self._jitted_copy, (one, one, self.token)
         rows = key if isinstance(key, int) else key[1]
         if isinstance(key, int) or isinstance(key[0], str):
-            logits = np.zeros((self.max_rows, self.config.vocab_size), np.float32)
+            logits = np.zeros((rows, self.config.vocab_size), np.float32)  # a step's
             logits = jax.device_put(logits, self._device)  # placed like a step's output
         if isinstance(key, int):
             return self._jitted_sample, (logits, np.zeros((5, key), np.int32))
@@ -609,11 +545,12 @@ class ModelRunner:
         args = (self._weights, self.cache.view, packed, self.last_tokens, t, nb, self.token)
         return self._jitted, args
 
-    def _pack(self, lay: dict, tokens, positions, slots, targets, src, last) -> np.ndarray:
+    def _pack(self, lay: dict, tokens, positions, slots, targets, src, last, params,
+              flags: int) -> np.ndarray:  # fmt: skip
         """The step's packed int32 input (see :func:`packed_sizes`)."""
         segments = [tokens, positions, slots, targets, lay["token_slot"], lay["tables"],
                     lay["kv_lens"], lay["q_start"], lay["q_lens"], src, last, lay["item_seq"],
-                    lay["item_rows"], lay["item_pos"]]  # fmt: skip
+                    lay["item_rows"], lay["item_pos"], params, [flags]]  # fmt: skip
         return np.concatenate([np.asarray(a, np.int32).ravel() for a in segments])
 
     def compile(
@@ -705,7 +642,7 @@ class ModelRunner:
             raise ValueError("empty batch")
         bsz = self.cache.block_size
         t, nb = shape = self.shapes_for(batch)
-        rows = bucket(len(batch), self.sampler_sizes)
+        rows = logit_rows(t, self.max_rows)  # >= len(batch): every sampling row fits
         tokens = np.zeros(t, np.int32)
         positions = np.zeros(t, np.int32)
         ng = self.cache.num_groups
@@ -754,7 +691,6 @@ class ModelRunner:
                             [x.start + len(x.tokens) for x in batch], tables[0], t,
                             self.tile(t))  # fmt: skip
         lay["tables"] = tables
-        packed = self._pack(lay, tokens, positions, slots, targets, src, last)
         params = np.stack(
             [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]
         )
@@ -763,24 +699,31 @@ class ModelRunner:
             rows, self.entry_sizes,
         )  # fmt: skip
         want_logprobs = any(x.params is not None and x.params.logprobs is not None for x in batch)
-        step, sample = self._program(shape), self._program(rows)
-        process = None if processing is None else self._program(
-            ("process", rows, processing[0].shape[1])
-        )  # fmt: skip
-        logprobs = self._program(("logprobs", rows)) if want_logprobs else None
-        hint = src_rows(src[: len(batch)], rows)
+        # One program per step: it samples (and scores) its rows itself, unless a row
+        # processes its logits: then processing, sampling and log-probabilities follow
+        # as programs of their own on the processed logits.
+        fused = processing is None
+        flags = (SAMPLE | (LOGPROBS if want_logprobs else 0)) if fused else 0
+        packed = self._pack(lay, tokens, positions, slots, targets, src, last, params, flags)
+        step = self._program(shape)
         with self._context():
-            (logits, scores), self.token = step(
+            (logits, scores, sampled, lps), self.token = step(
                 self._weights, self.cache.view, packed, self.last_tokens, self.token
             )
-            # Dispatched right behind the step: no host round trip in between.
-            sampled = logits
-            if process is not None:
-                sampled = process(logits, *processing, self.last_tokens, hint)
-            self.last_tokens = sample(sampled, params)  # (numpy in: one transfer)
-            self.last_logprobs = (
-                logprobs(logits, self.last_tokens, hint) if logprobs is not None else None
-            )
+            self.dispatches += 1
+            self.last_logprobs = lps if fused and want_logprobs else None
+            if not fused:
+                # Dispatched right behind the step: no host round trip in between.
+                hint = src_rows(src[: len(batch)], rows)
+                process = self._program(("process", rows, processing[0].shape[1]))
+                processed = process(logits, *processing, self.last_tokens, hint)
+                sampled = self._program(rows)(processed, params)  # (numpy in: one transfer)
+                self.dispatches += 2
+                if want_logprobs:
+                    logprobs = self._program(("logprobs", rows))
+                    self.last_logprobs = logprobs(logits, sampled, hint)
+                    self.dispatches += 1
+            self.last_tokens = sampled
         self.last_scores = scores if (targets >= 0).any() else None
         self.last_starts = starts
         return logits, self.last_tokens

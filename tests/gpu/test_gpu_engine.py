@@ -26,7 +26,8 @@ pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU engine 
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, *range(40, 77)], [256, 9], [256, *range(1, 70)]]
 
 
-def _run(backend, device, attention="auto", devices=None, host_cache_tokens=0):
+def _run(backend, device, attention="auto", devices=None, host_cache_tokens=0,
+         command_buffers=None):  # fmt: skip
     with jax.default_device(device):
         model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=3)
         where = {"devices": devices} if devices else {}
@@ -34,7 +35,7 @@ def _run(backend, device, attention="auto", devices=None, host_cache_tokens=0):
                        **where)  # fmt: skip
         eng = Engine(
             model, pool, name="m", max_batch=4, attention=attention,
-            host_cache_tokens=host_cache_tokens,
+            host_cache_tokens=host_cache_tokens, command_buffers=command_buffers,
         )  # fmt: skip
         view = eng.cache.view
         for shard, buf in zip(view.addressable_shards, eng.cache.shards, strict=True):
@@ -55,6 +56,15 @@ def test_engine_on_cuda_matches_the_cpu_run():
     cpu = _run("host", jax.devices("cpu")[0])
     assert _run("cuda", _gpus()[0]) == cpu  # the Pallas kernel (auto on CUDA)
     assert _run("cuda", _gpus()[0], attention="xla") == cpu
+
+
+def test_steps_replayed_as_cuda_graphs_match_ordinary_launches():
+    """Command buffers on (default: the K/V write, the sampler's branches and the layer
+    loop captured) and off: the same tokens as the CPU run; a replay sees each step's
+    new slots, tables and pages (the write checks them on the device)."""
+    cpu = _run("host", jax.devices("cpu")[0])
+    assert _run("cuda", _gpus()[0], command_buffers=True) == cpu
+    assert _run("cuda", _gpus()[0], command_buffers=False) == cpu
 
 
 def test_host_tier_on_cuda_restores_what_it_evicted():

@@ -1,0 +1,201 @@
+"""The step program: one jitted function that runs a ragged batch through the model over
+the paged KV cache and samples every sequence's next token, in one dispatch.
+
+Inputs travel as one packed int32 array (:func:`packed_sizes`): the tokens and their
+positions, slots and block tables of every KV cache group, the ragged layout, each row's
+sampling parameters and the step's flags (:data:`SAMPLE`, :data:`LOGPROBS`). Each layer
+writes the step's K/V (one ``ops.write_kv_async`` call) and attends over the cache; the
+last token of each sequence gives its logits; the sampler (and, when a row asks, the
+sampled tokens' log-probabilities) runs right behind them in the same program. A step
+whose rows process their logits (penalties, biases) leaves the sampling to the runner's
+separate programs (flag off), which run on the processed logits.
+
+The outputs: the logits of the step's first :func:`logit_rows` rows, the sampled tokens
+``(max_rows,)``, their log-probabilities (zeros unless asked) and the prompt scores
+(zeros unless a row asked), plus the token that orders the next step after this one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_kvcached.engine.attention import Ragged, host_paged_attention, paged_attention
+from jax_kvcached.engine.sampler_programs import sampler_programs
+from jax_kvcached.engine.sampling import MAX_LOGPROBS
+from jax_kvcached.memory import ops
+from jax_kvcached.memory.kv_cache import KVCache
+
+SAMPLE = 1  # flag: sample every row's next token inside the step
+LOGPROBS = 2  # flag: and the sampled tokens' log-probabilities
+NUM_PARAMS = 5  # sampling parameters per row (see sampler_programs.sample_rows)
+
+
+def packed_sizes(
+    t: int, seqs: int, nb: int, items: int, tile: int, groups: int = 1
+) -> tuple[int, ...]:
+    """The segments of a step's packed int32 input, in order. Per token (t each): tokens,
+    positions, slots (one row per KV cache group), prompt log-probability targets (the
+    token after each position, -1 where not wanted), where each token's output lies among
+    the items' rows. Per sequence slot: block tables (groups x seqs x nb), kv lengths,
+    first rows, query lengths, src rows, last rows. Items (see
+    :class:`~jax_kvcached.engine.attention.Ragged`): sequence, rows and positions (items
+    x tile each). Then the sampling parameters of the step's logit rows
+    (``5 x logit_rows(t, seqs)``) and the flags (one)."""
+    return (t, t, groups * t, t, t, groups * seqs * nb, seqs, seqs, seqs, seqs, seqs, items,
+            items * tile, items * tile, NUM_PARAMS * logit_rows(t, seqs), 1)  # fmt: skip
+
+
+def logit_rows(t: int, max_rows: int) -> int:
+    """The rows of a ``t``-token step's logits: ``t`` rounded up to a power of two, at
+    most ``max_rows`` (a power of two). A step's sequences are never more than its
+    tokens, so every row that samples fits, and the row counts are the sampler sizes."""
+    return min(max_rows, 1 << (t - 1).bit_length())
+
+
+def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array) -> Callable:
+    """The ragged paged attention of a resolved choice (``host``, ``xla``, ``pallas``,
+    ``pallas-interpret``): ``(q, view, layer, layout, window=0) -> out``. ``xla`` is the
+    portable fallback; ``pallas-interpret`` runs the kernel interpreted (tests)."""
+    if impl == "xla":
+        return paged_attention
+    if impl == "host":
+        return functools.partial(host_paged_attention, cache, token)
+    from jax_kvcached.engine.pallas_attention import pallas_paged_attention
+
+    splits = max(1, min(8, nb // 32))  # flash decoding: split long contexts
+    return functools.partial(
+        pallas_paged_attention, num_splits=splits, interpret=impl == "pallas-interpret"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSpec:
+    """What a step program is built from (the runner's fixed choices)."""
+
+    graphdef: Any
+    cache: KVCache
+    attention: str  # resolved (see attention_fn)
+    max_rows: int  # sequence slots (a power of two)
+    num_candidates: int
+    windows: np.ndarray  # each layer's window (0: full attention)
+    join: Callable[[list], Any]  # the flat weights -> the model's state
+    items: Callable[[int], tuple[int, int]]  # t -> (attention items, tile)
+    per_device: Callable  # (fn, in_specs, out_specs) -> fn over the mesh (or fn)
+    head_spec: Any  # the partition of a (T, heads, D) array (None without a mesh)
+    logits_sharding: Any  # replicated logits on a mesh (None without one)
+
+    @property
+    def on_mesh(self) -> bool:
+        return self.logits_sharding is not None
+
+
+def make_step(spec: StepSpec) -> Callable:
+    """``step(weights, view, packed, prev, t, nb, token) -> (outputs, token)`` (``t`` and
+    ``nb`` static): ``outputs`` = (logits ``(R, vocab)``, prompt scores, sampled tokens
+    ``(max_rows,)``, log-probabilities of the sampled tokens), R = :func:`logit_rows`."""
+    graphdef, cache, max_rows = spec.graphdef, spec.cache, spec.max_rows
+    per_device, heads, windows = spec.per_device, spec.head_spec, spec.windows
+    groups = np.asarray(cache.layer_groups, np.int32)  # each layer's KV cache group
+    ng = cache.num_groups
+    sample_rows, _, logprob_rows = sampler_programs(
+        max_rows, spec.num_candidates, barrier=not spec.on_mesh
+    )
+    # On a mesh every device samples the same rows from the replicated logits (XLA's
+    # partitioner then never sees the sampler's barriers).
+    sampler = per_device(sample_rows, (None, None), None)
+    logprobs = per_device(logprob_rows, (None, None, None), None)
+
+    def step(weights, view, packed, prev, t, nb, token):
+        state = spec.join(weights)
+        n_items, tile = spec.items(t)
+        rows = logit_rows(t, max_rows)
+        bounds = np.cumsum((0, *packed_sizes(t, max_rows, nb, n_items, tile, ng)))
+        parts = [packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
+        tokens, positions, group_slots, targets, token_slot = parts[:5]
+        group_slots = group_slots.reshape(ng, t)
+        group_tables = parts[5].reshape(ng, max_rows, nb)
+        tables = group_tables[0]
+        kv_lens, q_start, q_lens, src, last = parts[6:11]
+        lay = Ragged(tables, kv_lens, q_start, q_lens, parts[11],
+                     parts[12].reshape(n_items, tile), parts[13].reshape(n_items, tile),
+                     token_slot)  # fmt: skip
+        params = parts[14].reshape(NUM_PARAMS, rows)
+        flags = parts[15][0]
+        # Decode rows fed by the previous step's samples (still on the device).
+        fed = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)],
+                        tokens[jnp.clip(q_start, 0, t - 1)])  # fmt: skip
+        tokens = tokens.at[q_start].set(fed, mode="drop")  # unused slots: past the axis
+        model = nnx.merge(graphdef, state)
+        write = per_device(
+            lambda i, k, v, slots, token: ops.write_kv_async(cache, i, k, v, slots, token),
+            (None, heads, heads, None, None), None,
+        )  # fmt: skip
+        attention = per_device(
+            lambda q, view, i, lay, token, w: attention_fn(spec.attention, cache, nb, token)(
+                q, view, i, lay, window=w
+            ),
+            (heads, cache.sharding.spec if spec.on_mesh else None,
+             None, None, None, None),
+            heads,
+        )  # fmt: skip
+
+        def attend(i, q, k, v, chain):
+            # This step's K/V first (the reads below see them), then the attention; the
+            # token chain orders every layer's calls (the scan's carry). A layer writes
+            # and reads through its KV cache group's slots and tables.
+            # (unrolled, i is a Python int: the group is static; scanned, an index)
+            g = groups[i] if isinstance(i, int) else jnp.asarray(groups)[i]
+            slots, tables = group_slots[g], group_tables[g]
+            chain = write(i, k[0].astype(cache.dtype), v[0].astype(cache.dtype), slots, chain)
+            after = dataclasses.replace(lay, tables=ops.after(tables, chain))
+            window = jnp.asarray(windows)[i] if any(windows) else jnp.int32(0)
+            return attention(q[0], view, i, after, chain, window)[None], chain
+
+        hidden, chain = model.hidden_states(tokens[None], positions[None], attend, token)
+        hidden = hidden[0]  # (t, E)
+        logits = model.logits(hidden[jnp.clip(last[:rows], 0, t - 1)])  # (rows, vocab)
+        scores = prompt_scores(model, hidden, targets)
+        if spec.on_mesh:  # the logits gathered onto every device
+            logits = jax.lax.with_sharding_constraint(logits, spec.logits_sharding)
+        sampled = jax.lax.cond(
+            (flags & SAMPLE) != 0,
+            lambda: sampler(logits, params),
+            lambda: jnp.zeros((max_rows,), jnp.int32),
+        )
+        shapes = (rows,), (rows, MAX_LOGPROBS), (rows, MAX_LOGPROBS)
+        lps = jax.lax.cond(
+            (flags & LOGPROBS) != 0,
+            lambda: logprobs(logits, sampled, src[:rows]),
+            lambda: (
+                jnp.zeros(shapes[0], jnp.float32),
+                jnp.zeros(shapes[1], jnp.int32),
+                jnp.zeros(shapes[2], jnp.float32),
+            ),  # fmt: skip
+        )
+        return (logits, scores, sampled, lps), chain
+
+    return step
+
+
+def prompt_scores(model: Any, hidden: jax.Array, targets: jax.Array) -> jax.Array:
+    """Prompt log-probabilities ``(1 + 2K, t)`` f32, per position: the target's
+    log-probability, then the K most likely ids (exact below 2^24) and their
+    log-probabilities. Computed (every position's logits) only when a row asks."""
+
+    def score(_):
+        lp = jax.nn.log_softmax(model.logits(hidden), axis=-1)
+        want = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], -1)
+        vals, ids = jax.lax.top_k(lp, MAX_LOGPROBS)
+        out = jnp.concatenate([want, ids.astype(jnp.float32), vals], axis=-1)
+        return jnp.moveaxis(out, -1, 0)
+
+    shape = (1 + 2 * MAX_LOGPROBS, *targets.shape)
+    return jax.lax.cond(jnp.any(targets >= 0), score, lambda _: jnp.zeros(shape, jnp.float32), None)
