@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -23,16 +25,32 @@ BENCH_MODEL = ModelConfig(
 )
 
 
-def load_model(name: str) -> Any:
-    """``bench`` (the random BENCH_MODEL) or a packaged trained model (``smollm2-135m``,
-    fp32: the CPU's fast path)."""
+def architecture(name: str) -> ModelConfig:
+    """A trained model's architecture (``architectures.json``, read off its GGUF), for
+    timing without its weights (a machine the checkpoint cannot be carried to)."""
+    path = os.path.join(os.path.dirname(__file__), "architectures.json")
+    with open(path, encoding="utf-8") as f:
+        known = json.load(f)
+    if name not in known:
+        raise ValueError(f"no architecture {name!r} in {path} (has {sorted(known)})")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in known[name].items()}
+    return ModelConfig(**fields)
+
+
+def load_model(name: str, dtype: str = "float32") -> Any:
+    """``bench`` (the random BENCH_MODEL), a packaged trained model (``smollm2-135m``,
+    ``gemma3-270m``) or ``arch:NAME`` (that model's architecture, random weights: the
+    same step time without the checkpoint), in ``dtype`` (default fp32: the CPU's fast
+    path; bfloat16 on a GPU)."""
     import jax.numpy as jnp
 
     from jax_kvcached.models import build_model, load_pretrained
 
     if name == "bench":
-        return build_model(BENCH_MODEL, seed=0)
-    return load_pretrained(name, dtype=jnp.float32).model
+        return build_model(BENCH_MODEL, seed=0, dtype=jnp.dtype(dtype))
+    if name.startswith("arch:"):
+        return build_model(architecture(name[5:]), seed=0, dtype=jnp.dtype(dtype))
+    return load_pretrained(name, dtype=jnp.dtype(dtype)).model
 
 
 def median_time(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:

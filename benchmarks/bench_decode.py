@@ -62,6 +62,7 @@ from jax_kvcached.models.stack import LayerList, stacked_leaves  # noqa: E402
 def make_dense_step(model, max_len: int):
     graphdef, state = nnx.split(model)
     cfg = model.config
+    windows = cfg.layer_windows()
     # Unrolled over per-layer weight arrays, as the engine runs on a CPU (XLA:CPU copies
     # every slice of a stacked weight): every layer index static.
     leaves, treedef = jax.tree.flatten(state)
@@ -76,12 +77,17 @@ def make_dense_step(model, max_len: int):
         def attend(i, q, k, v, c):  # the cache is the layers' carry (donated: in place)
             c = jax.lax.dynamic_update_slice(c, k[None, None].astype(c.dtype), (i, 0, 0, pos, 0, 0))
             c = jax.lax.dynamic_update_slice(c, v[None, None].astype(c.dtype), (i, 1, 0, pos, 0, 0))
-            mask = jnp.broadcast_to(jnp.arange(max_len)[None, None] <= pos, (b, 1, max_len))
+            seen = jnp.arange(max_len) <= pos
+            if any(windows):  # a sliding-window layer sees its last `window` keys
+                w = jnp.asarray(windows)[i]
+                seen &= (w == 0) | (jnp.arange(max_len) > pos - w)
+            mask = jnp.broadcast_to(seen[None, None], (b, 1, max_len))
             return gqa_attention(q, c[i, 0], c[i, 1], mask), c
 
         positions = jnp.full((b, 1), pos, jnp.int32)
         hidden, cache = m.hidden_states(tokens, positions, attend, cache)
-        return m.logits(hidden[:, -1]), cache
+        logits = m.logits(hidden[:, -1])
+        return (logits, jnp.argmax(logits, -1)), cache  # greedy, as the paged step samples
 
     fn = jax.jit(step, donate_argnums=1)
     shape = (cfg.num_layers, 2, 0, max_len, cfg.num_kv_heads, cfg.head_dim)
@@ -93,7 +99,8 @@ def bench_decode(
 ) -> dict:
     cfg = model.config
     bs = 16
-    itemsize = 4
+    dtype = jnp.dtype(model.dtype)
+    itemsize = dtype.itemsize
     kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
     need = batch * (ctx + bs) * kv_per_token
     one_kv_page = 2 * cfg.num_layers * (2 << 20)  # one 2 MiB page per layer for K and V
@@ -102,7 +109,7 @@ def bench_decode(
         max_reserved_pages=0,
     )  # fmt: skip
     cache = pool.create_kv_cache(
-        "bench", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32", block_size=bs
+        "bench", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype.name, block_size=bs
     )
     runner = ModelRunner(model, cache, max_batch=batch, max_model_len=ctx + 2 * bs)
     tables = [cache.alloc(-(-(ctx + 1) // bs)).tolist() for _ in range(batch)]
@@ -115,13 +122,13 @@ def bench_decode(
 
     max_len = ctx + bs  # the dense cache is sized for the context it serves
     dense_fn, state, shape = make_dense_step(model, max_len)
-    d_cache = {"c": jnp.zeros((shape[0], 2, batch, max_len, shape[4], shape[5]), jnp.float32)}
+    d_cache = {"c": jnp.zeros((shape[0], 2, batch, max_len, shape[4], shape[5]), dtype)}
     d_tokens = jnp.asarray(np.asarray(tokens, np.int32)[:, None])
     d_pos = jnp.int32(ctx)
 
     def dense():
-        logits, d_cache["c"] = dense_fn(state, d_cache["c"], d_tokens, d_pos)
-        jax.block_until_ready(logits)
+        out, d_cache["c"] = dense_fn(state, d_cache["c"], d_tokens, d_pos)
+        jax.block_until_ready(out)
 
     for fn in (paged, dense):  # compile + warm up
         fn()
@@ -150,7 +157,7 @@ def bench_prefill(model, chunk: int, iters: int, backend: str = "host") -> dict:
     cfg = model.config
     pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
     cache = pool.create_kv_cache(
-        "prefill", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32"
+        "prefill", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, jnp.dtype(model.dtype).name
     )
     runner = ModelRunner(model, cache, max_num_batched_tokens=chunk, max_model_len=chunk + 16)
     blocks = cache.alloc(-(-chunk // 16)).tolist()
@@ -243,6 +250,95 @@ def bench_host_share(batch: int, rounds: int, prompt_len: int = 64, steps: int =
         "batch": batch, "engine_step_ms": o * 1e3, "sync_engine_step_ms": s_ * 1e3,
         "jitted_step_ms": j * 1e3, "engine_over_jitted": o / j, "sync_over_jitted": s_ / j,
     }  # fmt: skip
+
+
+def bench_launches(
+    model, backend: str, batches: list[int], rounds: int, steps: int = 24, prompt_len: int = 32
+) -> list[dict]:
+    """The engine's decode step, per step: programs dispatched, launches of the step
+    program run op by op (greedy: the sampler's cheapest branch; and the costliest),
+    wall time, the host's share (everything but waiting for the device's tokens) and the
+    dispatch alone. On CUDA with command buffers on and off, side by side."""
+    cfg = model.config
+    settings = (True, False) if backend == "cuda" else (None,)
+    max_len = prompt_len + steps * (rounds + 1) + 16
+    rows = []
+    for b in batches:
+        engines = {}
+        for cb in settings:
+            pool = kv.Pool("1GiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
+            engines[cb] = Engine(model, pool, max_batch=b, prefix_caching=False,
+                                 max_model_len=max_len, command_buffers=cb)  # fmt: skip
+        timing: dict = {cb: {"wall": [], "dispatch": [], "wait": []} for cb in settings}
+        rng = np.random.default_rng(b)
+        params = SamplingParams(max_tokens=max_len - prompt_len, ignore_eos=True)
+        for eng in engines.values():
+            for _ in range(b):
+                eng.add_request(rng.integers(1, cfg.vocab_size, prompt_len).tolist(), params)
+            while any(s.num_output == 0 for s in eng.scheduler.running) or eng.scheduler.waiting:
+                eng.step()
+            for _ in range(3):
+                eng.step()  # every shape of the decode steps compiled
+        for _ in range(rounds):
+            for cb, eng in engines.items():
+                spent = {"dispatch": 0.0, "wait": 0.0}
+                dispatch, fetch = eng.dispatch, eng.runner.fetch
+
+                def timed_dispatch(dispatch=dispatch, spent=spent):
+                    t0 = time.perf_counter()
+                    out = dispatch()
+                    spent["dispatch"] += time.perf_counter() - t0
+                    return out
+
+                def timed_fetch(x, fetch=fetch, spent=spent):
+                    t0 = time.perf_counter()
+                    out = fetch(x)
+                    spent["wait"] += time.perf_counter() - t0
+                    return out
+
+                eng.dispatch, eng.runner.fetch = timed_dispatch, timed_fetch
+                n0, d0 = eng.steps, eng.runner.dispatches
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    eng.step()
+                wall = time.perf_counter() - t0
+                del eng.dispatch, eng.runner.fetch  # the methods again
+                n = eng.steps - n0
+                timing[cb]["wall"].append(wall / n)
+                timing[cb]["dispatch"].append(spent["dispatch"] / n)
+                timing[cb]["wait"].append(spent["wait"] / n)
+                timing[cb]["programs"] = (eng.runner.dispatches - d0) / n
+        for cb, eng in engines.items():
+            med = {k: float(np.median(v)) for k, v in timing[cb].items() if k != "programs"}
+            seqs = list(eng.scheduler.running)
+            shape = eng.runner.shapes_for(
+                [StepInput([1], s.num_computed, s.tables[0]) for s in seqs]
+            )
+            launches = eng.runner.launches(shape)
+            rows.append({
+                "batch": b, "command_buffers": {None: "n/a", True: "on", False: "off"}[cb],
+                "step_ms": med["wall"] * 1e3, "tokens_per_s": b / med["wall"],
+                "host_ms": (med["wall"] - med["wait"]) * 1e3, "dispatch_ms": med["dispatch"] * 1e3,
+                "wait_ms": med["wait"] * 1e3, "programs_per_step": timing[cb]["programs"],
+                "launches_greedy": launches.least, "launches_most": launches.most,
+                "conditionals": launches.conditionals, "loops": launches.loops,
+            })  # fmt: skip
+            for s in seqs:
+                eng.abort(s.request_id)
+            eng.drain()
+            eng.close()
+            eng.pool.close()
+    print(f"\nDecode step launches and host time ({backend} backend, {jax.devices()[0]}): "
+          "engine steps, overlapped; launches of the step program run op by op")  # fmt: skip
+    print(f"{'batch':>5} {'graphs':>6} {'step ms':>8} {'tok/s':>8} {'host ms':>8} "
+          f"{'dispatch':>9} {'wait ms':>8} {'programs':>9} {'launches':>9} {'(most)':>7} "
+          f"{'conds':>6}")  # fmt: skip
+    for r in rows:
+        print(f"{r['batch']:>5} {r['command_buffers']:>6} {r['step_ms']:>8.2f} "
+              f"{r['tokens_per_s']:>8.0f} {r['host_ms']:>8.2f} {r['dispatch_ms']:>9.2f} "
+              f"{r['wait_ms']:>8.2f} {r['programs_per_step']:>9.2f} {r['launches_greedy']:>9} "
+              f"{r['launches_most']:>7} {r['conditionals']:>6}")  # fmt: skip
+    return rows
 
 
 def bench_buckets(model, rounds: int, steps: int = 20) -> list[dict]:
@@ -503,7 +599,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--model", default="bench", help="bench (random, small) or smollm2-135m")
-    p.add_argument("--parts", default="decode,loop", help="decode (+prefill), loop, write (a list)")
+    p.add_argument("--parts", default="decode,loop",
+                   help="decode (+prefill), loop, launches, write (a list)")  # fmt: skip
+    p.add_argument("--dtype", default="float32", help="the model's and KV cache's dtype")
     p.add_argument(
         "--backend",
         default="host",
@@ -520,7 +618,7 @@ def main() -> None:
         help="only the tensor-parallel comparison over these device counts (host devices)",
     )  # fmt: skip
     args = p.parse_args()
-    suffix = "" if args.model == "bench" else f"_{args.model}"
+    suffix = "" if args.model == "bench" else "_" + args.model.replace(":", "-")
     if args.tp:
         out = args.out or os.path.join(here, "results", f"bench_decode_tp{suffix}.json")
         sizes = [int(x) for x in args.tp.split(",")]
@@ -528,7 +626,7 @@ def main() -> None:
         return
     args.out = args.out or os.path.join(here, "results", f"bench_decode{suffix}.json")
 
-    model = load_model(args.model)
+    model = load_model(args.model, args.dtype)
     parts = set(args.parts.split(","))
     result: dict = {"model": args.model, "jax": jax.__version__}
     if "write" in parts:
@@ -536,6 +634,9 @@ def main() -> None:
         result["write"] = bench_write(args.backend, args.rounds)
     if "loop" in parts:
         result["loop"] = bench_loop(model, args.rounds, args.start_models.split(","))
+    if "launches" in parts:
+        batches = [int(x) for x in args.batches.split(",")]
+        result["launches"] = bench_launches(model, args.backend, batches, args.rounds)
     if "decode" not in parts:
         _write(args.out, result)
         return
@@ -550,7 +651,7 @@ def main() -> None:
     print(
         f"\nDecode ({args.backend} backend, {jax.devices()[0]}), {args.model}: "
         f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}, fp32, "
+        f"{cfg.num_heads} heads / {cfg.num_kv_heads} KV heads x {cfg.head_dim}, {args.dtype}, "
         "one token per sequence"
     )
     print(

@@ -59,6 +59,13 @@ def h2d_bandwidth(nbytes: int = 256 * MiB) -> float:
     return nbytes / best
 
 
+def jax_in_use() -> int | None:
+    """Bytes JAX's allocator holds on the device (``memory_stats``; None on a CPU). The
+    pool's KV pages are mapped outside it: ``cache.mapped_bytes`` counts those."""
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats else int(stats.get("bytes_in_use", 0))
+
+
 def weight_bytes(eng: Engine) -> int:
     return sum(int(a.nbytes) for a in eng.runner.state_arrays())
 
@@ -151,14 +158,30 @@ def main() -> None:
     ap.add_argument("--bursts", type=int, default=18)
     ap.add_argument("--idle", type=float, default=0.05, help="seconds between bursts")
     ap.add_argument("--quick", action="store_true", help="tiny presets only, 8 bursts")
+    ap.add_argument(
+        "--big",
+        default="smollm2-135m",
+        help="the sixth model: smollm2-135m, or arch:smollm2-135m (its "
+        "architecture, random weights in --dtype, byte tokenizer)",
+    )
+    ap.add_argument("--dtype", default="float32", help="dtype of an arch: model")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "bench_sleep.json"))  # fmt: skip
     args = ap.parse_args()
-    names = MODELS[:-1] + (["tiny-llama-2"] if args.quick else MODELS[-1:])
+    names = MODELS[:-1] + (["tiny-llama-2"] if args.quick else [args.big.replace(":", "-")])
     bursts = 8 if args.quick else args.bursts
     pool = kv.Pool("512MiB", min_reserved_pages=0, max_reserved_pages=0)
     engines = {}
     for n in names:
+        if n.startswith("arch-"):  # the architecture alone: no checkpoint to carry
+            from bench_common import load_model
+
+            from jax_kvcached.models.tokenizer import ByteTokenizer
+
+            engines[n] = Engine(load_model("arch:" + n[5:], args.dtype), pool, name=n,
+                                tokenizer=ByteTokenizer(), max_batch=4,
+                                host_cache_tokens=4096)  # fmt: skip
+            continue
         src = "tiny-llama" if n == "tiny-llama-2" else n
         engines[n] = Engine.from_pretrained(src, pool, name=n, dtype=jnp.float32, max_batch=4,
                                             host_cache_tokens=4096)  # fmt: skip
@@ -167,15 +190,18 @@ def main() -> None:
     for n, e in engines.items():
         e.compile()  # every program it can run, as a server's warm-up does
         e.generate([SYSTEM + QUESTIONS[0]], SamplingParams(max_tokens=8, ignore_eos=True))
-        awake = {"device_weights": weight_bytes(e), "device_kv": e.cache.mapped_bytes}
+        awake = {"device_weights": weight_bytes(e), "device_kv": e.cache.mapped_bytes,
+                 "jax_in_use": jax_in_use()}  # fmt: skip
         info = e.sleep()
         live = sum(int(a.nbytes) for a in e.runner.state_arrays() if not a.is_deleted())
         host = e.stats()["host_cache"]
         asleep = {"device_weights": live, "device_kv": e.cache.mapped_bytes,
                   "host_weights": info["weight_bytes"], "host_tier": host["bytes"],
-                  "host_tier_capacity": host["capacity_bytes"]}  # fmt: skip
+                  "host_tier_capacity": host["capacity_bytes"],
+                  "jax_in_use": jax_in_use()}  # fmt: skip
         sizes[n] = {"awake": awake, "asleep": asleep}
         e.wake()
+        sizes[n]["woken"] = {"jax_in_use": jax_in_use()}
         e.reset_prefix_cache()
     for n in list(engines)[2:]:
         engines[n].sleep()  # two awake to start with
@@ -237,12 +263,15 @@ def main() -> None:
               f" {1e3 * warm_ttft:>8.0f}/{1e3 * row['awake_ttft_p99_s']:<9.0f} {wake_ms:>8.1f}"
               f" {wt:>9.1f}/{pl:<9.1f} {compiled:>8} {100 * hit:>7.0f}%"
               f" {sum(within):>5}/{len(within)}")  # fmt: skip
-    print(f"\n{'model':<14} {'awake dev MiB':>14} {'asleep dev MiB':>15} {'asleep host MiB':>16}")
+    print(f"\n{'model':<18} {'awake dev MiB':>14} {'asleep dev MiB':>15} {'asleep host MiB':>16}"
+          f" {'JAX in use MiB awake/asleep/woken':>34}")  # fmt: skip
     for n, s in sizes.items():
         aw, sl = s["awake"], s["asleep"]
-        print(f"{n:<14} {(aw['device_weights'] + aw['device_kv']) / MiB:>14.1f} "
+        use = [x["jax_in_use"] for x in (aw, sl, s["woken"])]
+        use_text = "n/a" if None in use else "/".join(f"{u / MiB:.1f}" for u in use)
+        print(f"{n:<18} {(aw['device_weights'] + aw['device_kv']) / MiB:>14.1f} "
               f"{(sl['device_weights'] + sl['device_kv']) / MiB:>15.1f} "
-              f"{(sl['host_weights'] + sl['host_tier']) / MiB:>16.1f}")  # fmt: skip
+              f"{(sl['host_weights'] + sl['host_tier']) / MiB:>16.1f} {use_text:>34}")  # fmt: skip
     big = names[-1]
     wk = [w for r in runs.values() for w in r["wakes"] if w["model"] == big]
     if wk:
