@@ -21,6 +21,7 @@ per device, step time and tokens/s per TP size, outputs compared.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -53,8 +54,10 @@ from flax import nnx  # noqa: E402
 import jax_kvcached as kv  # noqa: E402
 from jax_kvcached.engine.attention import gqa_attention  # noqa: E402
 from jax_kvcached.engine.engine import Engine  # noqa: E402
+from jax_kvcached.engine.launches import Launches  # noqa: E402
 from jax_kvcached.engine.runner import ModelRunner, StepInput  # noqa: E402
 from jax_kvcached.engine.sampling import SamplingParams, sample  # noqa: E402
+from jax_kvcached.engine.step_program import logit_rows  # noqa: E402
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model  # noqa: E402
 from jax_kvcached.models.stack import LayerList, stacked_leaves  # noqa: E402
 
@@ -258,9 +261,11 @@ def bench_launches(
     """The engine's decode step, per step: programs dispatched, launches of the step
     program run op by op (greedy: the sampler's cheapest branch; and the costliest),
     wall time, the host's share (everything but waiting for the device's tokens) and the
-    dispatch alone. On CUDA with command buffers on and off, side by side."""
+    dispatch alone. Side by side: on CUDA command buffers on and off (sampling fused),
+    on a CPU sampling fused into the step or dispatched behind it."""
     cfg = model.config
-    settings = (True, False) if backend == "cuda" else (None,)
+    # (command_buffers, fuse_sampling)
+    settings = ((True, True), (False, True)) if backend == "cuda" else ((None, True), (None, False))
     max_len = prompt_len + steps * (rounds + 1) + 16
     rows = []
     for b in batches:
@@ -268,7 +273,8 @@ def bench_launches(
         for cb in settings:
             pool = kv.Pool("1GiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
             engines[cb] = Engine(model, pool, max_batch=b, prefix_caching=False,
-                                 max_model_len=max_len, command_buffers=cb)  # fmt: skip
+                                 max_model_len=max_len, command_buffers=cb[0],
+                                 fuse_sampling=cb[1])  # fmt: skip
         timing: dict = {cb: {"wall": [], "dispatch": [], "wait": []} for cb in settings}
         rng = np.random.default_rng(b)
         params = SamplingParams(max_tokens=max_len - prompt_len, ignore_eos=True)
@@ -315,8 +321,14 @@ def bench_launches(
                 [StepInput([1], s.num_computed, s.tables[0]) for s in seqs]
             )
             launches = eng.runner.launches(shape)
+            if not eng.runner.step_spec.fused(shape[0]):  # plus the sampler behind it
+                extra = eng.runner.launches(logit_rows(shape[0], eng.runner.max_rows))
+                launches = Launches(*(a + b for a, b in zip(dataclasses.astuple(launches),
+                                                            dataclasses.astuple(extra),
+                                                            strict=True)))  # fmt: skip
             rows.append({
-                "batch": b, "command_buffers": {None: "n/a", True: "on", False: "off"}[cb],
+                "batch": b, "command_buffers": {None: "n/a", True: "on", False: "off"}[cb[0]],
+                "fused_sampling": cb[1],
                 "step_ms": med["wall"] * 1e3, "tokens_per_s": b / med["wall"],
                 "host_ms": (med["wall"] - med["wait"]) * 1e3, "dispatch_ms": med["dispatch"] * 1e3,
                 "wait_ms": med["wait"] * 1e3, "programs_per_step": timing[cb]["programs"],
@@ -330,11 +342,12 @@ def bench_launches(
             eng.pool.close()
     print(f"\nDecode step launches and host time ({backend} backend, {jax.devices()[0]}): "
           "engine steps, overlapped; launches of the step program run op by op")  # fmt: skip
-    print(f"{'batch':>5} {'graphs':>6} {'step ms':>8} {'tok/s':>8} {'host ms':>8} "
+    print(f"{'batch':>5} {'graphs':>6} {'fused':>6} {'step ms':>8} {'tok/s':>8} {'host ms':>8} "
           f"{'dispatch':>9} {'wait ms':>8} {'programs':>9} {'launches':>9} {'(most)':>7} "
           f"{'conds':>6}")  # fmt: skip
     for r in rows:
-        print(f"{r['batch']:>5} {r['command_buffers']:>6} {r['step_ms']:>8.2f} "
+        print(f"{r['batch']:>5} {r['command_buffers']:>6} {str(r['fused_sampling']):>6} "
+              f"{r['step_ms']:>8.2f} "
               f"{r['tokens_per_s']:>8.0f} {r['host_ms']:>8.2f} {r['dispatch_ms']:>9.2f} "
               f"{r['wait_ms']:>8.2f} {r['programs_per_step']:>9.2f} {r['launches_greedy']:>9} "
               f"{r['launches_most']:>7} {r['conditionals']:>6}")  # fmt: skip

@@ -43,7 +43,7 @@ def test_the_scanned_step_launches_grow_only_through_its_layer_loop():
         c = pool.create_kv_cache("a", layers, cfg.num_kv_heads, cfg.head_dim, "float32")
         runner = ModelRunner(build_model(cfg, seed=0), c, attention="host", max_batch=2,
                              max_num_batched_tokens=16, max_model_len=64,
-                             scan_layers=True)  # fmt: skip
+                             scan_layers=True, fuse_sampling=True)  # fmt: skip
         blocks = c.alloc(1).tolist()
         runner.run([StepInput([3], 0, blocks)])
         shape = runner.shapes_for([StepInput([3], 0, blocks)])

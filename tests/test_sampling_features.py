@@ -297,25 +297,45 @@ def test_bad_logit_bias_and_stop_ids_are_refused(model):
     pool.close()
 
 
-def test_a_step_is_one_dispatch_unless_a_row_processes_its_logits(model):
-    """The step program samples (and gives the sampled tokens' log-probabilities)
-    itself: one program per step. A row with penalties or biases adds processing and
-    sampling on the processed logits (and their log-probabilities) behind the step."""
-    pool = _pool()
-    eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, max_model_len=256)
-    cases = [
-        (SamplingParams(max_tokens=5, ignore_eos=True), 1),
-        (SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3), 1),
-        (SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2), 1),
-        (SamplingParams(max_tokens=5, ignore_eos=True, presence_penalty=0.5), 3),
-        (SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={3: 1.0}, logprobs=1), 4),
+def test_fused_sampling_is_one_dispatch_and_samples_as_the_separate_programs(model):
+    """Sampling inside a decode-sized step (one program per step) gives the tokens and
+    log-probabilities of the sampler dispatched behind the step. A row with penalties or
+    biases adds processing and sampling on the processed logits (and their
+    log-probabilities) behind the step either way."""
+    cases = [  # (params, programs per step: fused, separate)
+        (SamplingParams(max_tokens=5, ignore_eos=True), 1, 2),
+        (SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3), 1, 2),
+        (SamplingParams(max_tokens=5, ignore_eos=True, logprobs=2), 1, 3),
+        (SamplingParams(max_tokens=5, ignore_eos=True, presence_penalty=0.5), 3, 3),
+        (SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={3: 1.0}, logprobs=1), 4, 4),
     ]
-    for params, per_step in cases:
-        steps, dispatches = eng.steps, eng.runner.dispatches
-        out = eng.generate([PROMPT[:6], PROMPT[:4]], params)  # every step samples
-        assert all(len(o.token_ids) == 5 for o in out)
-        assert eng.runner.dispatches - dispatches == per_step * (eng.steps - steps), params
-        if params.logprobs is not None:
-            assert all(len(o.logprobs) == 5 for o in out)
-    _accounting_exact(eng, pool)
+    pool = _pool()
+    outputs = {}
+    for fuse in (True, False):
+        eng = Engine(model, pool, name=f"m{fuse}", max_batch=2, max_num_batched_tokens=16,
+                     max_model_len=256, fuse_sampling=fuse)  # fmt: skip
+        runner, seen = eng.runner, []
+        run = runner.run_padded
+
+        def recording(batch, run=run, runner=runner, seen=seen):
+            before = runner.dispatches
+            out = run(batch)
+            seen.append((runner.shapes_for(batch)[0], runner.dispatches - before))
+            return out
+
+        runner.run_padded = recording
+        for params, fused, separate in cases:
+            seen.clear()
+            # the prompts prefill in one 16-token step (separate sampler), then decode
+            # steps of 2 rows (fused when on)
+            out = eng.generate([PROMPT[:6], PROMPT[:4]], params)
+            assert all(len(o.token_ids) == 5 for o in out)
+            assert {t for t, _ in seen} == {16, 2}
+            for t, n in seen:
+                assert n == (fused if fuse and t <= runner.max_rows else separate), (params, t)
+            outputs.setdefault(repr(params), []).append([(o.token_ids, o.logprobs) for o in out])
+        _accounting_exact(eng, pool)
+        eng.close()
+    for key, (fused_out, separate_out) in outputs.items():
+        assert fused_out == separate_out, key
     pool.close()

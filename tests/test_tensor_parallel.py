@@ -106,11 +106,15 @@ def test_a_warm_engine_compiles_nothing_more(tp):
 
 
 def test_seeded_sampling_is_the_same_under_tp():
+    """Also with the sampler inside the step (every device samples the replicated logits
+    under shard_map): the same tokens as the sampler dispatched behind it."""
     params = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=7)
     one, _, p1 = _generate(LLAMA, 1, params=params)
     four, _, p4 = _generate(LLAMA, 4, params=params)
-    p1.close(), p4.close()
-    assert one == four
+    fused, eng, p5 = _generate(LLAMA, 4, params=params, fuse_sampling=True)
+    assert eng.runner.step_spec.fuse
+    p1.close(), p4.close(), p5.close()
+    assert one == four == fused
 
 
 def test_prefix_caching_preemption_and_two_tenants_under_tp():

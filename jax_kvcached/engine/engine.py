@@ -165,6 +165,8 @@ class Engine:
       command_buffers: on CUDA, run each step as command buffers (CUDA graphs, with its
         branches and layer loop inside them); None: on unless ``XLA_FLAGS`` sets
         ``--xla_gpu_enable_command_buffer`` (see ``runner.compiler_options``).
+      fuse_sampling: decode-sized steps sample inside the step program (one dispatch per
+        step); None: on CUDA only (see ``ModelRunner``).
     """
 
     def __init__(
@@ -195,6 +197,7 @@ class Engine:
         reload: Callable[[], Any] | None = None,
         free_window_blocks: bool = True,
         command_buffers: bool | None = None,
+        fuse_sampling: bool | None = None,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise TypeError(
@@ -243,7 +246,7 @@ class Engine:
                 model, self.cache, attention, max_batch=max_batch,
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
-                command_buffers=command_buffers,
+                command_buffers=command_buffers, fuse_sampling=fuse_sampling,
             )  # fmt: skip
         except BaseException:
             self.cache.close()  # a model that cannot run here leaves the pool as it was

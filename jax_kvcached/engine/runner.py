@@ -5,7 +5,8 @@ sequence decodes) from up to ``max_batch`` sequences laid out on one flat token 
 decode rows (one token) and prefill chunks alike, each sequence with its own cached length
 and block table (:mod:`jax_kvcached.engine.attention`). The step program
 (:mod:`jax_kvcached.engine.step_program`) writes each layer's K/V into the cache and
-attends over it, and samples every sequence's next token: one dispatch per step. Every
+attends over it; a decode-sized step also samples every sequence's next token (one
+dispatch per step; default on CUDA), other steps dispatch the sampler behind. Every
 integer input travels as one packed array (one transfer). A decode row whose input token
 is still being sampled by the previous step takes it from that step's device output
 (``StepInput.src``), so the host never waits for a step before preparing the next one.
@@ -185,7 +186,11 @@ class ModelRunner:
     ``jax.lax.scan`` (default on a GPU) or unrolled over per-layer weight arrays (default
     on a CPU, where XLA copies every slice of a stacked weight; the runner then holds its
     own per-layer copy of the stacked weights, the model given keeps its arrays).
-    ``command_buffers``: see :func:`compiler_options`."""
+    ``command_buffers``: see :func:`compiler_options`. ``fuse_sampling``: decode-sized
+    steps (at most ``max_batch`` rounded up to a power of two tokens) sample inside the
+    step program, one dispatch per step (default on CUDA, where a dispatch is a launch
+    floor; on a CPU the sampler compiled into every such step costs more than its
+    dispatch saves)."""
 
     def __init__(
         self,
@@ -200,6 +205,7 @@ class ModelRunner:
         num_candidates: int = NUM_CANDIDATES,
         scan_layers: bool | None = None,
         command_buffers: bool | None = None,
+        fuse_sampling: bool | None = None,
     ) -> None:
         cfg = model.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
@@ -287,7 +293,9 @@ class ModelRunner:
             windows=np.asarray(cfg.layer_windows(), np.int32), join=self._join,
             items=self._items, per_device=self._per_device, head_spec=self._head_spec,
             logits_sharding=None if self.mesh is None else self._device,
+            fuse=cache.backend == "cuda" if fuse_sampling is None else fuse_sampling,
         )  # fmt: skip
+        self.step_spec = spec
         self._jitted = jax.jit(make_step(spec), static_argnums=(4, 5))
         self.compiler_options = compiler_options(cache.backend, command_buffers)
         self.dispatches = 0  # programs dispatched by run_padded (the step and any after it)
@@ -453,11 +461,12 @@ class ModelRunner:
         keys += [("process", r, p) for r in self.sampler_sizes for p in self.entry_sizes]
         return keys
 
-    def launches(self, shape: tuple[int, int]) -> Launches:
-        """What one step of ``shape`` (tokens, block-table width) launches on the device
-        when run op by op (:func:`~jax_kvcached.engine.launches.count_launches`): the
-        kernels a command buffer replays at once."""
-        return count_launches(self._program(shape).as_text())
+    def launches(self, key: tuple[int, int] | int) -> Launches:
+        """What one step of shape ``key`` (tokens, block-table width), or the separate
+        sampler of ``key`` rows, launches on the device when run op by op
+        (:func:`~jax_kvcached.engine.launches.count_launches`): the kernels a command
+        buffer replays at once."""
+        return count_launches(self._program(key).as_text())
 
     def _packed_sizes(self, t: int, nb: int) -> tuple[int, ...]:
         return packed_sizes(t, self.max_rows, nb, *self._items(t), self.cache.num_groups)
@@ -699,10 +708,10 @@ class ModelRunner:
             rows, self.entry_sizes,
         )  # fmt: skip
         want_logprobs = any(x.params is not None and x.params.logprobs is not None for x in batch)
-        # One program per step: it samples (and scores) its rows itself, unless a row
-        # processes its logits: then processing, sampling and log-probabilities follow
-        # as programs of their own on the processed logits.
-        fused = processing is None
+        # A fused step samples (and scores) its rows itself, unless a row processes its
+        # logits; otherwise (processing,) sampling and log-probabilities follow as
+        # programs of their own.
+        fused = self.step_spec.fused(t) and processing is None
         flags = (SAMPLE | (LOGPROBS if want_logprobs else 0)) if fused else 0
         packed = self._pack(lay, tokens, positions, slots, targets, src, last, params, flags)
         step = self._program(shape)
@@ -715,10 +724,13 @@ class ModelRunner:
             if not fused:
                 # Dispatched right behind the step: no host round trip in between.
                 hint = src_rows(src[: len(batch)], rows)
-                process = self._program(("process", rows, processing[0].shape[1]))
-                processed = process(logits, *processing, self.last_tokens, hint)
+                processed = logits
+                if processing is not None:
+                    process = self._program(("process", rows, processing[0].shape[1]))
+                    processed = process(logits, *processing, self.last_tokens, hint)
+                    self.dispatches += 1
                 sampled = self._program(rows)(processed, params)  # (numpy in: one transfer)
-                self.dispatches += 2
+                self.dispatches += 1
                 if want_logprobs:
                     logprobs = self._program(("logprobs", rows))
                     self.last_logprobs = logprobs(logits, sampled, hint)

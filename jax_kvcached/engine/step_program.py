@@ -1,18 +1,22 @@
 """The step program: one jitted function that runs a ragged batch through the model over
-the paged KV cache and samples every sequence's next token, in one dispatch.
+the paged KV cache and, in a decode-sized step, samples every sequence's next token too:
+one dispatch per step.
 
 Inputs travel as one packed int32 array (:func:`packed_sizes`): the tokens and their
 positions, slots and block tables of every KV cache group, the ragged layout, each row's
 sampling parameters and the step's flags (:data:`SAMPLE`, :data:`LOGPROBS`). Each layer
 writes the step's K/V (one ``ops.write_kv_async`` call) and attends over the cache; the
-last token of each sequence gives its logits; the sampler (and, when a row asks, the
-sampled tokens' log-probabilities) runs right behind them in the same program. A step
-whose rows process their logits (penalties, biases) leaves the sampling to the runner's
-separate programs (flag off), which run on the processed logits.
+last token of each sequence gives its logits. A *fused* step (``StepSpec.fuse`` and at
+most ``max_rows`` tokens: the steps whose cost is launches, not math) then samples (and,
+when a row asks, gives the sampled tokens' log-probabilities) in the same program;
+other steps, and a fused step whose rows process their logits (penalties, biases: flag
+off), leave sampling to the runner's separate programs, which run behind the step on
+the (processed) logits.
 
-The outputs: the logits of the step's first :func:`logit_rows` rows, the sampled tokens
-``(max_rows,)``, their log-probabilities (zeros unless asked) and the prompt scores
-(zeros unless a row asked), plus the token that orders the next step after this one.
+The outputs: the logits of the step's first :func:`logit_rows` rows, the prompt scores
+(zeros unless a row asked), and in a fused step the sampled tokens ``(max_rows,)`` and
+their log-probabilities (zeros unless asked; None in an unfused step), plus the token
+that orders the next step after this one.
 """
 
 from __future__ import annotations
@@ -91,6 +95,11 @@ class StepSpec:
     per_device: Callable  # (fn, in_specs, out_specs) -> fn over the mesh (or fn)
     head_spec: Any  # the partition of a (T, heads, D) array (None without a mesh)
     logits_sharding: Any  # replicated logits on a mesh (None without one)
+    fuse: bool = True  # sample inside steps of at most max_rows tokens
+
+    def fused(self, t: int) -> bool:
+        """Whether a step of ``t`` tokens samples inside its program."""
+        return self.fuse and t <= self.max_rows
 
     @property
     def on_mesh(self) -> bool:
@@ -100,7 +109,8 @@ class StepSpec:
 def make_step(spec: StepSpec) -> Callable:
     """``step(weights, view, packed, prev, t, nb, token) -> (outputs, token)`` (``t`` and
     ``nb`` static): ``outputs`` = (logits ``(R, vocab)``, prompt scores, sampled tokens
-    ``(max_rows,)``, log-probabilities of the sampled tokens), R = :func:`logit_rows`."""
+    ``(max_rows,)``, log-probabilities of the sampled tokens), R = :func:`logit_rows`;
+    the last two None unless ``spec.fused(t)``."""
     graphdef, cache, max_rows = spec.graphdef, spec.cache, spec.max_rows
     per_device, heads, windows = spec.per_device, spec.head_spec, spec.windows
     groups = np.asarray(cache.layer_groups, np.int32)  # each layer's KV cache group
@@ -165,6 +175,8 @@ def make_step(spec: StepSpec) -> Callable:
         scores = prompt_scores(model, hidden, targets)
         if spec.on_mesh:  # the logits gathered onto every device
             logits = jax.lax.with_sharding_constraint(logits, spec.logits_sharding)
+        if not spec.fused(t):
+            return (logits, scores, None, None), chain
         sampled = jax.lax.cond(
             (flags & SAMPLE) != 0,
             lambda: sampler(logits, params),
