@@ -120,8 +120,8 @@ def bench_decode(
     tokens = rng.integers(0, cfg.vocab_size, batch).tolist()
     inputs = [StepInput([tokens[i]], ctx, tables[i]) for i in range(batch)]
 
-    def paged():
-        jax.block_until_ready(runner.run(inputs))
+    def paged():  # (run_padded: run() slices the logits, one more dispatch a step)
+        jax.block_until_ready(runner.run_padded(inputs))
 
     max_len = ctx + bs  # the dense cache is sized for the context it serves
     dense_fn, state, shape = make_dense_step(model, max_len)
@@ -615,6 +615,7 @@ def main() -> None:
     p.add_argument("--parts", default="decode,loop",
                    help="decode (+prefill), loop, launches, write (a list)")  # fmt: skip
     p.add_argument("--dtype", default="float32", help="the model's and KV cache's dtype")
+    p.add_argument("--no-prefill", action="store_true", help="--parts decode without prefill")
     p.add_argument(
         "--backend",
         default="host",
@@ -658,7 +659,8 @@ def main() -> None:
         for c in map(int, args.ctx.split(","))
         for b in map(int, args.batches.split(","))
     ]
-    prefill = [bench_prefill(model, n, args.iters, args.backend) for n in (128, 512)]
+    chunks = () if args.no_prefill else (128, 512)
+    prefill = [bench_prefill(model, n, args.iters, args.backend) for n in chunks]
     copy = memcpy_gbps(backend=args.backend)
     cfg = model.config
     print(
@@ -679,7 +681,8 @@ def main() -> None:
         )
     worst = max(r["paged_over_dense"] for r in rows)
     print(f"worst paged/dense {worst:.2f} (goal <= 1.10); memcpy bandwidth {copy:.1f} GB/s")
-    print("\nPrefill (one sequence, one chunk, paged)")
+    if prefill:
+        print("\nPrefill (one sequence, one chunk, paged)")
     for r in prefill:
         print(f"  {r['chunk']:>4} tokens: {r['step_ms']:.1f} ms, {r['tokens_per_s']:.0f} tokens/s")
     result.update({"decode": rows, "prefill": prefill, "memcpy_gbps": copy})

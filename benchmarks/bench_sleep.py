@@ -180,10 +180,13 @@ def main() -> None:
 
             engines[n] = Engine(load_model("arch:" + n[5:], args.dtype), pool, name=n,
                                 tokenizer=ByteTokenizer(), max_batch=4,
-                                host_cache_tokens=4096)  # fmt: skip
+                                max_num_batched_tokens=64, host_cache_tokens=4096)  # fmt: skip
             continue
         src = "tiny-llama" if n == "tiny-llama-2" else n
+        # (64-token steps, the CPU's default: on a GPU too, so warm-up compiles 8 step
+        # shapes a model, not the ~130 of a 2048-token budget)
         engines[n] = Engine.from_pretrained(src, pool, name=n, dtype=jnp.float32, max_batch=4,
+                                            max_num_batched_tokens=64,
                                             host_cache_tokens=4096)  # fmt: skip
     bw = h2d_bandwidth()
     sizes = {}

@@ -6,15 +6,16 @@
 #       (CUDA backend, FFI ops, the engine with the Pallas kernel and the XLA path against
 #       the CPU run, steps replayed as CUDA graphs vs ordinary launches, tensor
 #       parallelism, the host tier's page-locked copies, two processes of one group, n
-#       forks + penalties + logprobs, KV cache groups); the decode step per step (programs,
-#       launches, host time) with command buffers on and off; paged vs dense decode at
-#       batch 1/8/32 for the bench model and SmolLM2-135M's and Gemma 3 270M's
-#       architectures in bf16 (random weights: a run cannot carry their checkpoints, and
-#       the step costs the same); sleep / wake with SmolLM2's architecture (device bytes,
-#       JAX's memory_stats, the level-1 wake against the host-to-device bandwidth).
-#   scripts/gpu-check.sh more   the ragged mixed step served (stall case, two rates), the
-#       hybrid sliding-window freeing (tiny-mistral), the attention kernels, the VMM and
-#       host-tier copy bandwidth, the step's K/V write, logprobs / penalties / n.
+#       forks + penalties + logprobs, KV cache groups); the engine's decode step per step
+#       (programs, launches, host time) with command buffers on and off; paged vs dense
+#       decode at batch 1/8/32 for the bench model and SmolLM2-135M's architecture in bf16
+#       (random weights: a run cannot carry the checkpoint, and the step costs the same).
+#   scripts/gpu-check.sh more   sleep / wake of six models (SmolLM2's architecture the
+#       big one: device bytes, JAX's memory_stats, the level-1 wake against the
+#       host-to-device bandwidth); Gemma 3 270M's architecture paged vs dense; the ragged
+#       mixed step served (stall case, two rates); the hybrid sliding-window freeing.
+#   (The attention kernels, VMM, K/V write and OpenAI-feature benchmarks ran on the H200
+#   on 2026-12-04: docs/gpu.md; their scripts take --backend cuda / run as before.)
 #
 # The bf16-vs-fp32 greedy test needs SmolLM2's GGUF (98 MB, over what a run carries) under
 # .models/ in the checkout (`KVCACHED_MODEL_CACHE=.models jax-kvcached download`); without
@@ -40,35 +41,29 @@ run() {  # run SECONDS NAME COMMAND...: one step, its log in $OUT/NAME.log
   timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | tail -25 | tee -a "$OUT/summary.log"
 }
 if [ "$PART" = core ]; then
-  run 150 pytest-gpu python3 -m pytest -q -rs "$T/gpu" "$T/test_build.py"
-  # Per step: programs dispatched, launches op by op, host time; graphs on vs off.
-  run 50 launches-bench python3 "$B/bench_decode.py" --parts launches --backend cuda \
+  run 200 pytest-gpu python3 -m pytest -q -rs "$T/gpu" "$T/test_build.py"
+  # Per engine decode step: programs, launches op by op, host time; graphs on vs off.
+  run 60 launches-bench python3 "$B/bench_decode.py" --parts launches --backend cuda \
     --batches 1,32 --rounds 3 --out "$J/launches_bench.json"
-  run 45 decode-bench python3 "$B/bench_decode.py" --parts decode --backend cuda \
-    --batches 1,8,32 --ctx 1024 --iters 5 --rounds 2 --out "$J/decode_bench.json"
-  run 60 smollm2 python3 "$B/bench_decode.py" --model arch:smollm2-135m --dtype bfloat16 \
-    --parts decode,launches --backend cuda --batches 1,8,32 --ctx 1024 --iters 5 --rounds 2 \
-    --out "$J/decode_smollm2.json"
-  run 60 gemma3 python3 "$B/bench_decode.py" --model arch:gemma3-270m --dtype bfloat16 \
-    --parts decode --backend cuda --batches 1,8,32 --ctx 1024 --iters 5 --rounds 2 \
-    --out "$J/decode_gemma3.json"
-  # Without command buffers (the issue's baseline flag) for the same SmolLM2 decode.
-  run 40 smollm2-nographs env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 \
-    "$B/bench_decode.py" --model arch:smollm2-135m --dtype bfloat16 --parts decode \
-    --backend cuda --batches 1,32 --ctx 1024 --iters 5 --rounds 2 \
-    --out "$J/decode_smollm2_nographs.json"
-  run 60 sleep python3 "$B/bench_sleep.py" --big arch:smollm2-135m --dtype bfloat16 \
-    --out "$J/sleep.json"
+  run 45 decode-bench python3 "$B/bench_decode.py" --parts decode --no-prefill \
+    --backend cuda --batches 1,8,32 --ctx 1024 --iters 5 --rounds 2 --out "$J/decode_bench.json"
+  run 80 smollm2 python3 "$B/bench_decode.py" --model arch:smollm2-135m --dtype bfloat16 \
+    --parts decode --no-prefill --backend cuda --batches 1,8,32 --ctx 1024 --iters 5 \
+    --rounds 2 --out "$J/decode_smollm2.json"
+  run 80 smollm2-launches python3 "$B/bench_decode.py" --model arch:smollm2-135m \
+    --dtype bfloat16 --parts launches --backend cuda --batches 1,32 --rounds 2 \
+    --out "$J/launches_smollm2.json"
 else
+  # Six models sharing the device, two awake: wake time against the H2D bound, device
+  # bytes and JAX's memory_stats asleep / awake (each engine compiles all it can run).
+  run 200 sleep python3 "$B/bench_sleep.py" --big arch:smollm2-135m --dtype bfloat16 \
+    --out "$J/sleep.json"
+  run 70 gemma3 python3 "$B/bench_decode.py" --model arch:gemma3-270m --dtype bfloat16 \
+    --parts decode --no-prefill --backend cuda --batches 1,8,32 --ctx 1024 --iters 5 \
+    --rounds 2 --out "$J/decode_gemma3.json"
   run 120 serving python3 "$B/bench_serving.py" --model m=tiny-llama --parts stall,rates \
     --stall-prompts 200,900 --stall-tokens 100 --rates 4,16 --num-prompts 24 --max-id 300 \
     --max-prompt-len 600 --out "$J/serving.json"
   run 60 hybrid python3 "$B/bench_hybrid.py" --quick --models tiny-mistral --out "$J"
-  run 80 attention python3 "$B/bench_attention.py" --ctx 1024,4096 --iters 5 --rounds 2 \
-    --out "$J/attention.json"
-  run 45 vmm python3 "$B/bench_vmm.py" --out "$J/vmm.json"
-  run 30 write python3 "$B/bench_decode.py" --parts write --backend cuda --out "$J/write.json"
-  run 80 features python3 "$B/bench_openai_features.py" --rounds 2 --tokens 32 \
-    --out "$J/features.json"
 fi
 tar czf "$OUT/json-$PART.tgz" -C "$J" .
