@@ -339,3 +339,24 @@ def test_fused_sampling_is_one_dispatch_and_samples_as_the_separate_programs(mod
     for key, (fused_out, separate_out) in outputs.items():
         assert fused_out == separate_out, key
     pool.close()
+
+
+def test_a_fused_prefill_step_scores_its_prompt_as_a_separate_one(model):
+    """A prompt short enough for a decode-sized step prefills in a fused step: its prompt
+    log-probabilities, sampled tokens and their log-probabilities equal the run that
+    samples behind the step."""
+    params = SamplingParams(max_tokens=4, temperature=0.7, seed=5, logprobs=2,
+                            prompt_logprobs=True)  # fmt: skip
+    pool = _pool()
+    got = []
+    for fuse in (True, False):
+        eng = Engine(model, pool, name=f"p{fuse}", max_batch=8, max_num_batched_tokens=16,
+                     max_model_len=128, fuse_sampling=fuse)  # fmt: skip
+        assert eng.runner.step_spec.fused(8) is fuse
+        (out,) = eng.generate([PROMPT[:6]], params)  # one 8-token prefill step
+        assert len(out.prompt_logprobs) == 6 and out.prompt_logprobs[1] is not None
+        got.append((out.token_ids, out.logprobs, out.prompt_logprobs))
+        _accounting_exact(eng, pool)
+        eng.close()
+    assert got[0] == got[1]
+    pool.close()
