@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The prepared GPU run (H200 device machine: JAX + CUDA preinstalled, no internet), in two
-# parts of under 9 minutes each (run each with timeout_s 590), most important first:
+# The prepared GPU run (H200 device machine: JAX + CUDA preinstalled, no internet), in
+# three parts of under 9 minutes each (run each with timeout_s 590, in this order on one
+# warm machine: the install is done once), most important first:
 #
 #   scripts/gpu-check.sh core   builds with the preinstalled toolchain; the GPU tests
 #       (CUDA backend, FFI ops, the engine with the Pallas kernel and the XLA path against
@@ -8,7 +9,8 @@
 #       parallelism, the host tier's page-locked copies, two processes of one group, n
 #       forks + penalties + logprobs, KV cache groups); the engine's decode step per step
 #       (programs, launches, host time) with command buffers on and off; paged vs dense
-#       decode at batch 1/8/32 for the bench model and SmolLM2-135M's architecture in bf16
+#       decode at batch 1/8/32 for the bench model.
+#   scripts/gpu-check.sh smollm2   the same two for SmolLM2-135M's architecture in bf16
 #       (random weights: a run cannot carry the checkpoint, and the step costs the same).
 #   scripts/gpu-check.sh more   sleep / wake of six models (SmolLM2's architecture the
 #       big one: device bytes, JAX's memory_stats, the level-1 wake against the
@@ -30,7 +32,13 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 [ -d "$PWD/.models" ] && export KVCACHED_MODEL_CACHE="$PWD/.models"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-python3 -m pip install -q --no-build-isolation --no-deps --no-index . 2>&1 | tail -5
+# Build and install once per source tree (a warm machine keeps the install between parts).
+SRC=$(find ffi jax_kvcached models CMakeLists.txt pyproject.toml -type f | sort | xargs sha1sum \
+  | sha1sum | cut -c1-16)
+if [ "$(cat /tmp/kvcached-installed 2>/dev/null)" != "$SRC" ]; then
+  python3 -m pip install -q --no-build-isolation --no-deps --no-index . 2>&1 | tail -5 \
+    && echo "$SRC" > /tmp/kvcached-installed
+fi
 B="$PWD/benchmarks"
 T="$PWD/tests"
 cd /tmp  # import the installed package, not the checkout
@@ -45,12 +53,13 @@ if [ "$PART" = core ]; then
   # Per engine decode step: programs, launches op by op, host time; graphs on vs off.
   run 60 launches-bench python3 "$B/bench_decode.py" --parts launches --backend cuda \
     --batches 1,32 --rounds 3 --out "$J/launches_bench.json"
-  run 45 decode-bench python3 "$B/bench_decode.py" --parts decode --no-prefill \
+  run 60 decode-bench python3 "$B/bench_decode.py" --parts decode --no-prefill \
     --backend cuda --batches 1,8,32 --ctx 1024 --iters 5 --rounds 2 --out "$J/decode_bench.json"
-  run 80 smollm2 python3 "$B/bench_decode.py" --model arch:smollm2-135m --dtype bfloat16 \
+elif [ "$PART" = smollm2 ]; then
+  run 200 smollm2 python3 "$B/bench_decode.py" --model arch:smollm2-135m --dtype bfloat16 \
     --parts decode --no-prefill --backend cuda --batches 1,8,32 --ctx 1024 --iters 5 \
     --rounds 2 --out "$J/decode_smollm2.json"
-  run 80 smollm2-launches python3 "$B/bench_decode.py" --model arch:smollm2-135m \
+  run 150 smollm2-launches python3 "$B/bench_decode.py" --model arch:smollm2-135m \
     --dtype bfloat16 --parts launches --backend cuda --batches 1,32 --rounds 2 \
     --out "$J/launches_smollm2.json"
 else
