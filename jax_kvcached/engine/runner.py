@@ -641,9 +641,10 @@ class ModelRunner:
         return self.run_padded(batch)[0][: len(batch)]
 
     def run_padded(self, batch: list[StepInput]) -> tuple[jax.Array, jax.Array]:
-        """Runs one step; returns the logits of every sequence slot ``(max_rows, vocab)``
-        and the sampled next tokens ``(max_rows,)`` (rows past ``len(batch)`` and rows
-        without ``params`` are padding), both on the device. :attr:`last_logprobs` and
+        """Runs one step; returns the logits of its first ``logit_rows(t)`` sequence slots
+        ``(rows, vocab)`` (``t`` the step's token bucket; rows >= ``len(batch)``) and the
+        sampled next tokens ``(max_rows,)`` (rows past ``len(batch)`` and rows without
+        ``params`` are padding), both on the device. :attr:`last_logprobs` and
         :attr:`last_scores` hold the step's log-probabilities (None when no row asked for
         them); :attr:`last_starts` each row's first token on the step's flat axis (the
         columns of :attr:`last_scores`)."""

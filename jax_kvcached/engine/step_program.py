@@ -182,7 +182,8 @@ def make_step(spec: StepSpec) -> Callable:
             lambda: sampler(logits, params),
             lambda: jnp.zeros((max_rows,), jnp.int32),
         )
-        shapes = (rows,), (rows, MAX_LOGPROBS), (rows, MAX_LOGPROBS)
+        k = min(MAX_LOGPROBS, logits.shape[-1])  # (token_logprobs' own bound)
+        shapes = (rows,), (rows, k), (rows, k)
         lps = jax.lax.cond(
             (flags & LOGPROBS) != 0,
             lambda: logprobs(logits, sampled, src[:rows]),
