@@ -1,9 +1,9 @@
 """How much device work a compiled program launches: its optimized HLO's ops that each
 run as a kernel (or library call, copy, custom call) when executed op by op, that is
 without command buffers. Fused computations count once (their fusion); a loop's body
-counts once per iteration (its known trip count); a conditional counts its costliest
-branch plus the predicate's copy to the host. With command buffers (CUDA graphs) the
-same work is replayed by one launch per graph."""
+counts once per iteration (its known trip count); a conditional counts the predicate's
+copy to the host plus its cheapest branch (``least``) or its costliest (``most``). With
+command buffers (CUDA graphs) the same work is replayed by one launch per graph."""
 
 from __future__ import annotations
 

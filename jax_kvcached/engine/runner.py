@@ -50,6 +50,7 @@ from jax_kvcached.engine.sampling import NUM_CANDIDATES, SamplingParams
 from jax_kvcached.engine.sleep import Offloaded, offload, restore
 from jax_kvcached.engine.step_program import (
     LOGPROBS,
+    NUM_PARAMS,
     SAMPLE,
     StepSpec,
     logit_rows,
@@ -475,7 +476,7 @@ class ModelRunner:
         """The lowered step of a shape, or sampler of ``key`` rows (for inspection)."""
         if isinstance(key, int):  # the sampler of that many rows
             logits = jax.ShapeDtypeStruct((key, self.config.vocab_size), jnp.float32)
-            params = jax.ShapeDtypeStruct((5, key), jnp.int32)
+            params = jax.ShapeDtypeStruct((NUM_PARAMS, key), jnp.int32)
             return self._jitted_sample.lower(logits, params)
         t, nb = key
         packed = jax.ShapeDtypeStruct((sum(self._packed_sizes(t, nb)),), jnp.int32)
@@ -540,7 +541,7 @@ class ModelRunner:
             logits = np.zeros((rows, self.config.vocab_size), np.float32)  # a step's
             logits = jax.device_put(logits, self._device)  # placed like a step's output
         if isinstance(key, int):
-            return self._jitted_sample, (logits, np.zeros((5, key), np.int32))
+            return self._jitted_sample, (logits, np.zeros((NUM_PARAMS, key), np.int32))
         if key[0] == "logprobs":
             return self._jitted_logprobs, (logits, self.last_tokens, np.full(rows, -1, np.int32))
         if key[0] == "process":
