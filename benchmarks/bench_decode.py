@@ -57,7 +57,7 @@ from jax_kvcached.engine.engine import Engine  # noqa: E402
 from jax_kvcached.engine.launches import Launches  # noqa: E402
 from jax_kvcached.engine.runner import ModelRunner, StepInput  # noqa: E402
 from jax_kvcached.engine.sampling import SamplingParams, sample  # noqa: E402
-from jax_kvcached.engine.step_program import logit_rows  # noqa: E402
+from jax_kvcached.engine.step_layout import logit_rows  # noqa: E402
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model  # noqa: E402
 from jax_kvcached.models.stack import LayerList, stacked_leaves  # noqa: E402
 

@@ -102,14 +102,14 @@ def test_steady_state_decode_never_recompiles():
     pool = _pool()
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=32)
     shapes, seqs = [], []
-    run = eng.runner.run_padded
+    run = eng.runner.execute
 
-    def recording_run(batch):
-        shapes.append(eng.runner.shapes_for(batch))
-        seqs.append(len(batch))
-        return run(batch)
+    def recording_run(step):
+        shapes.append(step.shape)
+        seqs.append(step.num_rows)
+        return run(step)
 
-    eng.runner.run_padded = recording_run
+    eng.runner.execute = recording_run
     eng.generate(PROMPTS[:3], SamplingParams(max_tokens=60, ignore_eos=True))
     # Every compile is a new bucket: no step ever recompiled a shape seen before, and
     # every shape is one of the runner's bounded set.

@@ -205,14 +205,14 @@ def test_scheduler_admits_in_order_and_chunks_prompts_within_the_token_budget():
     out = sch.schedule()
     # Two admitted (max_batch); the first prompt's chunk takes the whole budget.
     assert [s.request_id for s in out.sequences] == [0]
-    assert [len(x.tokens) for x in out.inputs] == [32]
+    assert [x.num_tokens for x in out.scheduled] == [32]
     assert [s.request_id for s in sch.running] == [0, 1]
     assert [s.request_id for s in sch.waiting] == [2]
-    for s, x in zip(out.sequences, out.inputs, strict=True):
-        fake.computed(s, x.start + len(x.tokens))
+    for s, x in zip(out.sequences, out.scheduled, strict=True):
+        fake.computed(s, x.start + x.num_tokens)
     out = sch.schedule()  # the rest of the first, then the second's chunk fills the budget
     assert [s.request_id for s in out.sequences] == [0, 1]
-    assert [(x.start, len(x.tokens)) for x in out.inputs] == [(32, 8), (0, 24)]
+    assert [(x.start, x.num_tokens) for x in out.scheduled] == [(32, 8), (0, 24)]
 
 
 def test_scheduler_puts_every_decode_first_and_fills_the_budget_with_a_chunk():
@@ -225,8 +225,8 @@ def test_scheduler_puts_every_decode_first_and_fills_the_budget_with_a_chunk():
     for s in streams:
         sch.add(s)
     out = sch.schedule()
-    for s, x in zip(out.sequences, out.inputs, strict=True):
-        fake.computed(s, x.start + len(x.tokens))
+    for s, x in zip(out.sequences, out.scheduled, strict=True):
+        fake.computed(s, x.start + x.num_tokens)
         s.token_ids.append(7)  # its first token arrived: it decodes now
     sch.add(seq(9, range(100)))  # a long prompt arrives
     chunks: list[int] = []
@@ -234,24 +234,24 @@ def test_scheduler_puts_every_decode_first_and_fills_the_budget_with_a_chunk():
         out = sch.schedule()
         ids = [s.request_id for s in out.sequences]
         assert ids == [0, 1, 9]  # the streams first, one token each, then the prompt
-        assert [len(x.tokens) for x in out.inputs[:2]] == [1, 1]
-        assert sum(len(x.tokens) for x in out.inputs) <= 16
-        for s, x in zip(out.sequences, out.inputs, strict=True):
-            fake.computed(s, x.start + len(x.tokens))
+        assert [x.num_tokens for x in out.scheduled[:2]] == [1, 1]
+        assert sum(x.num_tokens for x in out.scheduled) <= 16
+        for s, x in zip(out.sequences, out.scheduled, strict=True):
+            fake.computed(s, x.start + x.num_tokens)
             if s.request_id < 2:
                 s.token_ids.append(7)
-        chunks.append(len(out.inputs[2].tokens))
+        chunks.append(out.scheduled[2].num_tokens)
     assert chunks == [14] * 5  # budget 16 - 2 decode rows
     for s in streams:
         sch.finish(s, "stop")
     out = sch.schedule()  # no stream decodes: the prompt takes the prefill budget
-    assert [(x.start, len(x.tokens)) for x in out.inputs] == [(70, 30)]
+    assert [(x.start, x.num_tokens) for x in out.scheduled] == [(70, 30)]
 
 
 def test_scheduler_scales_a_cpu_step_with_its_decode_rows():
     """On a CPU a step with D decode rows takes 16 + 4 D tokens (rounded down to 16): one
     stream gets a 15-token chunk beside it, eight streams a 40-token one."""
-    from jax_kvcached.engine.runner import cpu_decode_budget
+    from jax_kvcached.engine.step_shapes import cpu_decode_budget
 
     assert [cpu_decode_budget(d) for d in (1, 3, 4, 8, 12)] == [16, 16, 32, 48, 64]
     for streams, chunk in ((1, 15), (8, 40)):
@@ -264,7 +264,7 @@ def test_scheduler_scales_a_cpu_step_with_its_decode_rows():
             sch.running.append(s)
         sch.add(seq(99, range(500)))
         out = sch.schedule()
-        assert [len(x.tokens) for x in out.inputs] == [1] * streams + [chunk]
+        assert [x.num_tokens for x in out.scheduled] == [1] * streams + [chunk]
 
 
 def test_scheduler_preempts_the_newest_when_memory_runs_out():
@@ -274,8 +274,8 @@ def test_scheduler_preempts_the_newest_when_memory_runs_out():
     sch.add(a)
     sch.add(b)
     out = sch.schedule()
-    for s, x in zip(out.sequences, out.inputs, strict=True):
-        fake.computed(s, x.start + len(x.tokens))
+    for s, x in zip(out.sequences, out.scheduled, strict=True):
+        fake.computed(s, x.start + x.num_tokens)
     for s in (a, b):
         s.token_ids.append(1)  # the sampled token arrived: both decode now
     a.token_ids += [1] * 20  # a needs a fourth block and more

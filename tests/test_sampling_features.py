@@ -315,15 +315,15 @@ def test_fused_sampling_is_one_dispatch_and_samples_as_the_separate_programs(mod
         eng = Engine(model, pool, name=f"m{fuse}", max_batch=2, max_num_batched_tokens=16,
                      max_model_len=256, fuse_sampling=fuse)  # fmt: skip
         runner, seen = eng.runner, []
-        run = runner.run_padded
+        run = runner.execute
 
-        def recording(batch, run=run, runner=runner, seen=seen):
+        def recording(step, run=run, runner=runner, seen=seen):
             before = runner.dispatches
-            out = run(batch)
-            seen.append((runner.shapes_for(batch)[0], runner.dispatches - before))
+            out = run(step)
+            seen.append((step.shape[0], runner.dispatches - before))
             return out
 
-        runner.run_padded = recording
+        runner.execute = recording
         for params, fused, separate in cases:
             seen.clear()
             # the prompts prefill in one 16-token step (separate sampler), then decode

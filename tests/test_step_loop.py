@@ -15,8 +15,8 @@ import jax_kvcached as kv
 import jax_kvcached.engine.prefix_cache as prefix_cache_module
 from jax_kvcached.engine.compile_events import compile_events
 from jax_kvcached.engine.engine import Engine
-from jax_kvcached.engine.runner import ladder
 from jax_kvcached.engine.sampling import CHUNK, SamplingParams, gumbel_noise, sample, top_candidates
+from jax_kvcached.engine.step_shapes import ladder
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.serve.loop import ServingLoop
 

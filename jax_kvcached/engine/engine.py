@@ -17,7 +17,6 @@ from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.kv_groups import kv_cache_groups
 from jax_kvcached.engine.kv_manager import KVManager
-from jax_kvcached.engine.logit_inputs import row_entries
 from jax_kvcached.engine.prefix_cache import PrefixCache, extra_key_bytes
 from jax_kvcached.engine.runner import ModelRunner
 from jax_kvcached.engine.sampling import SamplingParams
@@ -127,7 +126,7 @@ class Engine:
       max_batch: sequences running at once.
       max_num_batched_tokens: the most new tokens of a step while any sequence decodes,
         decode rows first, then prompt chunks (at least ``max_batch``). Default: on a CPU
-        :func:`~jax_kvcached.engine.runner.cpu_decode_budget` of the D decode rows (16 +
+        :func:`~jax_kvcached.engine.step_shapes.cpu_decode_budget` of the D decode rows (16 +
         4 D tokens, rounded down to 16, at most 64: one stream and a 15-token chunk), so
         streams keep their pace; 2048 on a GPU. A value given is a fixed budget.
       max_prefill_tokens: new tokens in a step without decode rows (nobody waits for it);
@@ -647,44 +646,29 @@ class Engine:
                 self._finished.append(s)
                 self._unfork(s.request_id)
             self._rejected += out.rejected
-            seqs, inputs = out.sequences, out.inputs
-            if not seqs:
+            if not out.scheduled:
                 return None
-            # Rows whose new tokens reach the end of their sequence sample a next token.
-            sampling, rows, scored = [], [], []
-            for i, (s, x) in enumerate(zip(seqs, inputs, strict=True)):
-                if x.start + len(x.tokens) == s.num_tokens:
-                    x.params, x.sample_step = s.params, s.num_output
-                    if s.params.processes_logits:
-                        x.entries = row_entries(
-                            s.params, s.prompt, s.output, s.num_output, self.config.eos_ids
-                        )
-                    sampling.append(s)
-                    rows.append(i)
-                if s.params.prompt_logprobs and x.start < s.num_prompt and len(x.tokens) > 1:
-                    # each position's target: the next prompt token (-1 past the prompt)
-                    n = len(x.tokens)
-                    want = s.token_ids[x.start + 1 : min(x.start + n + 1, s.num_prompt)]
-                    x.targets = want + [-1] * (n - len(want))
-                    scored.append((s, i, x.start, n))
-            _, tokens = self.runner.run_padded(inputs)
-            starts = self.runner.last_starts
-            scored = [(s, starts[i], start, n) for s, i, start, n in scored]
+            # The builder decides which rows sample, their logit entries and targets.
+            prepared = self.runner.builder.prepare(out)
+            _, tokens = self.runner.execute(prepared)
             self.kv.set_fence(self.runner.token)  # frees wait for this step from now on
             self.steps += 1
-            for s, x in zip(seqs, inputs, strict=True):
-                self.kv.computed(s, x.start + len(x.tokens))
+            for x in out.scheduled:
+                s = x.seq
+                self.kv.computed(s, x.end)
                 if s.request_id in self._forks and s.num_computed >= s.num_prompt:
                     self._fork(s)
-            for s, i in zip(sampling, rows, strict=True):
+            for s, i in prepared.sampling:
                 s.num_pending += 1
                 s.last_row = i
             if self.prefix_cache and self.steps % self.log_every == 0:
                 self.prefix_cache.log_stats()
-            step = PendingStep(sampling, tokens if sampling else None, rows)
+            step = PendingStep([s for s, _ in prepared.sampling],
+                               tokens if prepared.sampling else None,
+                               [i for _, i in prepared.sampling])  # fmt: skip
             step.logprobs = self.runner.last_logprobs
-            if scored and self.runner.last_scores is not None:
-                step.scores, step.scored = self.runner.last_scores, scored
+            if prepared.scored and self.runner.last_scores is not None:
+                step.scores, step.scored = self.runner.last_scores, prepared.scored
             self._inflight.append(step)
             return step
 

@@ -27,7 +27,6 @@ and the logits come back replicated: the host side is unchanged.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import os
@@ -41,26 +40,20 @@ import numpy as np
 from flax import nnx
 
 from jax_kvcached.engine import executables
-from jax_kvcached.engine.attention import num_items, ragged_layout
 from jax_kvcached.engine.compile_events import compile_events, thread_cache_hits
+from jax_kvcached.engine.input_builder import InputBuilder, PreparedStep, StepInput
 from jax_kvcached.engine.launches import Launches, count_launches
-from jax_kvcached.engine.logit_inputs import Entries, entry_sizes, pack_rows
+from jax_kvcached.engine.logit_inputs import entry_sizes
 from jax_kvcached.engine.sampler_programs import sampler_programs
-from jax_kvcached.engine.sampling import NUM_CANDIDATES, SamplingParams
-from jax_kvcached.engine.sleep import Offloaded, offload, restore
-from jax_kvcached.engine.step_program import (
-    LOGPROBS,
-    NUM_PARAMS,
-    SAMPLE,
-    StepSpec,
-    logit_rows,
-    make_step,
-    packed_sizes,
-)
+from jax_kvcached.engine.sampling import NUM_CANDIDATES
+from jax_kvcached.engine.sleep import Offloaded
+from jax_kvcached.engine.step_layout import NUM_PARAMS
+from jax_kvcached.engine.step_program import StepSpec, make_step
+from jax_kvcached.engine.step_shapes import StepShapes
+from jax_kvcached.engine.step_weights import StepWeights
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.kv_cache import KVCache
 from jax_kvcached.models.sharding import shard_model
-from jax_kvcached.models.stack import LayerList, stacked_leaves
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +70,6 @@ def resolve_attention(impl: str, cache: KVCache) -> str:
     if impl == "host" and cache.backend != "host":
         raise ValueError("attention='host' needs a host-backend cache")
     return impl
-
-
-def default_token_budget(backend: str) -> int:
-    """The default ``max_num_batched_tokens`` (the most new tokens of a step while any
-    sequence decodes): 64 on a CPU, 2048 on a GPU (a step's cost there hardly grows
-    below that)."""
-    return 2048 if backend == "cuda" else 64
-
-
-def default_prefill_budget(backend: str, budget: int) -> int:
-    """The default ``max_prefill_tokens`` (the budget of a step with no decode rows: no
-    stream waits for it, so bigger chunks prefill faster): 256 on a CPU, else the step
-    budget; never below it."""
-    return budget if backend == "cuda" else max(budget, 256)
 
 
 # XLA's default command-buffer commands plus conditionals and loops: the step's branches
@@ -115,60 +94,6 @@ def compiler_options(backend: str, command_buffers: bool | None = None) -> dict[
     return {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_COMMANDS if command_buffers else ""}
 
 
-TOKEN_STEP = 16  # a CPU step's budget beside decode rows comes in multiples of this
-
-
-def cpu_decode_budget(decodes: int) -> int:
-    """On a CPU, the tokens of a step that holds ``decodes`` decode rows: 16 + 4 per row,
-    rounded down to a multiple of 16. A decode step of SmolLM2-135M costs about
-    25 ms + 4 ms a row and a prompt token about 2 ms, so the prompt chunk added to it keeps
-    the step within about 2.5x the decode step it joins (one stream: 15 prompt tokens);
-    more rows buy bigger chunks, so prompts still prefill quickly under load."""
-    return max(TOKEN_STEP, (TOKEN_STEP + 4 * decodes) // TOKEN_STEP * TOKEN_STEP)
-
-
-def ladder(lo: int, hi: int, multiple: int = 1, ratio: float = 1.25) -> tuple[int, ...]:
-    """Bucket sizes from ``lo`` to ``hi`` (both included): each step adds ``multiple`` or
-    grows by at most ``ratio`` (rounded down to a multiple), whichever is larger."""
-    if hi < lo:
-        return (hi,)
-    out = [lo]
-    while out[-1] < hi:
-        v = out[-1]
-        out.append(min(hi, max(v + multiple, int(v * ratio) // multiple * multiple)))
-    return tuple(out)
-
-
-def bucket(n: int, sizes: tuple[int, ...]) -> int:
-    """The smallest of ``sizes`` (ascending) >= n."""
-    for s in sizes:
-        if s >= n:
-            return s
-    raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
-
-
-@dataclasses.dataclass
-class StepInput:
-    tokens: list[int]  # the new tokens
-    start: int  # tokens of this sequence already in the cache (their positions come first)
-    blocks: list[int]  # the sequence's block table; covers start + len(tokens) tokens
-    # The block tables of KV cache groups 1.. (a cache of several groups), as ``blocks``.
-    group_tables: tuple[list[int], ...] = ()
-    # >= 0: the (single) token is the one row ``src`` of the previous step samples.
-    src: int = -1
-    params: SamplingParams | None = None  # this row samples its next token (None: not)
-    sample_step: int = 0  # tokens the request generated before this one (its draw's key)
-    # Logit processing of this row (params.processes_logits): token ids (P,) and their
-    # weights (3, P): times generated, in the prompt, additive bias (see process_logits).
-    entries: Entries | None = None
-    # Prompt log-probabilities: the token after each new token (-1: none wanted).
-    targets: list[int] | None = None
-
-
-_GREEDY = SamplingParams(seed=0)
-_WALKS_CONTEXT = ("host", "pallas", "pallas-interpret")  # cost independent of the width
-
-
 def src_rows(src: np.ndarray, rows: int) -> np.ndarray:
     """``src`` padded to the sampler's rows (-1: the row's input was not fed)."""
     out = np.full(rows, -1, np.int32)
@@ -181,9 +106,11 @@ class ModelRunner:
     for a host cache), ``host``, ``xla``, ``pallas`` or ``pallas-interpret``.
 
     Steps of at most ``max_batch`` sequences and ``max_num_batched_tokens`` new tokens in
-    all (default: :func:`default_token_budget`), or ``max_prefill_tokens`` when no row
-    decodes (default: :func:`default_prefill_budget`), contexts up to ``max_model_len``
-    tokens: these bound the shape set. ``scan_layers``: run the model's layers under
+    all (default: :func:`~jax_kvcached.engine.step_shapes.default_token_budget`), or
+    ``max_prefill_tokens`` when no row decodes (default:
+    :func:`~jax_kvcached.engine.step_shapes.default_prefill_budget`), contexts up to
+    ``max_model_len`` tokens: these bound the shape set (:class:`StepShapes`).
+    ``scan_layers``: run the model's layers under
     ``jax.lax.scan`` (default on a GPU) or unrolled over per-layer weight arrays (default
     on a CPU, where XLA copies every slice of a stacked weight; the runner then holds its
     own per-layer copy of the stacked weights, the model given keeps its arrays).
@@ -215,22 +142,6 @@ class ModelRunner:
             cfg.head_dim,
         ):
             raise ValueError("the KV cache's layers / KV heads / head_dim do not match the model")
-        budget = max_num_batched_tokens or default_token_budget(cache.backend)
-        if max_batch <= 0 or budget <= 0:
-            raise ValueError("max_batch and max_num_batched_tokens must be positive")
-        if budget < max_batch:
-            raise ValueError(
-                f"max_num_batched_tokens ({budget}) must be at least max_batch ({max_batch}): "
-                "every running sequence decodes one token in each step"
-            )
-        # A budget given caps every step unless max_prefill_tokens says otherwise.
-        prefill = max_prefill_tokens or (
-            budget if max_num_batched_tokens else default_prefill_budget(cache.backend, budget)
-        )
-        if prefill < budget:
-            raise ValueError(
-                f"max_prefill_tokens ({prefill}) must be at least max_num_batched_tokens ({budget})"
-            )
         self.config = cfg
         self.cache = cache
         self.attention = resolve_attention(attention, cache)
@@ -248,12 +159,8 @@ class ModelRunner:
             model = nnx.clone(model) if self.mesh is None else model  # (the mesh's a copy)
             model.scan_layers = self.scan_layers
         self.graphdef, state = nnx.split(model)
-        # The weights travel as a flat list: flattening an nnx.State on every call costs
-        # more host time than the rest of a small step's dispatch. Unrolled, each stacked
-        # weight travels as its layers' arrays (see models.stack.LayerList).
-        leaves, self._weights_def = jax.tree.flatten(state)
-        self._stacked = [f and not self.scan_layers for f in stacked_leaves(state)]
-        self._weights = self._expand(leaves)
+        self.weights = StepWeights(state, cfg.num_layers, unroll=not self.scan_layers,
+                                   mesh=self.mesh)  # fmt: skip
         # Where the step's small outputs live: the device, or replicated over the mesh.
         self._device = (
             cache.device
@@ -266,36 +173,31 @@ class ModelRunner:
         # caller inside jax.default_device(...) all hit the same executables.
         self._context = functools.partial(jax.default_device, cache.device)
         max_len = max_model_len or cfg.max_position_embeddings
-        bs = cache.block_size
-        self.max_blocks = -(-max_len // bs)
-        self.max_batch = max_batch
-        self.max_num_batched_tokens = budget
-        self.max_prefill_tokens = prefill
-        # Samplers come in powers of two (their rows: the step's sequences): few compiles.
-        self.sampler_sizes = tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
-        self.max_rows = self.sampler_sizes[-1]  # the step's sequence slots
-        # Token counts: powers of two, multiples of 16 up to the decode-time budget (a CPU
-        # step's budget grows by 16: cpu_decode_budget), and the two budgets themselves.
-        self.token_sizes = tuple(sorted({1 << i for i in range(prefill.bit_length())
-                                         if (1 << i) < prefill}
-                                        | set(range(TOKEN_STEP, budget, TOKEN_STEP))
-                                        | {budget, prefill}))  # fmt: skip
-        # The budget of a step with decode rows, by their count (None: the fixed budget):
-        # scaled on a CPU unless the caller fixed the budget.
-        adaptive = max_num_batched_tokens is None and cache.backend != "cuda"
-        self.decode_budget = cpu_decode_budget if adaptive else None
-        top = -(-self.max_blocks // 8) * 8
-        self.widths = (top,) if self.attention in _WALKS_CONTEXT else ladder(8, top, 8, 2.0)
+        self.shapes = StepShapes(
+            cache.backend, self.attention, max_batch=max_batch,
+            max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
+            max_blocks=-(-max_len // cache.block_size), block_size=cache.block_size,
+            groups=cache.num_groups, query_per_kv=cfg.num_heads // cfg.num_kv_heads,
+        )  # fmt: skip
+        shapes = self.shapes
+        self.max_blocks, self.max_batch = shapes.max_blocks, max_batch
+        self.max_num_batched_tokens = budget = shapes.max_num_batched_tokens
+        self.max_prefill_tokens = prefill = shapes.max_prefill_tokens
+        self.sampler_sizes, self.max_rows = shapes.sampler_sizes, shapes.max_rows
+        self.token_sizes, self.widths = shapes.token_sizes, shapes.widths
+        self.decode_budget = shapes.decode_budget
         # Logit processing: token lists of these widths (prompt + output + biases).
         self.entry_sizes = entry_sizes(max_len + 64)
         spec = StepSpec(
             graphdef=self.graphdef, cache=cache, attention=self.attention,
             max_rows=self.max_rows, num_candidates=num_candidates,
-            windows=np.asarray(cfg.layer_windows(), np.int32), join=self._join,
-            items=self._items, per_device=self._per_device, head_spec=self._head_spec,
+            windows=np.asarray(cfg.layer_windows(), np.int32), join=self.weights.join,
+            layout=shapes.layout, per_device=self._per_device, head_spec=self._head_spec,
             logits_sharding=None if self.mesh is None else self._device,
             fuse=cache.backend == "cuda" if fuse_sampling is None else fuse_sampling,
         )  # fmt: skip
+        self.builder = InputBuilder(shapes, cache.groups, self.entry_sizes, spec.fused,
+                                    cfg.eos_ids)  # fmt: skip
         self.step_spec = spec
         self._jitted = jax.jit(make_step(spec), static_argnums=(4, 5))
         self.compiler_options = compiler_options(cache.backend, command_buffers)
@@ -345,48 +247,8 @@ class ModelRunner:
         self.last_starts: list[int] = []  # each row's first token on the newest step's axis
 
     def tile(self, t: int) -> int:
-        """Query rows per attention item in a step of ``t`` tokens (0: the host call,
-        which takes the layout without items). One row per item when the step can only
-        be decode rows; else the most a Pallas program holds, or t / 8 for XLA."""
-        if self.attention == "host":
-            return 0
-        if t <= self.max_rows:
-            return 1
-        if self.attention in ("pallas", "pallas-interpret"):
-            from jax_kvcached.engine.pallas_attention import item_tile
-
-            return item_tile(self.config.num_heads // self.config.num_kv_heads)
-        return min(64, max(8, 1 << ((t // 8).bit_length() - 1)))
-
-    def _items(self, t: int) -> tuple[int, int]:
-        tile = self.tile(t)
-        return (0, 1) if tile == 0 else (num_items(t, self.max_rows, tile), tile)
-
-    def _expand(self, leaves: list) -> list:
-        """A state's leaves as the step takes them: stacked weights split into their
-        layers' arrays when unrolled, every array committed where it is (jit keys on
-        commitment: weights restored after a sleep hit the same executables)."""
-        out = []
-        for leaf, split in zip(leaves, self._stacked, strict=True):
-            if not split:
-                out.append(leaf)
-                continue
-            sharding = leaf.sharding  # each layer's array split as the stacked one was
-            if isinstance(sharding, jax.sharding.NamedSharding):
-                spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[1:])
-                sharding = jax.sharding.NamedSharding(sharding.mesh, spec)
-            out += [jax.device_put(leaf[i], sharding) for i in range(leaf.shape[0])]
-        return [w if w.committed else jax.device_put(w, w.sharding) for w in out]
-
-    def _join(self, weights: list) -> Any:
-        """The step's flat weights back into the model's state (per-layer arrays as a
-        LayerList)."""
-        leaves, at = [], 0
-        n = self.config.num_layers
-        for split in self._stacked:
-            leaves.append(LayerList(weights[at : at + n]) if split else weights[at])
-            at += n if split else 1
-        return jax.tree.unflatten(self._weights_def, leaves)
+        """Query rows per attention item in a step of ``t`` tokens (see StepShapes)."""
+        return self.shapes.tile(t)
 
     @property
     def _head_spec(self):
@@ -417,27 +279,11 @@ class ModelRunner:
     # -- shapes --------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[int, int]]:
         """Every (tokens, block-table width) a step can take."""
-        return [(t, nb) for t in self.token_sizes for nb in self.widths]
+        return self.shapes.all()
 
     def shapes_for(self, batch: list[StepInput]) -> tuple[int, int]:
-        bs = self.cache.block_size
-        total = sum(len(x.tokens) for x in batch)
-        width = max(-(-(x.start + len(x.tokens)) // bs) for x in batch)
-        if len(batch) > self.max_batch:
-            raise ValueError(
-                f"a step of {len(batch)} sequences exceeds the runner's max_batch {self.max_batch}"
-            )
-        if total > self.max_prefill_tokens:
-            raise ValueError(
-                f"a step of {total} new tokens exceeds the runner's max_prefill_tokens "
-                f"{self.max_prefill_tokens}"
-            )
-        if width > self.max_blocks:
-            raise ValueError(
-                f"a context of {width} blocks exceeds the runner's max_model_len "
-                f"({self.max_blocks} blocks)"
-            )
-        return bucket(total, self.token_sizes), bucket(width, self.widths)
+        """The shape of a step of ``batch`` (ValueError past the runner's bounds)."""
+        return self.shapes.of([(x.start, len(x.tokens)) for x in batch])
 
     @property
     def num_compiled(self) -> int:
@@ -469,9 +315,6 @@ class ModelRunner:
         buffer replays at once."""
         return count_launches(self._program(key).as_text())
 
-    def _packed_sizes(self, t: int, nb: int) -> tuple[int, ...]:
-        return packed_sizes(t, self.max_rows, nb, *self._items(t), self.cache.num_groups)
-
     def lower(self, key: tuple[int, int] | int):
         """The lowered step of a shape, or sampler of ``key`` rows (for inspection)."""
         if isinstance(key, int):  # the sampler of that many rows
@@ -479,8 +322,8 @@ class ModelRunner:
             params = jax.ShapeDtypeStruct((NUM_PARAMS, key), jnp.int32)
             return self._jitted_sample.lower(logits, params)
         t, nb = key
-        packed = jax.ShapeDtypeStruct((sum(self._packed_sizes(t, nb)),), jnp.int32)
-        args = (self._weights, self.cache.view, packed, self.last_tokens, t, nb, self.token)
+        packed = jax.ShapeDtypeStruct((self.shapes.layout(key).size,), jnp.int32)
+        args = (self.weights.arrays, self.cache.view, packed, self.last_tokens, t, nb, self.token)
         with self._context():
             return self._jitted.lower(*args)
 
@@ -551,17 +394,9 @@ class ModelRunner:
                     np.full(rows, -1, np.int32))  # fmt: skip
             return self._jitted_process, (logits, *args)
         t, nb = key
-        packed = np.zeros(sum(self._packed_sizes(t, nb)), np.int32)
-        args = (self._weights, self.cache.view, packed, self.last_tokens, t, nb, self.token)
+        packed = np.zeros(self.shapes.layout(key).size, np.int32)
+        args = (self.weights.arrays, self.cache.view, packed, self.last_tokens, t, nb, self.token)
         return self._jitted, args
-
-    def _pack(self, lay: dict, tokens, positions, slots, targets, src, last, params,
-              flags: int) -> np.ndarray:  # fmt: skip
-        """The step's packed int32 input (see :func:`packed_sizes`)."""
-        segments = [tokens, positions, slots, targets, lay["token_slot"], lay["tables"],
-                    lay["kv_lens"], lay["q_start"], lay["q_lens"], src, last, lay["item_seq"],
-                    lay["item_rows"], lay["item_pos"], params, [flags]]  # fmt: skip
-        return np.concatenate([np.asarray(a, np.int32).ravel() for a in segments])
 
     def compile(
         self,
@@ -599,34 +434,15 @@ class ModelRunner:
     # -- sleep -----------------------------------------------------------------------------
     def state_arrays(self) -> list[jax.Array]:
         """The device arrays of the weights the steps run with (empty while asleep)."""
-        return list(self._weights)
+        return list(self.weights.arrays)
 
     def offload_weights(self, level: int) -> Offloaded:
-        """Sleep: the weights to host memory (level 1) or dropped (level 2); the device
-        arrays are deleted. No step may run until :meth:`restore_weights`."""
-        off = offload(self._weights, level)
-        self._weights = []
-        return off
+        """Sleep: see :meth:`StepWeights.offload`."""
+        return self.weights.offload(level)
 
     def restore_weights(self, off: Offloaded, model: Any = None) -> float:
-        """Wake: the weights back on the device, from the host copies or (level 2) from
-        ``model``, a freshly loaded model of the same architecture; returns the copy's
-        seconds. The compiled steps are hit again (same avals and shardings)."""
-        fresh = None
-        if off.level == 2:
-            if model is None:
-                raise ValueError("a level-2 wake needs the reloaded model")
-            if self.mesh is not None:
-                model = shard_model(model, self.mesh)
-            fresh, treedef = jax.tree.flatten(nnx.split(model)[1])
-            if treedef != self._weights_def:
-                raise ValueError("the reloaded checkpoint does not match the sleeping model")
-            fresh = self._expand(fresh)
-            shapes = [(x.shape, x.dtype) for x in fresh]
-            if shapes != [(s.shape, s.dtype) for s in off.avals]:
-                raise ValueError("the reloaded checkpoint does not match the sleeping model")
-        self._weights, seconds = restore(off, fresh)
-        return seconds
+        """Wake: see :meth:`StepWeights.restore`."""
+        return self.weights.restore(off, model)
 
     # -- running -------------------------------------------------------------------------
     @staticmethod
@@ -642,104 +458,41 @@ class ModelRunner:
         return self.run_padded(batch)[0][: len(batch)]
 
     def run_padded(self, batch: list[StepInput]) -> tuple[jax.Array, jax.Array]:
-        """Runs one step; returns the logits of its first ``logit_rows(t)`` sequence slots
-        ``(rows, vocab)`` (``t`` the step's token bucket; rows >= ``len(batch)``) and the
-        sampled next tokens ``(max_rows,)`` (rows past ``len(batch)`` and rows without
-        ``params`` are padding), both on the device. :attr:`last_logprobs` and
-        :attr:`last_scores` hold the step's log-probabilities (None when no row asked for
-        them); :attr:`last_starts` each row's first token on the step's flat axis (the
-        columns of :attr:`last_scores`)."""
-        if not batch:
-            raise ValueError("empty batch")
-        bsz = self.cache.block_size
-        t, nb = shape = self.shapes_for(batch)
-        rows = logit_rows(t, self.max_rows)  # >= len(batch): every sampling row fits
-        tokens = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
-        ng = self.cache.num_groups
-        slots = np.full((ng, t), -1, np.int32)
-        targets = np.full(t, -1, np.int32)
-        tables = np.zeros((ng, self.max_rows, nb), np.int32)
-        src = np.full(self.max_rows, -1, np.int32)
-        last = np.zeros(self.max_rows, np.int32)
-        temperature = np.zeros(rows, np.float32)
-        top_k = np.zeros(rows, np.int32)
-        top_p = np.ones(rows, np.float32)
-        seeds = np.zeros(rows, np.uint32)
-        steps = np.zeros(rows, np.int32)
-        written: list[set[int]] = [set() for _ in range(ng)]
-        at = 0
-        starts: list[int] = []
-        for i, x in enumerate(batch):
-            n = len(x.tokens)
-            group_tables = (x.blocks, *x.group_tables)
-            if len(group_tables) != ng:
-                raise ValueError(f"a step input needs {ng} block tables (one per KV cache group)")
-            if n == 0 or any(len(b) * bsz < x.start + n for b in group_tables):
-                raise ValueError("a step input needs tokens and blocks covering them")
-            if x.src >= self.max_rows or (x.src >= 0 and n != 1):
-                raise ValueError(f"bad src row {x.src} for a step of {n} tokens")
-            tokens[at : at + n] = x.tokens
-            pos = np.arange(x.start, x.start + n)
-            positions[at : at + n] = pos
-            used = -(-(x.start + n) // bsz)
-            for g, blocks in enumerate(group_tables):
-                tables[g, i, :used] = blocks[:used]
-                blk = np.asarray(blocks, np.int64)[pos // bsz]
-                slots[g, at : at + n] = blk * bsz + pos % bsz
-                written[g].update(blocks[pos[0] // bsz : pos[-1] // bsz + 1])
-            src[i], last[i] = x.src, at + n - 1
-            p = x.params or _GREEDY
-            temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p
-            seeds[i], steps[i] = p.seed or 0, x.sample_step
-            if x.targets is not None:
-                targets[at : at + n] = x.targets
-            starts.append(at)
-            at += n
-        for group, blocks in zip(self.cache.groups, written, strict=True):
-            group.check_writable(blocks)
-        lay = ragged_layout([len(x.tokens) for x in batch],
-                            [x.start + len(x.tokens) for x in batch], tables[0], t,
-                            self.tile(t))  # fmt: skip
-        lay["tables"] = tables
-        params = np.stack(
-            [temperature.view(np.int32), top_k, top_p.view(np.int32), seeds.view(np.int32), steps]
-        )
-        processing = pack_rows(
-            [(x.entries, x.params) if x.entries is not None else None for x in batch],
-            rows, self.entry_sizes,
-        )  # fmt: skip
-        want_logprobs = any(x.params is not None and x.params.logprobs is not None for x in batch)
-        # A fused step samples (and scores) its rows itself, unless a row processes its
-        # logits; otherwise (processing,) sampling and log-probabilities follow as
-        # programs of their own.
-        fused = self.step_spec.fused(t) and processing is None
-        flags = (SAMPLE | (LOGPROBS if want_logprobs else 0)) if fused else 0
-        packed = self._pack(lay, tokens, positions, slots, targets, src, last, params, flags)
-        step = self._program(shape)
+        """Builds and runs one step (see :meth:`execute`)."""
+        return self.execute(self.builder.build(batch))
+
+    def execute(self, step: PreparedStep) -> tuple[jax.Array, jax.Array]:
+        """Runs a built step; returns the logits of its first ``step.logit_rows``
+        sequence slots ``(rows, vocab)`` and the sampled next tokens ``(max_rows,)``
+        (rows past the batch and rows without ``params`` are padding), both on the
+        device. :attr:`last_logprobs` and :attr:`last_scores` hold the step's
+        log-probabilities (None when no row asked for them); :attr:`last_starts` each
+        row's first token on the step's flat axis (the columns of :attr:`last_scores`)."""
+        program = self._program(step.shape)
         with self._context():
-            (logits, scores, sampled, lps), self.token = step(
-                self._weights, self.cache.view, packed, self.last_tokens, self.token
+            (logits, scores, sampled, lps), self.token = program(
+                self.weights.arrays, self.cache.view, step.packed, self.last_tokens, self.token
             )
             self.dispatches += 1
-            self.last_logprobs = lps if fused and want_logprobs else None
-            if not fused:
+            self.last_logprobs = lps if step.fused and step.want_logprobs else None
+            if not step.fused:
                 # Dispatched right behind the step: no host round trip in between.
-                hint = src_rows(src[: len(batch)], rows)
+                rows = step.logit_rows
+                hint = src_rows(step.src, rows)
                 processed = logits
-                if processing is not None:
-                    process = self._program(("process", rows, processing[0].shape[1]))
-                    processed = process(logits, *processing, self.last_tokens, hint)
+                if step.processing is not None:
+                    process = self._program(("process", rows, step.processing[0].shape[1]))
+                    processed = process(logits, *step.processing, self.last_tokens, hint)
                     self.dispatches += 1
-                sampled = self._program(rows)(processed, params)  # (numpy in: one transfer)
+                sampled = self._program(rows)(processed, step.params)  # (one transfer)
                 self.dispatches += 1
-                if want_logprobs:
+                if step.want_logprobs:
                     logprobs = self._program(("logprobs", rows))
                     self.last_logprobs = logprobs(logits, sampled, hint)
                     self.dispatches += 1
             self.last_tokens = sampled
-        self.last_scores = scores if (targets >= 0).any() else None
-        self.last_starts = starts
+        self.last_scores = scores if step.has_targets else None
+        self.last_starts = step.starts
         return logits, self.last_tokens
 
     def copy_block(self, src: int, dst: int) -> None:

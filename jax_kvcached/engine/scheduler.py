@@ -10,24 +10,13 @@ blocks goes to the :class:`~jax_kvcached.engine.kv_manager.KVManager`.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Callable
 
 from jax_kvcached.engine.kv_manager import KVManager
-from jax_kvcached.engine.runner import StepInput
+from jax_kvcached.engine.sched_output import Scheduled, SchedulerOutput
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.memory.errors import PoolExhausted
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step's plan: the sequences that run (in row order) with their inputs, and the
-    requests rejected while planning it (they can never fit; each with its error)."""
-
-    sequences: list[Sequence]
-    inputs: list[StepInput]
-    rejected: list[Sequence] = dataclasses.field(default_factory=list)
 
 
 class Scheduler:
@@ -149,8 +138,8 @@ class Scheduler:
         step without decode rows takes up to ``max_prefill_tokens``; with ``decode_budget``
         a step with D decode rows takes at most ``decode_budget(D)``.
 
-        A decode input whose token is still being sampled names the row of the step that
-        samples it (``StepInput.src``): the device feeds it, the host does not wait for it.
+        A decode row whose token is still being sampled reaches past the host's tokens
+        (:attr:`Scheduled.fed_by_device`): the device feeds it, the host does not wait.
         """
         rejected: list[Sequence] = []
         self.shrink_to_limit()
@@ -173,16 +162,8 @@ class Scheduler:
             budget -= n
         # Growing a later sequence may have preempted an earlier one.
         plan = [(s, n) for s, n in plan if s in self.running]
-        inputs: list[StepInput] = []
         for seq, n in plan:
-            start = seq.num_computed
-            known = len(seq.token_ids)
-            more = tuple(list(t) for t in seq.tables[1:])  # other KV cache groups' tables
-            if start + n <= known:
-                inputs.append(
-                    StepInput(seq.token_ids[start : start + n], start, list(seq.blocks), more)
-                )
-            else:  # a decode step on the token the in-flight step samples
-                assert n == 1 and start == known and seq.last_row >= 0, "one token in flight"
-                inputs.append(StepInput([0], start, list(seq.blocks), more, src=seq.last_row))
-        return SchedulerOutput([s for s, _ in plan], inputs, rejected)
+            assert seq.num_computed + n <= len(seq.token_ids) or (
+                n == 1 and seq.num_computed == len(seq.token_ids) and seq.last_row >= 0
+            ), "one token in flight"
+        return SchedulerOutput([Scheduled(s, s.num_computed, n) for s, n in plan], rejected)

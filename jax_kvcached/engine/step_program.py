@@ -2,9 +2,11 @@
 the paged KV cache and, in a decode-sized step, samples every sequence's next token too:
 one dispatch per step.
 
-Inputs travel as one packed int32 array (:func:`packed_sizes`): the tokens and their
-positions, slots and block tables of every KV cache group, the ragged layout, each row's
-sampling parameters and the step's flags (:data:`SAMPLE`, :data:`LOGPROBS`). Each layer
+Inputs travel as one packed int32 array, sliced by name through the shape's
+:class:`~jax_kvcached.engine.step_layout.StepLayout` (the same object the input builder
+packs with): the tokens and their positions, slots and block tables of every KV cache
+group, the ragged layout, each row's sampling parameters and the step's flags
+(:data:`SAMPLE`, :data:`LOGPROBS`). Each layer
 writes the step's K/V (one ``ops.write_kv_async`` call) and attends over the cache; the
 last token of each sequence gives its logits. A *fused* step (``StepSpec.fuse`` and at
 most ``max_rows`` tokens: the steps whose cost is launches, not math) then samples (and,
@@ -34,34 +36,9 @@ from flax import nnx
 from jax_kvcached.engine.attention import Ragged, host_paged_attention, paged_attention
 from jax_kvcached.engine.sampler_programs import sampler_programs
 from jax_kvcached.engine.sampling import MAX_LOGPROBS
+from jax_kvcached.engine.step_layout import LOGPROBS, SAMPLE, StepLayout
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.kv_cache import KVCache
-
-SAMPLE = 1  # flag: sample every row's next token inside the step
-LOGPROBS = 2  # flag: and the sampled tokens' log-probabilities
-NUM_PARAMS = 5  # sampling parameters per row (see sampler_programs.sample_rows)
-
-
-def packed_sizes(
-    t: int, seqs: int, nb: int, items: int, tile: int, groups: int = 1
-) -> tuple[int, ...]:
-    """The segments of a step's packed int32 input, in order. Per token (t each): tokens,
-    positions, slots (one row per KV cache group), prompt log-probability targets (the
-    token after each position, -1 where not wanted), where each token's output lies among
-    the items' rows. Per sequence slot: block tables (groups x seqs x nb), kv lengths,
-    first rows, query lengths, src rows, last rows. Items (see
-    :class:`~jax_kvcached.engine.attention.Ragged`): sequence, rows and positions (items
-    x tile each). Then the sampling parameters of the step's logit rows
-    (``5 x logit_rows(t, seqs)``) and the flags (one)."""
-    return (t, t, groups * t, t, t, groups * seqs * nb, seqs, seqs, seqs, seqs, seqs, items,
-            items * tile, items * tile, NUM_PARAMS * logit_rows(t, seqs), 1)  # fmt: skip
-
-
-def logit_rows(t: int, max_rows: int) -> int:
-    """The rows of a ``t``-token step's logits: ``t`` rounded up to a power of two, at
-    most ``max_rows`` (a power of two). A step's sequences are never more than its
-    tokens, so every row that samples fits, and the row counts are the sampler sizes."""
-    return min(max_rows, 1 << (t - 1).bit_length())
 
 
 def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array) -> Callable:
@@ -91,7 +68,7 @@ class StepSpec:
     num_candidates: int
     windows: np.ndarray  # each layer's window (0: full attention)
     join: Callable[[list], Any]  # the flat weights -> the model's state
-    items: Callable[[int], tuple[int, int]]  # t -> (attention items, tile)
+    layout: Callable[[tuple[int, int]], StepLayout]  # a shape's packed input
     per_device: Callable  # (fn, in_specs, out_specs) -> fn over the mesh (or fn)
     head_spec: Any  # the partition of a (T, heads, D) array (None without a mesh)
     logits_sharding: Any  # replicated logits on a mesh (None without one)
@@ -114,7 +91,6 @@ def make_step(spec: StepSpec) -> Callable:
     graphdef, cache, max_rows = spec.graphdef, spec.cache, spec.max_rows
     per_device, heads, windows = spec.per_device, spec.head_spec, spec.windows
     groups = np.asarray(cache.layer_groups, np.int32)  # each layer's KV cache group
-    ng = cache.num_groups
     sample_rows, _, logprob_rows = sampler_programs(
         max_rows, spec.num_candidates, barrier=not spec.on_mesh
     )
@@ -125,20 +101,15 @@ def make_step(spec: StepSpec) -> Callable:
 
     def step(weights, view, packed, prev, t, nb, token):
         state = spec.join(weights)
-        n_items, tile = spec.items(t)
-        rows = logit_rows(t, max_rows)
-        bounds = np.cumsum((0, *packed_sizes(t, max_rows, nb, n_items, tile, ng)))
-        parts = [packed[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]
-        tokens, positions, group_slots, targets, token_slot = parts[:5]
-        group_slots = group_slots.reshape(ng, t)
-        group_tables = parts[5].reshape(ng, max_rows, nb)
-        tables = group_tables[0]
-        kv_lens, q_start, q_lens, src, last = parts[6:11]
-        lay = Ragged(tables, kv_lens, q_start, q_lens, parts[11],
-                     parts[12].reshape(n_items, tile), parts[13].reshape(n_items, tile),
-                     token_slot)  # fmt: skip
-        params = parts[14].reshape(NUM_PARAMS, rows)
-        flags = parts[15][0]
+        layout = spec.layout((t, nb))
+        a = layout.unpack(packed)
+        rows = layout.rows
+        tokens, positions, targets = a["tokens"], a["positions"], a["targets"]
+        group_slots, group_tables = a["slots"], a["tables"]
+        src, last, q_start = a["src"], a["last"], a["q_start"]
+        lay = Ragged(group_tables[0], a["kv_lens"], q_start, a["q_lens"], a["item_seq"],
+                     a["item_rows"], a["item_pos"], a["token_slot"])  # fmt: skip
+        params, flags = a["params"], a["flags"][0]
         # Decode rows fed by the previous step's samples (still on the device).
         fed = jnp.where(src >= 0, prev[jnp.clip(src, 0, max_rows - 1)],
                         tokens[jnp.clip(q_start, 0, t - 1)])  # fmt: skip

@@ -1,0 +1,123 @@
+"""StepLayout: the named segments of a step's one packed int32 input.
+
+A step's integer inputs travel to the device as one array (one transfer). The layout
+names each segment and its shape; the input builder packs by name
+(:meth:`StepLayout.pack`) and the step program slices by name (:meth:`StepLayout.unpack`),
+so the two cannot disagree on an order or a size. Float sampling parameters travel as
+their int32 bit patterns (the builder views them, the sampler views them back).
+
+Segments (``t`` tokens, ``S`` sequence slots, ``nb`` block-table width, ``G`` KV cache
+groups, ``I`` attention items of ``Q`` rows, ``R`` logit rows):
+
+======================  ==============  ===================================================
+name                    shape           what
+======================  ==============  ===================================================
+``tokens``              (t,)            the new tokens on the step's flat axis
+``positions``           (t,)            their positions in their sequences
+``slots``               (G, t)          each group's cache slot of each token (-1: none)
+``targets``             (t,)            prompt log-probability targets (-1: not wanted)
+``token_slot``          (t,)            where each token's output lies among the items'
+``tables``              (G, S, nb)      each group's block table of each sequence slot
+``kv_lens``             (S,)            tokens in the cache after the step, per slot
+``q_start``, ``q_lens`` (S,)            each slot's first row and row count
+``src``                 (S,)            row of the previous step's samples feeding it (-1)
+``last``                (S,)            each slot's last row (its logits)
+``item_seq``            (I,)            each attention item's sequence slot
+``item_rows``           (I, Q)          the flat rows of each item's queries
+``item_pos``            (I, Q)          their positions (-1: none)
+``params``              (5, R)          sampling parameters of the logit rows
+``flags``               (1,)            :data:`SAMPLE` / :data:`LOGPROBS`
+======================  ==============  ===================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
+
+SAMPLE = 1  # flag: sample every row's next token inside the step
+LOGPROBS = 2  # flag: and the sampled tokens' log-probabilities
+NUM_PARAMS = 5  # sampling parameters per row (see sampler_programs.sample_rows)
+
+SEGMENTS = ("tokens", "positions", "slots", "targets", "token_slot", "tables", "kv_lens",
+            "q_start", "q_lens", "src", "last", "item_seq", "item_rows", "item_pos", "params",
+            "flags")  # fmt: skip
+
+
+def logit_rows(t: int, max_rows: int) -> int:
+    """The rows of a ``t``-token step's logits: ``t`` rounded up to a power of two, at
+    most ``max_rows`` (a power of two). A step's sequences are never more than its
+    tokens, so every row that samples fits, and the row counts are the sampler sizes."""
+    return min(max_rows, 1 << (t - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+    """The packed input of one step shape (see the module docstring)."""
+
+    tokens: int  # t
+    seqs: int  # S: the step's sequence slots (max_rows)
+    width: int  # nb: block-table width
+    items: int  # I (0: the host attention call, which takes no items)
+    tile: int  # Q
+    groups: int = 1  # G
+
+    @property
+    def rows(self) -> int:
+        """The step's logit rows (:func:`logit_rows`)."""
+        return logit_rows(self.tokens, self.seqs)
+
+    @functools.cached_property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        t, s, g = self.tokens, self.seqs, self.groups
+        return {
+            "tokens": (t,), "positions": (t,), "slots": (g, t), "targets": (t,),
+            "token_slot": (t,), "tables": (g, s, self.width), "kv_lens": (s,), "q_start": (s,),
+            "q_lens": (s,), "src": (s,), "last": (s,), "item_seq": (self.items,),
+            "item_rows": (self.items, self.tile), "item_pos": (self.items, self.tile),
+            "params": (NUM_PARAMS, self.rows), "flags": (1,),
+        }  # fmt: skip
+
+    @functools.cached_property
+    def offsets(self) -> dict[str, tuple[int, int]]:
+        """Each segment's ``(start, end)`` in the packed array."""
+        out, at = {}, 0
+        for name in SEGMENTS:
+            n = int(np.prod(self.shapes[name]))
+            out[name] = (at, at + n)
+            at += n
+        return out
+
+    @property
+    def size(self) -> int:
+        """The packed array's length."""
+        return self.offsets[SEGMENTS[-1]][1]
+
+    def pack(self, **segments: Any) -> np.ndarray:
+        """The packed int32 array of every segment, given by name with its exact shape
+        (ValueError on a missing, unknown or misshapen one)."""
+        if set(segments) != set(SEGMENTS):
+            missing, extra = set(SEGMENTS) - set(segments), set(segments) - set(SEGMENTS)
+            raise ValueError(f"step segments missing {sorted(missing)}, unknown {sorted(extra)}")
+        out = np.empty(self.size, np.int32)
+        for name, (lo, hi) in self.offsets.items():
+            a = np.asarray(segments[name])
+            if a.shape != self.shapes[name]:
+                raise ValueError(f"step segment {name!r} has shape {a.shape}, "
+                                 f"the layout's is {self.shapes[name]}")  # fmt: skip
+            if a.dtype.kind not in "iub":  # (floats travel as their bit patterns: a view)
+                raise ValueError(f"step segment {name!r} is {a.dtype}, not integers")
+            out[lo:hi] = a.ravel()
+        return out
+
+    def unpack(self, packed: Any) -> dict[str, Any]:
+        """Each segment of a packed array (numpy or traced), by name, in its shape."""
+        if packed.shape != (self.size,):
+            raise ValueError(f"a packed step input of {packed.shape}, the layout's is {self.size}")
+        return {
+            name: packed[lo:hi].reshape(self.shapes[name])
+            for name, (lo, hi) in self.offsets.items()
+        }
