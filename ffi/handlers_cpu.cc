@@ -54,7 +54,8 @@ ffi::Error WriteKvAsyncCpu(int32_t device, uint64_t handle, ffi::AnyBuffer layer
   return WriteKvCpu(device, handle, layer, key, value, slots, token, after, token_out);
 }
 
-ffi::Error CopyBlocksCpu(int32_t device, uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst, ffi::AnyBuffer /*token*/,
+ffi::Error CopyBlocksCpu(int32_t device, uint64_t handle, int64_t group, ffi::AnyBuffer src, ffi::AnyBuffer dst,
+                         ffi::AnyBuffer /*token*/,
                          ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
   if (auto e = find_buffer("copy_blocks", handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
@@ -63,7 +64,7 @@ ffi::Error CopyBlocksCpu(int32_t device, uint64_t handle, ffi::AnyBuffer src, ff
   try {
     buf->copy_blocks_host(static_cast<const int32_t*>(src.untyped_data()),
                           static_cast<const int32_t*>(dst.untyped_data()),
-                          static_cast<size_t>(src.dimensions()[0]));
+                          static_cast<size_t>(src.dimensions()[0]), group);
   } catch (const std::exception& e) {
     return to_ffi_error("copy_blocks", e);
   }
@@ -200,6 +201,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cpu, CopyBlocksCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
+                                  .Attr<int64_t>("group")
                                   .Arg<ffi::AnyBuffer>()  // src
                                   .Arg<ffi::AnyBuffer>()  // dst
                                   .Arg<ffi::AnyBuffer>()  // token

@@ -206,7 +206,8 @@ ffi::Error WriteKvAsyncCuda(cudaStream_t stream, int32_t device, uint64_t handle
   return finish("write_kv", stream, token_out);
 }
 
-ffi::Error CopyBlocksCuda(cudaStream_t stream, int32_t device, uint64_t handle, ffi::AnyBuffer src, ffi::AnyBuffer dst,
+ffi::Error CopyBlocksCuda(cudaStream_t stream, int32_t device, uint64_t handle, int64_t group, ffi::AnyBuffer src,
+                          ffi::AnyBuffer dst,
                           ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
   if (auto e = find_buffer("copy_blocks", handle, device, DeviceKind::kCuda, &buf); e.failure()) return e;
@@ -216,20 +217,22 @@ ffi::Error CopyBlocksCuda(cudaStream_t stream, int32_t device, uint64_t handle, 
   if (auto e = fetch("copy_blocks", stream, src, &hs); e.failure()) return e;
   if (auto e = fetch("copy_blocks", stream, dst, &hd); e.failure()) return e;
   std::shared_lock<std::shared_mutex> lock(buf->mutex());
-  const std::string err = buf->check_copy(hs.data(), hd.data(), hs.size());
+  const std::string err = buf->check_copy(hs.data(), hd.data(), hs.size(), group);
   if (!err.empty()) return invalid("copy_blocks", err);
   const int64_t n = static_cast<int64_t>(hs.size());
   if (n > 0) {
     const size_t bb = buf->layout().block_bytes();
     const int64_t wpb = static_cast<int64_t>(bb / 2);
     const int64_t wpp = static_cast<int64_t>(buf->plane_bytes() / 2);
-    const dim3 grid(grid_for(n * wpb), static_cast<unsigned>(buf->layout().num_planes()));
+    const dim3 grid(grid_for(n * wpb), 1);
     // check_copy() rejected repeated destinations and src/dst overlaps, so the copies
-    // are independent and may run in parallel.
-    copy_block_kernel<uint16_t><<<grid, 256, 0, stream>>>(
-        static_cast<const int32_t*>(src.untyped_data()), static_cast<const int32_t*>(dst.untyped_data()), n,
-        wpb, wpp, reinterpret_cast<uint16_t*>(buf->base()));
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error("copy_blocks", e);
+    // are independent and may run in parallel. One launch per plane of the group.
+    for (size_t plane : buf->group_planes(static_cast<int>(group))) {
+      copy_block_kernel<uint16_t><<<grid, 256, 0, stream>>>(
+          static_cast<const int32_t*>(src.untyped_data()), static_cast<const int32_t*>(dst.untyped_data()), n,
+          wpb, wpp, reinterpret_cast<uint16_t*>(buf->base()) + static_cast<int64_t>(plane) * wpp);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cuda_error("copy_blocks", e);
+    }
   }
   return finish("copy_blocks", stream, token_out);
 }
@@ -297,6 +300,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cuda, CopyBlocksCuda,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("handle")
+                                  .Attr<int64_t>("group")
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -430,9 +430,11 @@ std::string KVBuffer::check_read(int64_t layer, const int32_t* tables, int64_t b
   return {};
 }
 
-std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t n) const {
+std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t n, int64_t group) const {
   if (closed_) return "the KV cache is closed";
-  if (num_groups() != 1) return "block copies move every plane: this cache has several KV cache groups";
+  if (group < 0 || group >= num_groups()) {
+    return "KV cache group " + std::to_string(group) + " out of range [0, " + std::to_string(num_groups()) + ")";
+  }
   std::vector<int32_t> dsts(dst, dst + n), srcs(src, src + n);
   std::sort(dsts.begin(), dsts.end());
   std::sort(srcs.begin(), srcs.end());
@@ -448,7 +450,7 @@ std::string KVBuffer::check_copy(const int32_t* src, const int32_t* dst, size_t 
     for (int which = 0; which < 2; ++which) {
       const int64_t b = which == 0 ? src[i] : dst[i];
       if (which == 1 && b == 0) return "destination block 0 is the null block";
-      std::string err = check_block(b, i, which == 0 ? "source block " : "destination block ");
+      std::string err = check_block(b, i, which == 0 ? "source block " : "destination block ", static_cast<int>(group));
       if (!err.empty()) return err;
     }
   }
@@ -488,12 +490,12 @@ void KVBuffer::write_kv_host(int64_t layer, int64_t num_layers, const void* key,
   }
 }
 
-void KVBuffer::copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n) {
+void KVBuffer::copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n, int64_t group) {
   std::shared_lock<std::shared_mutex> lock(mu_);
-  const std::string err = check_copy(src, dst, n);
+  const std::string err = check_copy(src, dst, n, group);
   if (!err.empty()) throw Error(err);
   const size_t bb = layout_.block_bytes();
-  for (int64_t plane = 0; plane < layout_.num_planes(); ++plane) {
+  for (size_t plane : group_planes(static_cast<int>(group))) {
     char* p = reinterpret_cast<char*>(base_ + static_cast<size_t>(plane) * plane_bytes_);
     for (size_t i = 0; i < n; ++i) {
       std::memmove(p + static_cast<size_t>(dst[i]) * bb, p + static_cast<size_t>(src[i]) * bb, bb);

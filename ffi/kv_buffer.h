@@ -96,6 +96,8 @@ class KVBuffer {
   size_t pages_per_kv_page() const { return static_cast<size_t>(layout_.num_planes()); }
   int num_groups() const { return static_cast<int>(group_planes_.size()); }
   size_t group_pages_per_kv_page(int group) const { return group_planes_.at(static_cast<size_t>(group)).size(); }
+  // The planes (2 * layer + K|V) of one group, ascending (group checked by the caller).
+  const std::vector<size_t>& group_planes(int group) const { return group_planes_.at(static_cast<size_t>(group)); }
   int group_of_layer(int64_t layer) const { return layer_group_[static_cast<size_t>(layer)]; }
   const std::vector<int32_t>& layer_groups() const { return layer_group_; }
 
@@ -147,7 +149,8 @@ class KVBuffer {
   // Checks block copies: src and dst in range and mapped, dst not the null block, no
   // destination repeated or also used as a source (so copy order never matters). Copies
   // move every plane: a buffer of one group only.
-  std::string check_copy(const int32_t* src, const int32_t* dst, size_t n) const;
+  // Block copies within one KV cache group (its planes only; blocks mapped in its pages).
+  std::string check_copy(const int32_t* src, const int32_t* dst, size_t n, int64_t group) const;
 
   // State for kernels that validate on the device (write_kv_async): an error record
   // (int32 code, int32 slot; code 0 = none) followed by one byte per KV page, 1 while
@@ -167,7 +170,7 @@ class KVBuffer {
   // key / value hold num_layers consecutive (n, heads, head_dim) arrays.
   void write_kv_host(int64_t layer, int64_t num_layers, const void* key, const void* value,
                      const int32_t* slots, size_t n);
-  void copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n);
+  void copy_blocks_host(const int32_t* src, const int32_t* dst, size_t n, int64_t group);
 
   // The host tier (host_arena.h): copies blocks[i] of the arena's KV cache group (each of
   // the group's planes) to / from slot slots[i] of an arena made for this buffer and group

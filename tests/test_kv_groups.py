@@ -80,8 +80,38 @@ def test_block_calls_on_a_multi_group_cache_name_the_groups(pool):
     with pytest.raises(ValueError, match="entries for 3 layers"):
         pool.create_kv_cache("bad", 3, 2, 64, "float32", layer_groups=(0, 1))
     a = cache.groups[0].alloc(2)
-    with pytest.raises(Exception, match="several KV cache groups"):
-        jax.block_until_ready(ops.copy_blocks(cache, a[:1], a[1:], ops.new_token()))
+    with pytest.raises(ValueError, match="group 2 out of range"):
+        ops.copy_blocks(cache, a[:1], a[1:], ops.new_token(), group=2)
+
+
+def test_a_block_copy_moves_only_its_groups_planes(pool):
+    """copy_blocks(group=g) copies block ids of group g in g's layers' K and V planes and
+    leaves the other group's same block ids alone; blocks the group has not mapped are
+    refused."""
+    cache = _cache(pool)  # layers 0, 2, 3 in group 0; layer 1 in group 1
+    g0, g1 = cache.groups
+    a, b = g0.alloc(2), g1.alloc(2)
+    assert a.tolist() == b.tolist()  # the same ids, different memory
+    rng = np.random.default_rng(0)
+    for layer, blocks in ((0, a), (1, b), (2, a), (3, a)):
+        slots = jnp.asarray(np.arange(16) + int(blocks[0]) * 16, jnp.int32)
+        k = jnp.asarray(rng.standard_normal((16, 2, 64)), jnp.float32)
+        jax.block_until_ready(ops.write_kv(cache, layer, k, -k, slots, ops.new_token()))
+    before = np.asarray(cache.view).copy()
+    jax.block_until_ready(ops.copy_blocks(cache, b[:1], b[1:], ops.new_token(), group=1))
+    after = np.asarray(cache.view)
+    np.testing.assert_array_equal(after[1, :, b[1]], before[1, :, b[0]])  # group 1's layer
+    for layer in (0, 2, 3):  # group 0's block b[1] (== a[1]) untouched
+        np.testing.assert_array_equal(after[layer, :, a[1]], before[layer, :, a[1]])
+    jax.block_until_ready(ops.copy_blocks(cache, a[:1], a[1:], ops.new_token(), group=0))
+    after = np.asarray(cache.view)
+    for layer in (0, 2, 3):
+        np.testing.assert_array_equal(after[layer, :, a[1]], before[layer, :, a[0]])
+    unmapped = g1.blocks_per_page * 3  # a block on a page group 1 never mapped
+    with pytest.raises(Exception, match="unmapped page"):
+        jax.block_until_ready(
+            ops.copy_blocks(cache, b[:1], jnp.asarray([unmapped]), ops.new_token(), group=1)
+        )
 
 
 def test_groups_share_one_budget(pool):

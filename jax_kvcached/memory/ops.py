@@ -110,10 +110,12 @@ def _handle(op: str, cache: KVCache) -> np.uint64:
     return np.uint64(h)
 
 
-def _call(op: str, cache: KVCache, *operands: Any, side_effect: bool = True) -> jax.Array:
+def _call(
+    op: str, cache: KVCache, *operands: Any, side_effect: bool = True, **attrs: Any
+) -> jax.Array:
     return jax.ffi.ffi_call(
         f"kvcached_{op}", _TOKEN, has_side_effect=side_effect, vmap_method=VMAP_METHOD
-    )(*operands, handle=_handle(op, cache))
+    )(*operands, handle=_handle(op, cache), **attrs)
 
 
 def _ids(x: Any, name: str) -> jax.Array:
@@ -266,16 +268,23 @@ def copy_blocks(
     token: jax.Array,
     *after: jax.Array,
     side_effect: bool = False,
+    group: int = 0,
 ) -> jax.Array:
-    """Copies whole blocks ``src[i] -> dst[i]`` in every layer's K and V plane.
+    """Copies whole blocks ``src[i] -> dst[i]`` of KV cache group ``group`` in every
+    plane of its layers (block ids are per group; an all-full-attention cache has one).
 
-    Destinations must be distinct, mapped, not block 0 and not among the sources. The
-    token rule of :func:`write_kv` applies.
+    Destinations must be distinct, mapped in the group, not block 0 and not among the
+    sources. The token rule of :func:`write_kv` applies.
     """
     src, dst = _ids(src, "src"), _ids(dst, "dst")
     if src.shape != dst.shape:
         raise ValueError(f"copy_blocks: src {src.shape} and dst {dst.shape} differ in length")
-    return _call("copy_blocks", cache, src, dst, token, *after, side_effect=side_effect)
+    if isinstance(group, bool) or not isinstance(group, numbers.Integral):
+        raise TypeError(f"copy_blocks: group must be an int, got {group!r}")
+    if not 0 <= group < cache.num_groups:
+        raise ValueError(f"copy_blocks: group {group} out of range [0, {cache.num_groups})")
+    return _call("copy_blocks", cache, src, dst, token, *after, side_effect=side_effect,
+                 group=np.int64(group))  # fmt: skip
 
 
 def map_pages(cache: KVCache, page_ids: Any, token: jax.Array, *after: jax.Array) -> jax.Array:
