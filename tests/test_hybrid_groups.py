@@ -323,3 +323,53 @@ def test_the_server_reports_each_kv_cache_group(models):
         http.stop()
         loop.stop()
         pool.close()
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_forks_of_a_hybrid_model_share_the_prompt_in_every_group(models, caching):
+    """n samples of one prompt on a model with a sliding group: each fork shares its
+    parent's computed prompt blocks in both groups (a reference each, the sliding
+    group's null blocks stay null), copies the partial block per group, and samples what
+    a single seeded run samples; afterwards every group's accounting is exact."""
+    model = models["tiny-swa"]  # window 16: a 40-token prompt leaves null blocks behind
+    prompt = [256, *range(30, 69)]
+    eng, pool = _engine(model, prefix_caching=caching)
+
+    def params(i):
+        return SamplingParams(max_tokens=5, temperature=1.0, seed=10 + i, ignore_eos=True)
+
+    singles = [eng.generate([prompt], params(i))[0].token_ids for i in range(3)]
+    eng.reset_prefix_cache()
+    got: dict[int, list[int]] = {}
+
+    def on_token(rid, tok, finished):
+        got.setdefault(rid, []).append(tok)
+
+    first = eng.add_request(prompt, params(0), on_token)
+    rids = [first] + [eng.add_request(prompt, params(i), on_token, fork_of=first)
+                      for i in (1, 2)]  # fmt: skip
+    used = [g.num_used_blocks for g in eng.cache.groups]
+    for _ in range(6):  # the parent's prompt: 3 chunks of 16
+        eng.step()
+        if eng.forks:
+            break
+    assert eng.forks == 2, "the forks did not take their parent's prompt"
+    parent, *kids = (s for s in eng.scheduler.running)
+    full = (len(prompt) - 1) // eng.cache.block_size
+    for g, mgr in enumerate(eng.kv.managers):
+        shared = parent.tables[g][:full]
+        assert 0 in shared if mgr.window else 0 not in shared  # the window's null blocks
+        for kid in kids:
+            assert kid.tables[g][:full] == shared and kid.tables[g][full] != parent.tables[g][full]
+        held = [b for b in shared if b]
+        assert held and all(mgr.refs.holders(b) == 3 for b in held)
+    if not caching:  # no cached copies: the parent's blocks plus one copy per fork per group
+        for g, group in enumerate(eng.cache.groups):
+            assert group.num_used_blocks - used[g] == len(set(parent.tables[g]) - {0}) + 2
+    eng.run()
+    assert [got[r] for r in rids] == singles
+    assert eng.fork_fallbacks == 0
+    assert all(len(m.refs) == 0 for m in eng.kv.managers)
+    _check_accounting(eng)
+    eng.close()
+    pool.close()

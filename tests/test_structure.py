@@ -255,3 +255,28 @@ def test_the_package_reexports_the_public_api():
     assert kv.RequestOutput is RequestOutput and kv.ops is ops
     assert issubclass(kv.PoolExhausted, kv.KVCacheError)
     assert set(kv.__all__) >= {"Pool", "KVCache", "PoolExhausted", "ops", "Engine", "ServingLoop"}
+
+
+def test_the_kv_manager_asks_group_managers_and_never_branches_on_a_group_type():
+    """Group types differ only in their manager class (engine/kv_group_managers.py): the
+    KV manager has no condition on a window or a group kind, and each type is a class."""
+    from jax_kvcached.engine import kv_group_managers as m
+
+    tree = ast.parse((PKG / "engine" / "kv_manager.py").read_text())
+    methods = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+               and f.name != "__init__"]  # fmt: skip  (__init__ validates its arguments)
+    nodes = [n for f in methods for n in ast.walk(f)]
+    tests = [n.test for n in nodes if isinstance(n, (ast.If, ast.IfExp, ast.While))]
+    tests += [c for n in nodes if isinstance(n, ast.comprehension) for c in n.ifs]
+    assert len(methods) > 20 and tests
+    named = {x.attr if isinstance(x, ast.Attribute) else getattr(x, "id", None)
+             for t in tests for x in ast.walk(t)}  # fmt: skip
+    assert not named & {"windows", "window", "kind", "SlidingWindowManager"}, named
+    kinds = {c.kind for c in (m.FullAttentionManager, m.SlidingWindowManager)}
+    assert kinds == {"full", "sliding"}
+    assert m.make_manager(0, _FakeGroup(), 16, None, print).kind == "full"
+    assert m.make_manager(8, _FakeGroup(), 16, None, print).window == 8
+
+
+class _FakeGroup:
+    index = 0

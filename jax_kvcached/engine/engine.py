@@ -455,8 +455,8 @@ class Engine:
                 self.scheduler.add(kid)
                 self.fork_fallbacks += 1
                 continue
-            for src, dst in copies:
-                self.runner.copy_block(src, dst)
+            for group, src, dst in copies:
+                self.runner.copy_block(src, dst, group)
             self.kv.set_fence(self.runner.token)
             self.scheduler.add_running(kid)
             self.forks += 1

@@ -20,21 +20,17 @@ blocks are copied to or from the host tier only once it is ready, so no host pol
 passes device arrays around.
 
 KV cache groups (a cache of several: hybrid models): each group has its own block table
-per sequence and its own prefix cache (a block's key is its hash within its group). A
-sliding-window group (``windows[g]`` > 0) holds per sequence only the blocks some future
-query can still see: as a sequence advances, blocks wholly below ``start - window + 1``
-leave its table (the null block 0 takes their place) and are freed, cached or not, unless
-another sequence still holds them (as SGLang's SWA cache does; vLLM keeps them cached
-and evictable, which in an elastic pool would keep a long prompt's memory mapped); pages
-are unmapped when they empty. A finished sequence's last window stays cached. A prefix
-hit needs every full group's blocks of the whole prefix and each sliding group's blocks of
-the last window before the hit point (vLLM's rule); the hit is the longest prefix for
-which all groups agree.
+per sequence, its own prefix cache (a block's key is its hash within its group) and one
+manager of its type (:mod:`jax_kvcached.engine.kv_group_managers`), which holds the
+rules that differ: which blocks a query sees, the hit rule, the blocks a sequence holds
+at once, what it lets go of as it advances. This class asks every manager alike; a hit
+is the longest prefix every group's rule agrees on. Forks share their parent's prompt
+blocks in every group (the managers' reference counts); the host tier is
+:class:`~jax_kvcached.engine.host_tier.HostTier`.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -42,18 +38,12 @@ import jax
 
 from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.host_cache import HostCache
+from jax_kvcached.engine.host_tier import HostTier
+from jax_kvcached.engine.kv_group_managers import KVGroupManager, make_manager
 from jax_kvcached.engine.prefix_cache import PrefixCache, hash_blocks
 from jax_kvcached.engine.sequence import Sequence
-from jax_kvcached.memory.errors import KVCacheError, PoolExhausted
-from jax_kvcached.memory.host_store import HostStore
+from jax_kvcached.memory.errors import PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
-
-log = logging.getLogger(__name__)
-
-
-def _ready(arrays: Any) -> bool:
-    """Whether every array of a pytree is computed (no wait)."""
-    return all(x.is_ready() for x in jax.tree_util.tree_leaves(arrays))
 
 
 class KVManager:
@@ -115,27 +105,33 @@ class KVManager:
         self.prefix_cache: PrefixCache | None = (
             self.prefix_caches[0] if self.prefix_caches else None
         )
-        # The host tier, one per group (none without one).
-        self.host_caches: list[HostCache] = []
-        # With a host tier: each cached (group, block)'s writer, the fence of the step that
-        # wrote it (None: restored on the host), so a spill waits only for running steps.
-        self._writer: dict[tuple[int, int], Any] = {}
-        # Prompt tokens served from the tier and admissions that restored some.
-        self.host_hit_tokens = 0
-        self.host_restores = 0
-        # Blocks shared by forked sequences (n samples of one prompt): holders beyond the
-        # first. Only the last holder releases a block (to the prefix cache, or frees it).
-        self._shared: dict[int, int] = {}
+        # One manager per group, of its type (full attention, a sliding window).
+        self.managers: list[KVGroupManager] = [
+            make_manager(w, g, self.block_size,
+                         self.prefix_caches[g.index] if self.prefix_caches else None,
+                         lambda blocks, g=g: self._free(blocks, g.index))  # fmt: skip
+            for g, w in zip(self.groups, self.windows, strict=True)
+        ]
+        # The host tier (None without one).
+        self.host_tier: HostTier | None = None
         if host_cache_blocks and self.caching:
-            self.host_caches = [
-                HostCache(HostStore(cache, host_cache_blocks, g.index), self.block_size)
-                for g in self.groups
-            ]
+            self.host_tier = HostTier(cache, host_cache_blocks, self.prefix_caches,
+                                      lambda: self._fence)  # fmt: skip
+
+    @property
+    def host_caches(self) -> list[HostCache]:
+        """Each group's host tier (empty without one)."""
+        return self.host_tier.caches if self.host_tier is not None else []
 
     @property
     def host_cache(self) -> HostCache | None:
         """The first group's host tier (None without one)."""
         return self.host_caches[0] if self.host_caches else None
+
+    @property
+    def host_hit_tokens(self) -> int:
+        """Prompt tokens served from the host tier."""
+        return self.host_tier.hit_tokens if self.host_tier is not None else 0
 
     # -- the fence ---------------------------------------------------------------------
     def set_fence(self, arrays: Any) -> None:
@@ -153,84 +149,80 @@ class KVManager:
     # -- the host tier -------------------------------------------------------------------
     def _spill(self, hashes: list[bytes], blocks: list[int], group: int) -> None:
         """Evicted blocks of a group go to its host tier (before they are freed)."""
-        if not self.host_caches:
-            return
-        # Every step that wrote them must be done; usually long ago (no wait).
-        writers = [self._writer.pop((group, b), self._fence) for b in blocks]
-        running = {id(f): f for f in writers if f is not None and not _ready(f)}
-        if running:
-            jax.block_until_ready(list(running.values()))
-        pc = self.prefix_caches[group]
-        meta = [(pc.hits_of(b), pc.depth_of(b)) for b in blocks]
-        self.host_caches[group].store_blocks(hashes, blocks, meta)
+        if self.host_tier is not None:
+            self.host_tier.spill(hashes, blocks, group)
 
     def _has(self, group: int, h: bytes) -> bool:
         """Whether a group can serve block ``h``: cached on the device or ready in its
         host tier."""
         if self.prefix_caches[group].block_of(h) is not None:
             return True
-        return bool(self.host_caches) and self.host_caches[group].ready(h)
+        return self.host_tier is not None and self.host_tier.ready(group, h)
 
     def _hit(self, hashes: list[bytes]) -> tuple[int, list[int]]:
-        """(n, on_device): the longest prefix (in blocks) of ``hashes`` every group can
-        serve, each full group all its blocks and each sliding group those of its last
-        window before the hit point (on the device or from its host tier); and per group
-        how many of the blocks it needs are on the device. Page-aware eviction empties
-        whole pages, so device and host blocks of a chain may alternate."""
+        """(n, on_device): the longest prefix (in blocks) of ``hashes`` every group's
+        hit rule accepts (on the device or from its host tier), and per group how many of
+        the blocks it needs are on the device. Page-aware eviction empties whole pages,
+        so device and host blocks of a chain may alternate."""
         n = len(hashes)
-        for g, w in enumerate(self.windows):
-            if not w:
-                k = 0
-                while k < n and self._has(g, hashes[k]):
-                    k += 1
-                n = k
-        sliding = [g for g, w in enumerate(self.windows) if w]
-        while n > 0 and not all(
-            all(self._has(g, h) for h in hashes[self._hit_lo(g, n) : n]) for g in sliding
-        ):
-            n -= 1
+        while True:  # each rule only shortens the hit: until every group agrees
+            m = n
+            for mgr in self.managers:
+                m = mgr.hit_length(hashes, m, lambda h, g=mgr.index: self._has(g, h))
+            if m == n:
+                break
+            n = m
         on_device = [
-            sum(pc.block_of(h) is not None for h in hashes[self._hit_lo(g, n) : n])
-            for g, pc in enumerate(self.prefix_caches)
+            sum(pc.block_of(h) is not None for h in hashes[mgr.hit_start(n) : n])
+            for mgr, pc in zip(self.managers, self.prefix_caches, strict=True)
         ]
         return n, on_device
 
     def _take(self, hashes: list[bytes], n: int) -> tuple[list[list[int]], int]:
         """Each group's table for a hit of ``n`` blocks (see :meth:`_hit`), its blocks
-        held (the null block below a sliding window): device ones matched, host ones
+        held (the null block below what a group needs): device ones matched, host ones
         restored into new blocks and cached. When memory or a copy fails a restore, the
         hit shrinks to the longest prefix every group still holds (the rest is
         recomputed). Returns the tables and the hit."""
         found = [
-            pc.match_each(hashes, n, skip=self._hit_lo(g, n))
-            for g, pc in enumerate(self.prefix_caches)
+            pc.match_each(hashes, n, skip=mgr.hit_start(n))
+            for mgr, pc in zip(self.managers, self.prefix_caches, strict=True)
         ]
-        if self.host_caches:
+        tier = self.host_tier
+        if tier is not None:
             restored_at: set[int] = set()
-            for g, f in enumerate(found):
-                missing = [i for i in range(self._hit_lo(g, n), n) if f[i] is None]
+            for mgr, f in zip(self.managers, found, strict=True):
+                g = mgr.index
+                missing = [i for i in range(mgr.hit_start(n), n) if f[i] is None]
                 if not missing:
                     continue
-                blocks = self._restore([hashes[i] for i in missing], g)
-                hc = self.host_caches[g]
+                blocks = tier.restore(g, [hashes[i] for i in missing],
+                                      lambda k, g=g: self._alloc_fenced(k, g),
+                                      lambda got, g=g: self._free(got, g))  # fmt: skip
                 for i, b in zip(missing, blocks, strict=False):
                     f[i] = b
-                    self.prefix_caches[g].insert(hashes[i], b, i, hc.hits_of(hashes[i]))
-                    self._writer[(g, b)] = None  # written by a finished host copy
+                    tier.cache_restored(g, hashes[i], b, i)
                     restored_at.add(i)
             m = n
             while m > 0 and any(
-                None in f[self._hit_lo(g, m) : m] for g, f in enumerate(found)
-            ):  # a restore fell short: (blocks below lo(g, m) <= lo(g, n) were never taken)
+                None in f[mgr.hit_start(m) : m]
+                for mgr, f in zip(self.managers, found, strict=True)
+            ):  # a restore fell short: (blocks below start(m) <= start(n) were never taken)
                 m -= 1
             for g, f in enumerate(found):
                 self.prefix_caches[g].release([b for b in f[m:n] if b is not None])
                 del f[m:]
-            if restored := [i for i in restored_at if i < m]:
-                self.host_hit_tokens += len(restored) * self.block_size
-                self.host_restores += 1
+            tier.counted(len([i for i in restored_at if i < m]), self.block_size)
             n = m
         return [[b or 0 for b in f] for f in found], n
+
+    def _alloc_fenced(self, n: int, group: int) -> list[int] | None:
+        """:meth:`_alloc`, then waits until no dispatched step still reads the blocks
+        (a host copy writes them at once)."""
+        blocks = self._alloc(n, group)
+        if blocks is not None:
+            self._wait_fence()
+        return blocks
 
     def _alloc(self, n: int, group: int = 0) -> list[int] | None:
         """``n`` new blocks of a group: evicting own idle prefixes (the group's, then the
@@ -257,64 +249,15 @@ class KVManager:
             if g != group
         )
 
-    def _restore(self, hashes: list[bytes], group: int) -> list[int]:
-        """New blocks of a group holding its host tier's copies of ``hashes`` (fewer, in
-        order, when memory or a copy fails; an empty list then frees what was
-        allocated)."""
-
-        got: list[int] = []
-
-        def new_blocks(n: int) -> list[int] | None:
-            blocks = self._alloc(n, group)
-            if blocks is not None:
-                got.extend(blocks)
-                self._wait_fence()  # no dispatched step still reads them
-            return blocks
-
-        try:
-            return self.host_caches[group].restore(hashes, new_blocks)
-        except KVCacheError as err:  # their contents are undefined: recompute instead
-            log.warning("%r: restoring from the host tier failed (%s)", self.cache.name, err)
-            self._free(got, group)
-            return []
-
     def preload(self, max_tokens: int) -> list[int]:
-        """Copies each group's most-hit host-tier blocks back to the device (parents
-        before children on equal hits), up to ``max_tokens`` tokens of blocks per group
-        and the prefix cache's bound, into memory the model can map now without evicting
-        or reclaiming anything; they join the prefix cache idle, as if a request had
-        just finished with them. Returns the blocks copied per group."""
-        done = [0] * len(self.groups)
-        if not self.host_caches or max_tokens <= 0:
-            return done
+        """Copies each group's most-hit host-tier blocks back to the device (see
+        :meth:`HostTier.preload`), up to ``max_tokens`` tokens of blocks per group and the
+        prefix cache's bound. Returns the blocks copied per group."""
+        if self.host_tier is None or max_tokens <= 0:
+            return [0] * len(self.groups)
         bound = self.prefix_cache.max_cached_tokens
         budget = (max_tokens if bound < 0 else min(max_tokens, bound)) // self.block_size
-        for g, (hc, pc) in enumerate(zip(self.host_caches, self.prefix_caches, strict=True)):
-            room = min(budget - pc.num_cached_blocks, self.groups[g].num_free_blocks)
-            if room <= 0:  # the bound is reached already, or no free room
-                continue
-            picks = hc.most_hit(room, skip=lambda h, pc=pc: pc.block_of(h) is not None)
-            if not picks:
-                continue
-            picks.sort(key=lambda x: x[2])  # chain order: parents first
-            try:
-                blocks = self.groups[g].alloc(len(picks)).tolist()
-            except PoolExhausted:  # another tenant took the room meanwhile
-                continue
-            self._wait_fence()
-            hashes = [h for h, _, _ in picks]
-            try:
-                hc.preload(hashes, blocks)
-            except KVCacheError as err:
-                log.warning("%r: preloading from the host tier failed (%s)", self.cache.name, err)
-                self._free(blocks, g)
-                continue
-            for (h, hits, depth), b in zip(picks, blocks, strict=True):
-                pc.insert(h, b, depth, hits)
-                self._writer[(g, b)] = None
-            pc.release(blocks)  # idle: evictable like any cached prefix
-            done[g] = len(blocks)
-        return done
+        return self.host_tier.preload(budget, self._free, self._wait_fence)
 
     # -- arithmetic ------------------------------------------------------------------------
     @property
@@ -326,10 +269,9 @@ class KVManager:
         return -(-num_tokens // self.block_size)
 
     def first_needed_block(self, group: int, position: int) -> int:
-        """The first block of a group a query at ``position`` (or later) can see: 0 for a
-        full group; for a sliding one, the block of ``position - window + 1``."""
-        w = self.windows[group]
-        return max(0, position - w + 1) // self.block_size if w else 0
+        """The first block of a group a query at ``position`` (or later) can see (its
+        manager's rule)."""
+        return self.managers[group].first_needed_block(position)
 
     def available_blocks(self, group: int = 0) -> int:
         """Blocks an allocation of a group could get now: free ones plus its idle cached
@@ -350,19 +292,12 @@ class KVManager:
             seq.hashes += hash_blocks(new, self.block_size, seq.extra, parent)
         return seq.hashes[:num_blocks]
 
-    def _hit_lo(self, group: int, n: int) -> int:
-        """The first block of a group a hit of ``n`` blocks needs."""
-        return self.first_needed_block(group, n * self.block_size)
-
     def _needs(self, seq: Sequence, hit: list[int]) -> list[int]:
-        """Blocks each group must still allocate to admit ``seq`` (a sliding group: at
-        most its window's, as its blocks below the window go back as it advances)."""
+        """Blocks each group must still allocate to admit ``seq`` (what its manager
+        holds at once of the blocks of its tokens and one more, less the hit's)."""
         total = self.blocks_for(min(seq.num_tokens + 1, self.max_model_len))
-        out = []
-        for g, w in enumerate(self.windows):
-            want = total if not w else min(total, -(-w // self.block_size) + 1)
-            out.append(max(0, want - hit[g]))
-        return out
+        return [max(0, m.blocks_needed(total) - h) for m, h in zip(self.managers, hit,
+                                                                   strict=True)]  # fmt: skip
 
     # -- the scheduler's calls -------------------------------------------------------------
     def admit(self, seq: Sequence) -> int | None:
@@ -419,88 +354,57 @@ class KVManager:
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Gives ``seq`` blocks for ``num_tokens`` tokens (a step from ``seq.num_computed``
-        on): a sliding group first lets go of the blocks below the window of that step's
-        first query; new blocks evict own idle prefixes, then ask other tenants for
-        theirs. False: no memory without preempting."""
-        for g, table in enumerate(seq.tables):
-            if self.windows[g]:
-                self._slide(seq, g, seq.num_computed)
+        on): each group first lets go of the blocks no query of that step sees (its
+        manager's ``remove_skipped_blocks``); new blocks evict own idle prefixes, then ask
+        other tenants for theirs. False: no memory without preempting."""
+        for mgr, table in zip(self.managers, seq.tables, strict=True):
+            mgr.remove_skipped_blocks(table, seq.num_computed)
             need = self.blocks_for(num_tokens) - len(table)
             if need <= 0:
                 continue
-            blocks = self._alloc(need, g)
+            blocks = self._alloc(need, mgr.index)
             if blocks is None:
                 return False
             table.extend(blocks)
         return True
 
-    def _slide(self, seq: Sequence, group: int, position: int) -> None:
-        """A sliding group's blocks wholly below the window of a query at ``position``
-        leave seq's table (null block 0) and are freed unless another sequence holds
-        them (their pages unmapped once empty, behind the fence)."""
-        table = seq.tables[group]
-        lo = min(self.first_needed_block(group, position), len(table))
-        gone = [b for b in table[:lo] if b]
-        if not gone:
-            return
-        table[:lo] = [0] * lo
-        if self.prefix_caches:
-            # Held by no one else, they leave the cache too: kept, a long prompt's
-            # out-of-window blocks would hold the memory the window is meant to give back
-            # (a later hit needs only the blocks of the window before its hit point).
-            self.prefix_caches[group].release(gone, keep=False)
-        else:
-            self._free(gone, group)
-
     def release(self, seq: Sequence) -> None:
         """Lets go of seq's blocks: cached ones stay cached (idle), the rest are freed;
         blocks another forked sequence still holds stay with it."""
-        for g, table in enumerate(seq.tables):
-            held = [b for b in table if b and not (g == 0 and self._unshare(b))]
-            if self.prefix_caches:
-                self.prefix_caches[g].release(held)
-            elif held:
-                self._free(held, g)
+        for mgr, table in zip(self.managers, seq.tables, strict=True):
+            mgr.release(table)
         seq.tables = [[] for _ in seq.tables]
         seq.inserted = [0] * len(seq.tables)
 
-    def _unshare(self, block: int) -> bool:
-        """Drops one extra holder of a shared block; False when none is left (the
-        caller holds it alone)."""
-        n = self._shared.get(block, 0)
-        if n == 0:
-            return False
-        if n == 1:
-            del self._shared[block]
-        else:
-            self._shared[block] = n - 1
-        return True
-
-    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
-        """Gives ``child`` (the same prompt, not started) ``parent``'s prompt KV: it
-        shares every block holding only computed prompt tokens before the last one, and
-        gets a new block for the block of the last prompt token, which it recomputes
-        (its own first sample). Returns the (parent block, new block) copies to make on
-        the device before the child's first step (copy-on-write of that partial block);
-        None when no memory can be had for it now (nothing changed)."""
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int, int]] | None:
+        """Gives ``child`` (the same prompt, not started) ``parent``'s prompt KV in every
+        KV cache group: it shares each block holding only computed prompt tokens before
+        the last one (a sliding group's null blocks stay null), and gets a new block for
+        the block of the last prompt token, which it recomputes (its own first sample).
+        Returns the (group, parent block, new block) copies to make on the device before
+        the child's first step (copy-on-write of that partial block); None when no
+        memory can be had for it now (nothing changed)."""
         n, bs = parent.num_prompt, self.block_size
         if parent.num_computed < n or child.token_ids != parent.prompt or child.blocks:
             raise ValueError("fork needs a parent whose prompt is computed and a fresh child")
-        if len(self.groups) > 1:
-            return None  # copies are per group: the child computes its prompt on its own
-        shared = parent.blocks[: (n - 1) // bs]
-        copies: list[tuple[int, int]] = []
+        full = (n - 1) // bs  # blocks of computed prompt tokens only
+        copies: list[tuple[int, int, int]] = []
         if (n - 1) % bs:  # the last token's block also holds computed prompt tokens
-            new = self._alloc(1)
-            if new is None:
-                return None
-            copies.append((parent.blocks[len(shared)], new[0]))
-        for b in shared:
-            self._shared[b] = self._shared.get(b, 0) + 1
-        child.blocks = list(shared) + [dst for _, dst in copies]
+            for mgr, table in zip(self.managers, parent.tables, strict=True):
+                new = self._alloc(1, mgr.index)
+                if new is None:
+                    for g, _, dst in copies:
+                        self._free([dst], g)
+                    return None
+                copies.append((mgr.index, table[full], new[0]))
+        child.tables = [
+            mgr.share(table[:full]) for mgr, table in zip(self.managers, parent.tables, strict=True)
+        ]
+        for g, _, dst in copies:
+            child.tables[g].append(dst)
         child.num_computed = child.cached_tokens = n - 1
         child.hashes = list(parent.hashes[: n // bs])
-        child.num_inserted = len(shared) if self.caching else 0
+        child.inserted = [full if self.caching else 0] * len(self.groups)
         child.forked_from = parent.request_id
         return copies
 
@@ -519,8 +423,8 @@ class KVManager:
                 if not table[i]:  # a sliding group's block already gone below the window
                     continue
                 inserted = pc.insert(hashes[i], table[i], i)
-                if inserted and self.host_caches:
-                    self._writer[(g, table[i])] = self._fence  # the newest step wrote it
+                if inserted and self.host_tier is not None:
+                    self.host_tier.wrote(g, table[i], self._fence)  # the newest step wrote it
             seq.inserted[g] = full
 
     def _evict_pages(self, pages: int) -> int:
@@ -568,12 +472,11 @@ class KVManager:
     def reset_prefix_cache(self) -> int:
         """Forgets every idle cached block, on the device and in the host tier; returns
         how many device blocks were evicted."""
-        for hc in self.host_caches:
-            hc.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         n = sum(pc.reset() for pc in self.prefix_caches)
-        self._writer = {
-            (g, b): f for (g, b), f in self._writer.items() if self.prefix_caches[g].is_cached(b)
-        }
+        if self.host_tier is not None:
+            self.host_tier.forget_uncached()
         return n
 
     def stats(self) -> dict[str, Any] | None:
@@ -603,26 +506,11 @@ class KVManager:
         return out
 
     def host_stats(self) -> dict[str, Any] | None:
-        """The host tier's figures (None without one). With several KV cache groups,
-        memory and block counters are summed over the groups' tiers (``capacity_blocks``
-        / ``capacity_tokens`` are each group's), and each group's are under ``groups``.
-        ``hits_tokens`` and ``restores`` count prompt tokens and admissions."""
-        if not self.host_caches:
-            return None
-        per = [hc.stats() for hc in self.host_caches]
-        out = dict(per[0])
-        for key in ("capacity_bytes", "entries", "bytes", "restored_blocks", "stored_blocks",
-                    "bytes_to_host", "bytes_from_host", "evictions", "copy_failures"):  # fmt: skip
-            out[key] = sum(p[key] for p in per)
-        out["hits_tokens"] = self.host_hit_tokens
-        out["restores"] = self.host_restores
-        if len(per) > 1:
-            out["groups"] = [{"window": w, **p} for w, p in zip(self.windows, per, strict=True)]
-        return out
+        """The host tier's figures (None without one; see :meth:`HostTier.stats`)."""
+        return self.host_tier.stats(self.windows) if self.host_tier is not None else None
 
     def close(self) -> None:
         """Gives the host tier's memory back."""
-        for hc in self.host_caches:
-            hc.close()
-        self.host_caches = []
-        self._writer.clear()
+        if self.host_tier is not None:
+            self.host_tier.close()
+            self.host_tier = None

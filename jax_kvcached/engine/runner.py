@@ -229,10 +229,14 @@ class ModelRunner:
         self._jitted_sample = jax.jit(self._per_device(sample_rows, (None, None), None))
         self._jitted_process = jax.jit(self._per_device(process_rows, (None,) * 6, None))
         self._jitted_logprobs = jax.jit(self._per_device(logprob_rows, (None,) * 3, None))
-        copy = self._per_device(
-            lambda src, dst, token: ops.copy_blocks(cache, src, dst, token), (None,) * 3, None
-        )
-        self._jitted_copy = jax.jit(copy)
+        # One block copy per KV cache group (a fork's copy-on-write of a partial block).
+        self._jitted_copy = [
+            jax.jit(self._per_device(
+                lambda src, dst, token, g=g: ops.copy_blocks(cache, src, dst, token, group=g),
+                (None,) * 3, None,
+            ))
+            for g in range(cache.num_groups)
+        ]  # fmt: skip
         self._compiled: set[tuple[int, int]] = set()  # step shapes compiled
         self._samplers: set[int] = set()  # sampler row counts compiled (powers of two)
         self._extras: set[tuple] = set()  # logit processing / log-probability functions
@@ -303,7 +307,7 @@ class ModelRunner:
     def extra_keys(self) -> list[tuple]:
         """The logit-processing (rows, token-list width) and log-probability (rows)
         functions a step may call, compiled by :meth:`compile` with the samplers."""
-        keys: list[tuple] = [("copy", 1)]
+        keys: list[tuple] = [("copy", g) for g in range(self.cache.num_groups)]
         keys += [("logprobs", r) for r in self.sampler_sizes]
         keys += [("process", r, p) for r in self.sampler_sizes for p in self.entry_sizes]
         return keys
@@ -376,9 +380,9 @@ class ModelRunner:
     def _warmup_call(self, key: tuple | int) -> tuple[Any, tuple]:
         """The jitted function a key compiles and arguments shaped and placed like a
         real call's."""
-        if key == ("copy", 1):
+        if isinstance(key, tuple) and key[0] == "copy":  # ("copy", group): a block of it
             one = np.zeros(1, np.int32)
-            return self._jitted_copy, (one, one, self.token)
+            return self._jitted_copy[key[1]], (one, one, self.token)
         rows = key if isinstance(key, int) else key[1]
         if isinstance(key, int) or isinstance(key[0], str):
             logits = np.zeros((rows, self.config.vocab_size), np.float32)  # a step's
@@ -495,12 +499,12 @@ class ModelRunner:
         self.last_starts = step.starts
         return logits, self.last_tokens
 
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copies block ``src`` into block ``dst`` (every layer, K and V) on the device,
-        after every step dispatched so far; later steps see the copy (a fork's
-        copy-on-write of its last partial block)."""
-        self.cache.check_writable({dst})
-        copy = self._program(("copy", 1))
+    def copy_block(self, src: int, dst: int, group: int = 0) -> None:
+        """Copies block ``src`` into block ``dst`` of KV cache group ``group`` (every
+        layer of the group, K and V) on the device, after every step dispatched so far;
+        later steps see the copy (a fork's copy-on-write of its last partial block)."""
+        self.cache.groups[group].check_writable({dst})
+        copy = self._program(("copy", group))
         ids = np.asarray([src], np.int32), np.asarray([dst], np.int32)
         with self._context():
             self.token = copy(*ids, self.token)

@@ -1,0 +1,208 @@
+"""One manager per KV-cache-group type: the rules that differ between attention kinds.
+
+vLLM's ``single_type_kv_cache_manager.py`` is the model. Each KV cache group of a model
+(``engine/kv_groups.py``) gets one manager of its type; the
+:class:`~jax_kvcached.engine.kv_manager.KVManager` asks every manager the same questions
+and never branches on a type:
+
+- :meth:`KVGroupManager.first_needed_block`: the first block a query at a position sees;
+- :meth:`KVGroupManager.hit_length`: the longest prefix hit (in blocks) the group can
+  serve, given which of its blocks are cached (its *hit rule*);
+- :meth:`KVGroupManager.blocks_needed`: blocks a sequence of so many blocks holds at once;
+- :meth:`KVGroupManager.remove_skipped_blocks`: what a sequence lets go of as it advances.
+
+What every type shares lives in the base class: a table's blocks are held, shared with a
+fork (reference counts, :class:`BlockRefs`) and released (to the group's prefix cache, or
+freed). A new group type (an MLA latent plane, a recurrent state slot) is one new class.
+
+Types: :class:`FullAttentionManager` (every block of the context, a hit is a contiguous
+prefix) and :class:`SlidingWindowManager` (only the blocks of the last ``window``
+positions: blocks wholly below it leave the table, the null block 0 in their place, and
+are freed unless another sequence holds them; a hit needs only the last window's blocks
+before the hit point).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax_kvcached.engine.prefix_cache import PrefixCache
+
+
+class BlockRefs:
+    """Reference counts of blocks shared between sequences of one group (``n`` forks of a
+    prompt): a block's count is the holders it has beyond the sequence that took it
+    (from the allocator or the prefix cache, which keeps its own count). Only the last
+    holder releases a block."""
+
+    def __init__(self) -> None:
+        self._extra: dict[int, int] = {}
+
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more holder of each (non-null) block."""
+        for b in blocks:
+            if b:
+                self._extra[b] = self._extra.get(b, 0) + 1
+
+    def drop(self, blocks: Sequence[int]) -> list[int]:
+        """One holder fewer of each block; returns the (non-null) blocks whose last
+        holder that was, in order: the caller releases them."""
+        out = []
+        for b in blocks:
+            if not b:
+                continue
+            n = self._extra.get(b, 0)
+            if n == 0:
+                out.append(b)
+            elif n == 1:
+                del self._extra[b]
+            else:
+                self._extra[b] = n - 1
+        return out
+
+    def holders(self, block: int) -> int:
+        """Sequences holding ``block`` (given at least one does)."""
+        return 1 + self._extra.get(block, 0)
+
+    def __len__(self) -> int:
+        """Blocks held by more than one sequence."""
+        return len(self._extra)
+
+
+class KVGroupManager(abc.ABC):
+    """The blocks of one KV cache group for the sequences of one engine.
+
+    Args:
+      group: the memory layer's group (``cache.groups[g]``).
+      block_size: tokens per block.
+      prefix_cache: the group's prefix cache (None: no caching).
+      free: frees blocks of the group behind the engine's fence.
+    """
+
+    kind = "abstract"
+    window = 0  # tokens a query sees back (0: all)
+
+    def __init__(
+        self,
+        group: Any,
+        block_size: int,
+        prefix_cache: PrefixCache | None,
+        free: Callable[[list[int]], None],
+    ) -> None:
+        self.group = group
+        self.index: int = group.index
+        self.block_size = block_size
+        self.prefix_cache = prefix_cache
+        self._free = free
+        self.refs = BlockRefs()
+
+    # -- the type's rules ----------------------------------------------------------------
+    @abc.abstractmethod
+    def first_needed_block(self, position: int) -> int:
+        """The first block a query at ``position`` (or later) can see."""
+
+    @abc.abstractmethod
+    def hit_length(self, hashes: Sequence[bytes], n: int, has: Callable[[bytes], bool]) -> int:
+        """The longest hit ``m <= n`` (in blocks) this group can serve for a prompt of
+        block ``hashes``: ``has(h)`` tells whether it can serve block ``h`` (cached on
+        the device or in its host tier)."""
+
+    @abc.abstractmethod
+    def blocks_needed(self, num_blocks: int) -> int:
+        """Blocks a sequence of ``num_blocks`` blocks holds in this group at once."""
+
+    @abc.abstractmethod
+    def remove_skipped_blocks(self, table: list[int], position: int) -> None:
+        """Lets go of the blocks of ``table`` no query at ``position`` or later sees."""
+
+    # -- shared by every type ------------------------------------------------------------
+    def hit_start(self, n: int) -> int:
+        """The first block a hit of ``n`` blocks needs."""
+        return self.first_needed_block(n * self.block_size)
+
+    def share(self, table: Sequence[int]) -> list[int]:
+        """A copy of ``table`` for a fork: its blocks gain a holder (null blocks stay)."""
+        self.refs.share(table)
+        return list(table)
+
+    def release(self, table: Sequence[int], *, keep: bool = True) -> None:
+        """A sequence lets go of ``table``: blocks it held last go back to the prefix
+        cache (cached ones stay, idle, unless ``keep`` is False) or are freed."""
+        last = self.refs.drop(table)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(last, keep=keep)
+        elif last:
+            self._free(last)
+
+
+class FullAttentionManager(KVGroupManager):
+    """Full attention: a sequence holds every block of its context; a hit is the longest
+    contiguous cached prefix."""
+
+    kind = "full"
+
+    def first_needed_block(self, position: int) -> int:
+        return 0
+
+    def hit_length(self, hashes: Sequence[bytes], n: int, has: Callable[[bytes], bool]) -> int:
+        k = 0
+        while k < n and has(hashes[k]):
+            k += 1
+        return k
+
+    def blocks_needed(self, num_blocks: int) -> int:
+        return num_blocks
+
+    def remove_skipped_blocks(self, table: list[int], position: int) -> None:
+        return None  # every block stays visible
+
+
+class SlidingWindowManager(KVGroupManager):
+    """Sliding-window attention of ``window`` tokens: a sequence holds the blocks some
+    future query can still see. Blocks wholly below ``position - window + 1`` leave its
+    table (null block 0) and are freed, cached or not, unless another sequence holds
+    them (as SGLang's SWA cache does: kept cached, a long prompt's out-of-window blocks
+    would hold the memory the window is meant to give back). A hit needs the blocks of
+    the last window before the hit point (vLLM's rule), searched from the longest down."""
+
+    kind = "sliding"
+
+    def __init__(self, *args: Any, window: int, **kwargs: Any) -> None:
+        if window <= 0:
+            raise ValueError(f"a sliding window must be positive, got {window}")
+        super().__init__(*args, **kwargs)
+        self.window = window
+
+    def first_needed_block(self, position: int) -> int:
+        return max(0, position - self.window + 1) // self.block_size
+
+    def hit_length(self, hashes: Sequence[bytes], n: int, has: Callable[[bytes], bool]) -> int:
+        while n > 0 and not all(has(h) for h in hashes[self.hit_start(n) : n]):
+            n -= 1
+        return n
+
+    def blocks_needed(self, num_blocks: int) -> int:
+        return min(num_blocks, -(-self.window // self.block_size) + 1)
+
+    def remove_skipped_blocks(self, table: list[int], position: int) -> None:
+        lo = min(self.first_needed_block(position), len(table))
+        gone = [b for b in table[:lo] if b]
+        if not gone:
+            return
+        table[:lo] = [0] * lo
+        self.release(gone, keep=False)
+
+
+def make_manager(
+    window: int,
+    group: Any,
+    block_size: int,
+    prefix_cache: PrefixCache | None,
+    free: Callable[[list[int]], None],
+) -> KVGroupManager:
+    """The manager of a group whose layers attend over ``window`` tokens (0: all)."""
+    if window:
+        return SlidingWindowManager(group, block_size, prefix_cache, free, window=window)
+    return FullAttentionManager(group, block_size, prefix_cache, free)
