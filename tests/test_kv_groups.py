@@ -28,6 +28,12 @@ def _cache(pool, groups=(0, 1, 0, 0)):
 def test_groups_map_only_their_layers_planes(pool):
     cache = _cache(pool)
     g0, g1 = cache.groups
+    # Each group describes its planes per layer: K and V of (block, heads, dim) here.
+    for g in (g0, g1):
+        assert [(p.name, p.block_shape, p.block_bytes) for p in g.planes] == [
+            ("k", (16, 2, 64), 8192), ("v", (16, 2, 64), 8192)]  # fmt: skip
+        assert g.pages_per_kv_page == len(g.planes) * len(g.layers)
+    assert cache.stats()["groups"][1]["planes"] == {"k": [16, 2, 64], "v": [16, 2, 64]}
     assert (g0.layers, g1.layers) == ((0, 2, 3), (1,))
     assert (g0.pages_per_kv_page, g1.pages_per_kv_page) == (6, 2)
     a = g0.alloc(3)

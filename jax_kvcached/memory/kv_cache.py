@@ -12,7 +12,7 @@ import numpy as np
 
 from jax_kvcached.memory import _C
 from jax_kvcached.memory.errors import KVCacheError
-from jax_kvcached.memory.kv_group import KVCacheGroup, check_layer_groups
+from jax_kvcached.memory.kv_group import KVCacheGroup, check_layer_groups, kv_planes
 from jax_kvcached.memory.ledger import Ledger
 from jax_kvcached.memory.shards import ShardedBuffer
 
@@ -117,6 +117,7 @@ class KVCache:
                 g, tuple(i for i, x in enumerate(self.layer_groups) if x == g), name=name,
                 ledger=ledger, buffer=buffer, block_size=block_size, lock=self._lock,
                 check_open=self._check_open,
+                planes=kv_planes(block_size, self.shard_kv_heads, head_dim, self.dtype),
             )
             for g in range(max(self.layer_groups) + 1)
         )  # fmt: skip

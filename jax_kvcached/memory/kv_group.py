@@ -1,8 +1,10 @@
 """KVCacheGroup: the blocks of one KV cache group (layers that share a block table).
 
 A KV cache's layers are split into groups (an all-full-attention model has one). Each
-group owns its block-id space over its layers' planes of the one virtual buffer: a KV page
-of the group maps ``2 * len(layers)`` physical pages (K and V of each of its layers), its
+group describes what it stores per layer as *planes* (:class:`PlaneSpec`: a name and one
+block's shape and dtype; attention layers hold a K and a V plane) and owns its block-id
+space over its layers' planes of the one virtual buffer: a KV page of the group maps one
+physical page per plane of each of its layers, its
 allocator places the group's blocks best-fit, and its pages are charged to the cache's one
 tenant in the pool's ledger. Block ``b`` of one group and block ``b`` of another are
 different memory; block 0 is every group's null block.
@@ -10,6 +12,7 @@ different memory; block 0 is every group's null block.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -21,6 +24,27 @@ from jax_kvcached.memory.allocator import BlockAllocator
 from jax_kvcached.memory.errors import PoolExhausted
 from jax_kvcached.memory.ledger import Ledger
 from jax_kvcached.memory.shards import ShardedBuffer
+
+
+@dataclasses.dataclass(frozen=True)
+class PlaneSpec:
+    """One plane of a layer: its name and the shape and dtype of one block in it (per
+    device: a split cache's heads are each device's)."""
+
+    name: str  # "k", "v" (a latent plane, a state slot: other kinds of group)
+    block_shape: tuple[int, ...]  # e.g. (block_size, kv_heads, head_dim)
+    dtype: np.dtype
+
+    @property
+    def block_bytes(self) -> int:
+        return int(np.prod(self.block_shape)) * np.dtype(self.dtype).itemsize
+
+
+def kv_planes(block_size: int, kv_heads: int, head_dim: int, dtype: Any) -> tuple[PlaneSpec, ...]:
+    """The planes of an attention layer: K and V, each ``(block_size, kv_heads,
+    head_dim)`` a block."""
+    shape = (block_size, kv_heads, head_dim)
+    return PlaneSpec("k", shape, np.dtype(dtype)), PlaneSpec("v", shape, np.dtype(dtype))
 
 
 class KVCacheGroup:
@@ -40,16 +64,25 @@ class KVCacheGroup:
         block_size: int,
         lock: threading.RLock,
         check_open: Any,
+        planes: tuple[PlaneSpec, ...],
     ) -> None:
         self.index = index
         self.layers = layers
+        # Each layer's planes (every layer of a group stores alike).
+        self.planes: tuple[PlaneSpec, ...] = planes
+        if any(p.block_bytes != buffer.block_bytes for p in planes):
+            raise ValueError(
+                f"group {index}'s planes {planes} do not match the buffer's "
+                f"{buffer.block_bytes}-byte blocks"
+            )
         self.name = name  # the cache's tenant name in the ledger
         self.ledger = ledger
         self.block_size = block_size
         self._buffer = buffer
         self._lock = lock
         self._check_open = check_open
-        self.pages_per_kv_page: int = 2 * len(layers)  # physical pages per KV page
+        # Physical pages per KV page: one per plane of each layer.
+        self.pages_per_kv_page: int = len(planes) * len(layers)
         self.page_size: int = buffer.page_size
         self.block_bytes: int = buffer.block_bytes  # per device and plane
         self.blocks_per_page: int = buffer.blocks_per_page
@@ -187,6 +220,7 @@ class KVCacheGroup:
             "mapped_pages": self.mapped_pages,
             "mapped_bytes": self.mapped_bytes,
             "pages_per_kv_page": self.pages_per_kv_page,
+            "planes": {p.name: list(p.block_shape) for p in self.planes},
         }
 
     def __repr__(self) -> str:
