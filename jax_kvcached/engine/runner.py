@@ -41,6 +41,7 @@ from flax import nnx
 
 from jax_kvcached.engine import executables
 from jax_kvcached.engine.compile_events import compile_events, thread_cache_hits
+from jax_kvcached.engine.config import ATTENTION_IMPLS
 from jax_kvcached.engine.input_builder import InputBuilder, PreparedStep, StepInput
 from jax_kvcached.engine.launches import Launches, count_launches
 from jax_kvcached.engine.logit_inputs import entry_sizes
@@ -57,7 +58,6 @@ from jax_kvcached.models.sharding import shard_model
 
 log = logging.getLogger(__name__)
 
-ATTENTION_IMPLS = ("auto", "host", "xla", "pallas", "pallas-interpret")
 
 
 def resolve_attention(impl: str, cache: KVCache) -> str:
@@ -499,12 +499,14 @@ class ModelRunner:
         self.last_starts = step.starts
         return logits, self.last_tokens
 
-    def copy_block(self, src: int, dst: int, group: int = 0) -> None:
+    def copy_block(self, src: int, dst: int, group: int = 0) -> jax.Array:
         """Copies block ``src`` into block ``dst`` of KV cache group ``group`` (every
         layer of the group, K and V) on the device, after every step dispatched so far;
-        later steps see the copy (a fork's copy-on-write of its last partial block)."""
+        later steps see the copy (a fork's copy-on-write of its last partial block).
+        Returns the token that orders later work after the copy."""
         self.cache.groups[group].check_writable({dst})
         copy = self._program(("copy", group))
         ids = np.asarray([src], np.int32), np.asarray([dst], np.int32)
         with self._context():
             self.token = copy(*ids, self.token)
+        return self.token

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jax_kvcached.engine.attention import num_items
+from jax_kvcached.engine.config import check_budgets
 from jax_kvcached.engine.step_layout import StepLayout
 
 TOKEN_STEP = 16  # a CPU step's budget beside decode rows comes in multiples of this
@@ -70,9 +71,9 @@ class StepShapes:
       backend: the cache's backend (``host`` or ``cuda``): the default budgets.
       attention: the resolved attention (``host``, ``xla``, ``pallas``,
         ``pallas-interpret``): the widths and the items' tile.
-      max_batch / max_num_batched_tokens / max_prefill_tokens: the step's bounds
-        (validated by :class:`~jax_kvcached.engine.config.EngineConfig`; None: the
-        backend's defaults).
+      max_batch / max_num_batched_tokens / max_prefill_tokens: the step's bounds (None:
+        the backend's defaults; positive, see
+        :class:`~jax_kvcached.engine.config.EngineConfig`).
       max_blocks: the widest block table (``max_model_len`` in blocks).
       block_size: tokens per block.
       groups: KV cache groups (block tables per sequence).
@@ -97,17 +98,7 @@ class StepShapes:
         prefill = max_prefill_tokens or (
             budget if max_num_batched_tokens else default_prefill_budget(backend, budget)
         )
-        if max_batch <= 0 or budget <= 0:
-            raise ValueError("max_batch and max_num_batched_tokens must be positive")
-        if budget < max_batch:
-            raise ValueError(
-                f"max_num_batched_tokens ({budget}) must be at least max_batch ({max_batch}): "
-                "every running sequence decodes one token in each step"
-            )
-        if prefill < budget:
-            raise ValueError(
-                f"max_prefill_tokens ({prefill}) must be at least max_num_batched_tokens ({budget})"
-            )
+        check_budgets(max_batch, budget, prefill)  # (the defaults, against a given batch)
         self.attention = attention
         self.block_size = block_size
         self.groups = groups
