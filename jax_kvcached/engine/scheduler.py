@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from jax_kvcached.engine.config import check_budgets
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.sched_output import Scheduled, SchedulerOutput
 from jax_kvcached.engine.sequence import Sequence
@@ -29,8 +30,7 @@ class Scheduler:
         max_prefill_tokens: int | None = None,
         decode_budget: Callable[[int], int] | None = None,
     ) -> None:
-        if max_num_batched_tokens < max_batch:
-            raise ValueError("max_num_batched_tokens must be at least max_batch")
+        check_budgets(max_batch, max_num_batched_tokens, max_prefill_tokens)
         self.kv = kv
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -11,12 +11,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from jax_kvcached.engine.config import EngineConfig
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.memory.config import ipc_name_from_env, parse_bytes
 from jax_kvcached.memory.pool import Pool, device_memory_bytes
 from jax_kvcached.models.chat_template import ChatTemplate
 from jax_kvcached.progress import Log
-from jax_kvcached.serve.auth import AuthConfig
+from jax_kvcached.serve.config import DTYPES, ServeConfig
 from jax_kvcached.serve.context import ServedModel
 
 log = logging.getLogger("jax_kvcached.serve")
@@ -72,11 +73,10 @@ def parse_specs(
 
 def pick_devices(tensor_parallel: int, devices: str | None, backend: str) -> list | None:
     """The devices of ``serve --tensor-parallel N --devices I,J,...`` (None: one device,
-    the pool's default). Raises ValueError naming the flag on a bad value."""
+    the pool's default). Raises ValueError naming the flag on a bad value
+    (``tensor_parallel`` >= 1: :class:`ServeConfig` checked it)."""
     import jax
 
-    if tensor_parallel < 1:
-        raise ValueError(f"--tensor-parallel must be >= 1, got {tensor_parallel}")
     if devices is None and tensor_parallel == 1:
         return None
     avail = jax.devices("cpu") if backend == "host" else jax.devices()
@@ -97,9 +97,6 @@ def pick_devices(tensor_parallel: int, devices: str | None, backend: str) -> lis
             f"({len(avail)} {avail[0].platform} device(s) visible), got {idx}"
         )
     return [avail[i] for i in idx]
-
-
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def generation_defaults(
@@ -127,19 +124,19 @@ def generation_defaults(
 def build_served(
     spec: ModelSpec,
     pool: Pool,
+    engine: EngineConfig,
     *,
-    max_batch: int,
     seed: int,
     dtype: str = "auto",
     chat_template: str | None = None,
     generation_config: str = "auto",
     default_sampling: dict[str, float] | None = None,
-    **engine_kw: object,
 ) -> ServedModel:
-    """An engine for a packaged model (``smollm2-135m``: downloaded on first use), a
-    built-in random preset, a GGUF file or a local Hugging Face checkpoint folder.
-    ``dtype`` "auto": what the pool's device computes well (fp32 on a CPU, bf16 on a
-    GPU). ``chat_template``: a Jinja file replacing the checkpoint's."""
+    """An engine (of ``engine``'s settings, named and limited by ``spec``) for a
+    packaged model (``smollm2-135m``: downloaded on first use), a built-in random preset,
+    a GGUF file or a local Hugging Face checkpoint folder. ``dtype`` "auto": what the
+    pool's device computes well (fp32 on a CPU, bf16 on a GPU). ``chat_template``: a
+    Jinja file replacing the checkpoint's."""
     import jax.numpy as jnp
 
     from jax_kvcached.models import (
@@ -174,15 +171,13 @@ def build_served(
                 template = ChatTemplate(f.read(), **pre.special_tokens)
         except OSError as e:
             raise ValueError(f"--chat-template {chat_template}: {e.strerror}") from None
-    engine = Engine(
-        pre.model, pool, name=spec.name, max_batch=max_batch, tokenizer=pre.tokenizer,
-        chat_template=template, memory_limit=spec.limit, memory_guarantee=spec.guarantee,
-        **engine_kw,
-    )  # fmt: skip
+    settings = engine.replace(name=spec.name, memory_limit=spec.limit,
+                              memory_guarantee=spec.guarantee)  # fmt: skip
+    served = Engine(pre.model, pool, settings, tokenizer=pre.tokenizer, chat_template=template)
     defaults = generation_defaults(pre.generation, generation_config, default_sampling or {})
     if defaults:
         log.info("%s: sampling defaults for omitted fields: %s", spec.name, defaults)
-    return ServedModel(engine, pre.tokenizer, template, defaults=defaults)
+    return ServedModel(served, pre.tokenizer, template, defaults=defaults)
 
 
 def warm_up(
@@ -249,70 +244,31 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(
-    specs: list[ModelSpec],
-    *,
-    memory: str | None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    backend: str = "auto",
-    page_size: str | None = None,
-    max_batch: int = 8,
-    max_queue: int = 64,
-    max_num_batched_tokens: int | None = None,
-    max_prefill_tokens: int | None = None,
-    max_cached_tokens: int | None = None,
-    max_model_len: int | None = None,
-    eviction: str = "lru",
-    seed: int = 0,
-    warmup: bool = True,
-    compile_cache: str | None = None,
-    auth: AuthConfig | None = None,
-    shutdown_timeout: float = 10.0,
-    max_body_bytes: int = 1 << 20,
-    tensor_parallel: int = 1,
-    devices: str | None = None,
-    host_cache_tokens: int | None = None,
-    host_cache_bytes: int | None = None,
-    group: str | None = None,
-    dtype: str = "auto",
-    chat_template: str | None = None,
-    generation_config: str = "auto",
-    default_sampling: dict[str, float] | None = None,
-    access_log: bool = True,
-    allowed_origins: list[str] | None = None,
-    log_level: str = "info",
-    idle_sleep: float | None = None,
-    max_awake: int | None = None,
-    sleep_level: int = 1,
-    preload_tokens: int = 4096,
-) -> None:
+def serve(config: ServeConfig) -> None:
     """Binds the port and answers at once (``/health`` reports the warm-up), loads and
     compiles the models in the background, then serves until SIGINT / SIGTERM. On the
     signal it stops accepting connections and requests, lets in-flight requests finish
-    for up to ``shutdown_timeout`` seconds, cancels the rest (an error event each, blocks
-    freed) and returns. A model that fails to load stops the server with its error."""
+    for up to ``config.shutdown_timeout`` seconds, cancels the rest (an error event each,
+    blocks freed) and returns. A model that fails to load stops the server with its
+    error; a bad setting is a ValueError before the port opens."""
     import uvicorn
 
     from jax_kvcached.serve.app import create_app
     from jax_kvcached.serve.loop import ServingLoop
     from jax_kvcached.serve.startup import Startup, StartupGate
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if max_model_len is not None and max_model_len < 2:
-        raise ValueError(f"--max-model-len must be >= 2, got {max_model_len}")
-    generation_defaults({}, generation_config, {})  # a bad value fails before the port opens
-    if chat_template is not None and not os.path.isfile(chat_template):
-        raise ValueError(f"--chat-template {chat_template}: no such file")
+    c = config
+    specs = parse_specs(c.model_sources, c.limit, c.guarantee, c.served_model_name)
+    auth = c.auth()
+    host, port, shutdown_timeout, log_level = c.host, c.port, c.shutdown_timeout, c.log_level
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("jax_kvcached").setLevel(log_level.upper())
     logging.getLogger("uvicorn").setLevel(max(logging.WARNING, logging.getLogger().level))
-    if not access_log:
+    if not c.access_log:
         logging.getLogger("jax_kvcached.access").setLevel(logging.WARNING)
     sock = bind_socket(host, port)
     try:  # what can be checked in a moment fails before the server starts
-        pool = _pool(memory, backend, page_size, tensor_parallel, devices, group)
+        pool = _pool(c.memory, c.backend, c.page_size, c.tensor_parallel, c.devices, c.group)
     except BaseException:
         sock.close()
         raise
@@ -340,27 +296,18 @@ def serve(
 
     def load() -> None:
         try:
-            models = _load(
-                specs, state, pool, compile_cache=compile_cache, warmup=warmup,
-                max_batch=max_batch, seed=seed,
-                dtype=dtype, chat_template=chat_template, generation_config=generation_config,
-                default_sampling=default_sampling, max_cached_tokens=max_cached_tokens,
-                max_model_len=max_model_len, eviction=eviction,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_prefill_tokens=max_prefill_tokens,
-                host_cache_tokens=host_cache_tokens, host_cache_bytes=host_cache_bytes,
-            )  # fmt: skip
+            models = _load(specs, state, pool, c)
             loop = ServingLoop(
-                {n: m.engine for n, m in models.items()}, max_queue=max_queue,
-                idle_sleep_s=idle_sleep, max_awake=max_awake, sleep_level=sleep_level,
-                preload_tokens=preload_tokens,
+                {n: m.engine for n, m in models.items()}, max_queue=c.max_queue,
+                idle_sleep_s=c.idle_sleep, max_awake=c.max_awake, sleep_level=c.sleep_level,
+                preload_tokens=c.preload_tokens,
             )  # fmt: skip
             held["loop"] = loop.start()
             if server.should_exit:  # a signal came during the warm-up
                 return
             gate.open(create_app(
-                loop, models, auth=auth, max_body_bytes=max_body_bytes,
-                allowed_origins=allowed_origins, access_log=access_log,
+                loop, models, auth=auth, max_body_bytes=c.max_body_bytes,
+                allowed_origins=c.origins, access_log=c.access_log,
             ))  # fmt: skip
             log.info(
                 "serving %s on http://%s:%d (pool %.0f MiB on %s%s%s)",
@@ -421,23 +368,24 @@ def _pool(
 
 
 def _load(
-    specs: list[ModelSpec], state: Any, pool: Pool, *, compile_cache: str | None,
-    warmup: bool, **build_kw: Any,
-) -> dict[str, ServedModel]:  # fmt: skip
-    """The served models, loaded and (with ``warmup``) compiled; progress goes to
+    specs: list[ModelSpec], state: Any, pool: Pool, c: ServeConfig
+) -> dict[str, ServedModel]:
+    """The served models, loaded and (unless ``--no-warmup``) compiled; progress goes to
     ``state`` for /health."""
-    cache_dir = enable_compile_cache(compile_cache)
+    cache_dir = enable_compile_cache(c.compile_cache)
     log.info("compilation cache: %s", cache_dir or "off")
     models: dict[str, ServedModel] = {}
-    seed = build_kw.pop("seed")
     for i, spec in enumerate(specs):
-        models[spec.name] = build_served(spec, pool, seed=seed + i, **build_kw)
+        models[spec.name] = build_served(
+            spec, pool, c.engine, seed=c.seed + i, dtype=c.dtype, chat_template=c.chat_template,
+            generation_config=c.generation_config, default_sampling=c.default_sampling,
+        )  # fmt: skip
         if hc := models[spec.name].engine.stats()["host_cache"]:
             log.info(
                 "%s: host tier of %d tokens (%.1f MiB%s)", spec.name, hc["capacity_tokens"],
                 hc["capacity_bytes"] / 2**20, ", page-locked" if hc["pinned_memory"] else "",
             )  # fmt: skip
-    if warmup:
+    if c.warmup:
         # /health counts every model's programs: earlier models' totals stay added.
         base = [0, 0]
         for name, m in models.items():

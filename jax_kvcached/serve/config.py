@@ -1,0 +1,227 @@
+"""ServeConfig: the server's settings, each rule validated once; ``serve`` takes one.
+
+Its fields, and the :class:`~jax_kvcached.engine.config.EngineConfig` it holds for every
+served model, carry their flags: ``jax-kvcached serve``'s options are generated from them
+(:func:`~jax_kvcached.engine.config.add_cli_args`). Light to import: no JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jax_kvcached.engine.config import ConfigError, EngineConfig, option
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    """What ``serve`` runs: the models, the pool, the HTTP server, sleep, auth."""
+
+    models: list[str] = option(
+        [],
+        "a served model (repeatable): smollm2-135m, a random preset (tiny-llama, tiny-qwen2), "
+        "a .gguf file or a checkpoint dir; NAME defaults to the model's own name (default: "
+        "smollm2-135m)",
+        flag="--model", metavar="[NAME=]MODEL", append=True,
+    )  # fmt: skip
+    served_model_name: str | None = option(
+        None, "the name clients use for the one served model (default: its own name)",
+        metavar="NAME",
+    )  # fmt: skip
+    dtype: str = option("auto", "weights' dtype; auto: float32 on a CPU, bfloat16 on a GPU",
+                        choices=DTYPES)  # fmt: skip
+    chat_template: str | None = option(
+        None, "a Jinja chat template replacing the checkpoint's (default: the checkpoint's)",
+        metavar="FILE",
+    )  # fmt: skip
+    generation_config: str = option(
+        "auto",
+        "sampling defaults for fields a request omits: auto (the checkpoint's generation "
+        "config; smollm2-135m: temperature 0.2, top_p 0.9), openai (temperature 1) or a "
+        "folder with a generation_config.json",
+        metavar="auto|openai|DIR",
+    )  # fmt: skip
+    default_temperature: float | None = option(
+        None, "temperature for requests that omit it, over the generation config (default: "
+        "none)", kind=float,
+    )  # fmt: skip
+    default_top_p: float | None = option(
+        None, "top_p for requests that omit it, over the generation config (default: none)",
+        kind=float,
+    )  # fmt: skip
+    default_top_k: int | None = option(
+        None, "top_k for requests that omit it, over the generation config (default: none)",
+        kind=int,
+    )  # fmt: skip
+    default_repetition_penalty: float | None = option(
+        None, "repetition_penalty for requests that omit it, over the generation config "
+        "(default: none)", kind=float,
+    )  # fmt: skip
+    memory: str | None = option(
+        None,
+        "the shared pool budget (default 1GiB; with --group: the group's budget, or the "
+        "device's default share when this process creates the group)",
+    )  # fmt: skip
+    group: str | None = option(
+        None,
+        "share the device budget with other processes of this group (a ledger in POSIX "
+        "shared memory; default: $KVCACHED_IPC_NAME); see `jax-kvcached ctl`",
+        metavar="NAME",
+    )  # fmt: skip
+    limit: list[str] = option(
+        [], "a model's memory limit, e.g. llama=2GiB (repeatable; default: none, the budget)",
+        metavar="NAME=BYTES", append=True,
+    )  # fmt: skip
+    guarantee: list[str] = option(
+        [], "memory no other model may take from it (repeatable; default: none)",
+        metavar="NAME=BYTES", append=True,
+    )  # fmt: skip
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
+    backend: str = option("auto", "physical memory: cuda (driver VMM), host (Linux VM) or auto",
+                          choices=("auto", "host", "cuda"))  # fmt: skip
+    page_size: str | None = option(
+        None, "physical page size (default: $KVCACHED_PAGE_SIZE_MB, else 2MiB)"
+    )
+    tensor_parallel: int = option(
+        1,
+        "split every model's heads and KV heads over N devices (default 1); --memory is then "
+        "the budget of each device. On a CPU-only machine N host devices are created",
+        metavar="N",
+    )  # fmt: skip
+    devices: str | None = option(
+        None, "the JAX device indices to use (default: the first --tensor-parallel ones)",
+        metavar="I,J,...",
+    )  # fmt: skip
+    max_queue: int = option(64, "waiting requests per model")
+    idle_sleep: float | None = option(
+        None,
+        "put a model to sleep (weights and KV memory given back) after this long without "
+        "requests; a request wakes it (default: never)",
+        kind=float, metavar="SECONDS",
+    )  # fmt: skip
+    max_awake: int | None = option(
+        None,
+        "keep at most N models awake: waking one puts the least recently used idle one to "
+        "sleep (default: all)",
+        kind=int, metavar="N",
+    )  # fmt: skip
+    sleep_level: int = option(
+        1,
+        "1: a sleeping model's weights go to host memory; 2: they are dropped and read again "
+        "from the checkpoint on wake (default 1)",
+        choices=(1, 2),
+    )  # fmt: skip
+    preload_tokens: int = option(
+        4096,
+        "on wake, copy up to N tokens of the model's most-hit prefixes back from its host "
+        "tier before its first request (default 4096; 0: off; needs a host tier)",
+        metavar="N",
+    )  # fmt: skip
+    seed: int = option(0, "weights of the built-in presets")
+    warmup: bool = option(
+        True, "skip compiling every step shape before serving (shapes then compile on first use)"
+    )
+    compile_cache: str | None = option(
+        None,
+        "JAX's persistent compilation cache, so a second start is fast ('off' disables; "
+        "default: $KVCACHED_COMPILE_CACHE or ~/.cache/jax-kvcached/xla)",
+        metavar="DIR",
+    )  # fmt: skip
+    api_key: str | None = option(
+        None, "required as 'Authorization: Bearer KEY' on /v1/* (default: $KVCACHED_API_KEY)"
+    )
+    api_key_file: str | None = option(None, "read the API key from this file (default: none)",
+                                      metavar="FILE")  # fmt: skip
+    admin_key: str | None = option(
+        None,
+        "required on /admin/* (default: $KVCACHED_ADMIN_KEY); without one the admin routes "
+        "are disabled",
+    )  # fmt: skip
+    allow_unauthenticated_admin: bool = option(
+        False, "serve /admin/* without a key (only behind a trusted proxy or on loopback)"
+    )
+    shutdown_timeout: float = option(
+        10.0, "seconds in-flight requests get after SIGTERM/SIGINT before they are cancelled"
+    )
+    log_level: str = option("info", "the server's log level",
+                            choices=("debug", "info", "warning", "error"))  # fmt: skip
+    access_log: bool = option(
+        True,
+        "no per-request log line (default: one INFO line a request: method, route, model, "
+        "status, tokens, latency)",
+    )  # fmt: skip
+    allowed_origins: str | None = option(
+        None,
+        "browser origins allowed by CORS, comma-separated, or * (default: none, CORS off)",
+        metavar="ORIGIN,...",
+    )  # fmt: skip
+    max_body_bytes: int = option(1 << 20, "the largest request body", cli=False)
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_queue < 0:
+            raise ConfigError("max_queue", f"must be >= 0, got {self.max_queue}")
+        if not self.shutdown_timeout >= 0:
+            raise ConfigError("shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
+        if self.tensor_parallel < 1:
+            raise ConfigError("tensor_parallel", f"must be >= 1, got {self.tensor_parallel}")
+        if self.idle_sleep is not None and not self.idle_sleep > 0:
+            raise ConfigError("idle_sleep", f"must be > 0 seconds, got {self.idle_sleep}")
+        if self.max_awake is not None and self.max_awake < 1:
+            raise ConfigError("max_awake", f"must be >= 1, got {self.max_awake}")
+        if self.sleep_level not in (1, 2):
+            raise ConfigError("sleep_level", f"must be 1 or 2, got {self.sleep_level!r}")
+        if self.preload_tokens < 0:
+            raise ConfigError("preload_tokens", f"must be >= 0, got {self.preload_tokens}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError("port", f"must be in [0, 65536), got {self.port}")
+        gc = self.generation_config
+        if gc not in ("auto", "openai") and not os.path.isdir(gc):
+            raise ConfigError("generation_config", f"must be auto, openai or a folder, got {gc!r}")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ConfigError("chat_template", f"{self.chat_template}: no such file")
+
+    @property
+    def model_sources(self) -> list[str]:
+        """The ``--model`` values (default: the packaged SmolLM2)."""
+        return list(self.models) or ["smollm2-135m"]
+
+    @property
+    def default_sampling(self) -> dict[str, float | None]:
+        """The operator's ``--default-*`` sampling fields."""
+        return {
+            "temperature": self.default_temperature, "top_p": self.default_top_p,
+            "top_k": self.default_top_k, "repetition_penalty": self.default_repetition_penalty,
+        }  # fmt: skip
+
+    @property
+    def origins(self) -> list[str] | None:
+        """The CORS origins (None: CORS off)."""
+        if not self.allowed_origins:
+            return None
+        return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
+
+    def auth(self) -> Any:
+        """The server's keys (``serve.auth.AuthConfig``): flags first, then the key file,
+        then the environment."""
+        from jax_kvcached.serve.auth import AuthConfig
+
+        api_key = self.api_key
+        if api_key is None and self.api_key_file is not None:
+            with open(self.api_key_file, encoding="utf-8") as f:
+                api_key = f.read().strip()
+            if not api_key:
+                raise ConfigError("api_key_file", f"{self.api_key_file} is empty")
+        if api_key is None:
+            api_key = os.environ.get("KVCACHED_API_KEY") or None
+        admin_key = self.admin_key or os.environ.get("KVCACHED_ADMIN_KEY") or None
+        for what, key in (("API key", api_key), ("admin key", admin_key)):
+            if key is not None and (not key.isprintable() or " " in key):
+                raise ValueError(f"the {what} must be printable and contain no spaces")
+        return AuthConfig(api_key, admin_key, self.allow_unauthenticated_admin)
