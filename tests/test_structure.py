@@ -280,3 +280,26 @@ def test_the_kv_manager_asks_group_managers_and_never_branches_on_a_group_type()
 
 class _FakeGroup:
     index = 0
+
+
+def test_the_memory_layer_knows_no_sleep_and_the_pool_no_ledger_type():
+    """Sleep is the serving layer's meaning of the group channel's two words: no name in
+    memory/ speaks of it (time.sleep aside), and the pool talks to its group through its
+    channel object, never by testing the ledger's type."""
+    for path in (PKG / "memory").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = {n.attr if isinstance(n, ast.Attribute) else n.id for n in ast.walk(tree)
+                 if isinstance(n, (ast.Attribute, ast.Name))} - {"sleep"}  # fmt: skip
+        names |= {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+        assert not [n for n in names if "sleep" in n.lower()], path.name
+    pool = ast.parse((PKG / "memory" / "pool.py").read_text())
+    checks = [n for n in ast.walk(pool) if isinstance(n, ast.Call)
+              and getattr(n.func, "id", None) == "isinstance"
+              and "Ledger" in ast.unparse(n)]  # fmt: skip
+    assert checks == []
+    import jax_kvcached as kv
+
+    p = kv.Pool("8MiB", backend="host")
+    p.channel.publish("nobody", 1)  # alone: published to no one, nothing posted
+    assert p.channel.request("nobody") == 0 and p.group_records() is None
+    p.close()

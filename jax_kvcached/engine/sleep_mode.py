@@ -63,7 +63,7 @@ class SleepMode:
             self.runner.token.block_until_ready()  # (frees wait for the last step)
             self.kv.poll()
             self._asleep = self.runner.offload_weights(level)
-            self.pool.publish_sleep(self.name, level)  # (a process group's ctl sees it)
+            self.pool.channel.publish(self.name, level)  # (a process group's ctl sees it)
             return {
                 "level": level, "weight_bytes": self._asleep.nbytes, "evicted_blocks": spilled,
                 "mapped_pages": self.cache.mapped_pages, "seconds": time.perf_counter() - t0,
@@ -87,7 +87,7 @@ class SleepMode:
             loaded = time.perf_counter() - t0
             copy = self.runner.restore_weights(self._asleep, model)
             level, self._asleep = self._asleep.level, None
-            self.pool.publish_sleep(self.name, 0)
+            self.pool.channel.publish(self.name, 0)  # awake
             t1 = time.perf_counter()
             blocks = self.kv.preload(preload_tokens)  # per KV cache group
             return {

@@ -14,6 +14,7 @@ import numpy as np
 from jax_kvcached.memory import _C
 from jax_kvcached.memory.config import Config, parse_bytes
 from jax_kvcached.memory.errors import KVCacheError, LayoutError
+from jax_kvcached.memory.group_channel import GroupChannel, SharedGroupChannel
 from jax_kvcached.memory.kv_cache import KVCache, dtype_code
 from jax_kvcached.memory.kv_group import check_layer_groups
 from jax_kvcached.memory.ledger import Ledger, LocalLedger, MemoryLimit, Reclaimer
@@ -206,6 +207,7 @@ class Pool:
                 reserved=self._reserved_pages, trim=self.trim, wait_s=cfg.ipc_reclaim_wait_s,
             )  # fmt: skip
             limit = ledger.budget_pages * page
+            self.channel: GroupChannel = SharedGroupChannel(ledger)
         # One page pool per local device, each with the whole per-device budget.
         cuda = self.backend == "cuda"
         self._pools = [
@@ -218,6 +220,7 @@ class Pool:
         # Who may map how much: the tenants' limits, guarantees and reclaimers.
         if group is None:
             ledger = LocalLedger(self.page_size, self._budget_pages, self._in_use_pages)
+            self.channel = GroupChannel()  # alone: nothing to publish or receive
         self.ledger: Ledger = ledger
         self._lock = threading.RLock()  # cache creation and removal
         self._closed = False
@@ -409,27 +412,9 @@ class Pool:
         for p in self._pools:
             p.trim()
 
-    def publish_sleep(self, name: str, level: int) -> None:
-        """In a process group: tenant ``name`` is asleep at ``level`` (0: awake), for
-        ``ctl list`` and the other processes. Alone: nothing to publish."""
-        if isinstance(self.ledger, SharedLedger):
-            self.ledger.publish_sleep(name, level)
-
-    def sleep_request(self, name: str) -> int:
-        """In a process group: a sleep (1, 2: the level) or wake (3) another process
-        (``ctl sleep`` / ``ctl wake``) asked of tenant ``name``; else 0. It stays until
-        :meth:`clear_sleep_request` (carried out or refused)."""
-        if isinstance(self.ledger, SharedLedger):
-            return self.ledger.sleep_request(name)
-        return 0
-
-    def clear_sleep_request(self, name: str) -> None:
-        if isinstance(self.ledger, SharedLedger):
-            self.ledger.clear_sleep_request(name)
-
     def group_records(self) -> list[TenantRecord] | None:
         """Every tenant of the process group (all its processes), or None outside one."""
-        return self.ledger.records() if isinstance(self.ledger, SharedLedger) else None
+        return self.channel.records()
 
     def stats(self) -> dict[str, Any]:
         """Pool-wide and per-cache page and byte counts (on a mesh: per device, and

@@ -69,8 +69,8 @@ class TenantRecord:
     hit_tokens: int
     query_tokens: int
     updated_ns: int
-    sleep_level: int = 0  # 0 awake, 1 or 2 asleep
-    sleep_request: int = 0  # asked of it and not yet taken: 1 or 2 sleep, 3 wake
+    status: int = 0  # what its owner publishes (serve/: its sleep level)
+    request: int = 0  # posted by another process, not yet cleared by the owner (0: none)
 
     @property
     def hit_rate(self) -> float | None:
@@ -371,43 +371,41 @@ class SharedLedger:
                         hit_tokens=seg.get(i, "hit_tokens"),
                         query_tokens=seg.get(i, "query_tokens"),
                         updated_ns=seg.get(i, "updated_ns"),
-                        sleep_level=seg.get(i, "sleep_level"),
-                        sleep_request=seg.get(i, "sleep_request"),
+                        status=seg.get(i, "status"),
+                        request=seg.get(i, "request"),
                         **g,
                     )
                 )
             return sorted(out, key=lambda r: r.name)
 
-    # -- sleep -----------------------------------------------------------------------------
-    def publish_sleep(self, name: str, level: int) -> None:
-        """This process's tenant ``name`` is asleep at ``level`` (0: awake)."""
+    # -- the status and request words (a channel: serve/ gives them their meaning) ---------
+    def publish_status(self, name: str, status: int) -> None:
+        """This process's tenant ``name`` publishes ``status`` (for ``ctl`` and the other
+        processes)."""
         own = self._own.get(name)
         if own is not None and not self._closed:
-            self.segment.set(own.row, "sleep_level", int(level))
+            self.segment.set(own.row, "status", int(status))
 
-    def request_sleep(self, name: str, request: int) -> None:
-        """Asks tenant ``name`` (any process) to sleep at level 1 or 2, or to wake (3);
-        its server carries it out at its next round. KeyError: no such tenant."""
-        if request not in (1, 2, 3):
-            raise ValueError(
-                f"a sleep request is 1 or 2 (sleep at that level) or 3 (wake), got {request!r}"
-            )
+    def post_request(self, name: str, request: int) -> None:
+        """Posts ``request`` (> 0) to tenant ``name`` of any process; it stays until its
+        owner clears it. KeyError: no such tenant."""
+        if isinstance(request, bool) or not isinstance(request, int) or request <= 0:
+            raise ValueError(f"a request is a positive int, got {request!r}")
         with self._lock, self.segment.locked():
-            self.segment.set(self._row(name), "sleep_request", request)
+            self.segment.set(self._row(name), "request", request)
 
-    def sleep_request(self, name: str) -> int:
-        """The sleep or wake asked of this process's tenant ``name`` (0: none). It stays
-        until :meth:`clear_sleep_request` (once carried out or refused), so ``ctl``
-        waits for the outcome."""
+    def request_of(self, name: str) -> int:
+        """The request posted to this process's tenant ``name`` (0: none)."""
         own = self._own.get(name)
         if own is None or self._closed:
             return 0
-        return self.segment.get(own.row, "sleep_request")
+        return self.segment.get(own.row, "request")
 
-    def clear_sleep_request(self, name: str) -> None:
+    def clear_request(self, name: str) -> None:
+        """This process's tenant ``name`` took (or refused) its request."""
         own = self._own.get(name)
         if own is not None and not self._closed:
-            self.segment.set(own.row, "sleep_request", 0)
+            self.segment.set(own.row, "request", 0)
 
     def sweep(self) -> list[str]:
         """Frees the rows of dead processes now; returns their tenants' names."""

@@ -6,7 +6,8 @@ on Linux) holds a fixed header and a table of tenant rows:
 - header: magic, layout version, page size, the group's budget in pages, table size.
 - row: a name and int64 fields (:data:`FIELDS`): the owner's pid and start time, the
   tenant's mapped and reserved pages, limit, guarantee, the pages others ask it to give
-  back, prefix-cache counters, its sleep state and a sleep or wake asked of it.
+  back, prefix-cache counters, a status word its owner publishes and a request word
+  other processes post (opaque to the memory layer: serve/ gives them their meaning).
 
 The lock is ``flock`` on the segment's file: the kernel drops it when its holder dies, even
 by ``kill -9``, so a dead process never deadlocks the group. Every write is one aligned
@@ -57,8 +58,8 @@ FIELDS = (
     "query_tokens",
     "idle_pages",  # pages its engine could give back now (idle cached prefixes); -1 unknown
     "updated_ns",  # when the owner last published (time.time_ns)
-    "sleep_level",  # 0 awake, 1 or 2 asleep at that level (its owner publishes it)
-    "sleep_request",  # 0 none, 1 or 2 sleep at that level, 3 wake (ctl asks; owner clears)
+    "status",  # what its owner publishes (opaque here; serve/: its sleep level)
+    "request",  # what another process asks of it until the owner clears it (opaque here)
 )
 F = {name: i for i, name in enumerate(FIELDS)}
 

@@ -17,6 +17,7 @@ from typing import TextIO
 from jax_kvcached.memory.config import ipc_name_from_env
 from jax_kvcached.memory.shared_ledger import SharedLedger, TenantRecord
 from jax_kvcached.memory.shm_segment import groups, remove_if_unused
+from jax_kvcached.serve.sleep_mailbox import sleep_request, state
 
 MiB = 1 << 20
 
@@ -51,14 +52,9 @@ def table(ledger: SharedLedger, records: list[TenantRecord]) -> str:
             f"{r.name[:16]:<16} {r.pid:>7} {fmt_bytes(r.mapped_pages * ps):>10} "
             f"{fmt_bytes(r.reserved_pages * ps):>10} {fmt_bytes(limit):>10} "
             f"{fmt_bytes(r.guarantee_pages * ps):>10} {hit:>5} {fmt_bytes(r.given_pages * ps):>10}"
-            f" {_state(r):>7}"
+            f" {state(r):>7}"
         )
     return "\n".join(lines)
-
-
-def _state(r: TenantRecord) -> str:
-    state = f"asleep{r.sleep_level}" if r.sleep_level else "awake"
-    return state + ("*" if r.sleep_request else "")  # *: a change asked, not yet done
 
 
 def _sleep_or_wake(
@@ -66,21 +62,21 @@ def _sleep_or_wake(
 ) -> int:
     """Asks ``name``'s server to sleep (at ``level``) or wake (None), then waits up to
     ``timeout`` seconds for its state to change."""
-    ledger.request_sleep(name, 3 if level is None else level)
+    ledger.post_request(name, sleep_request(level))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         r = next((r for r in ledger.records() if r.name == name), None)
         if r is None:
             raise KeyError(f"tenant {name!r} left the group")
-        if not r.sleep_request:  # carried out, or refused (see its server's log)
-            if bool(r.sleep_level) == (level is not None):
-                print(f"{name}: {_state(r)}", file=out)
+        if not r.request:  # carried out, or refused (see its server's log)
+            if bool(r.status) == (level is not None):
+                print(f"{name}: {state(r)}", file=out)
                 return 0
             break
         time.sleep(0.05)
     r = next((r for r in ledger.records() if r.name == name), None)
-    state = _state(r) if r else "gone"
-    print(f"{name}: still {state} after {timeout:g} s (its server may be busy)", file=out)
+    now = state(r) if r else "gone"
+    print(f"{name}: still {now} after {timeout:g} s (its server may be busy)", file=out)
     return 1
 
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.serve.errors import Conflict, Unavailable
+from jax_kvcached.serve.sleep_mailbox import WAKE
 
 log = logging.getLogger("jax_kvcached.serve.sleep")
 
@@ -216,7 +217,7 @@ class SleepControl:
         ``ctl wake``, through the process group's ledger), and clears it once done or
         refused (a sleep: once its model has drained); True if it woke it."""
         engine = self.engines[name]
-        request = engine.pool.sleep_request(name)
+        request = engine.pool.channel.request(name)  # (see serve/sleep_mailbox.py)
         if not request or (request in (1, 2) and name in self._orders):
             return False  # none, or a sleep under way
         woke = False
@@ -226,7 +227,7 @@ class SleepControl:
             else:
                 self._orders[name] = _Order(request, from_group=True)
                 return False  # cleared when it sleeps
-        elif request == 3 and engine.sleeping:
+        elif request == WAKE and engine.sleeping:
             t0 = time.perf_counter()
             if self._make_room(name):
                 try:
@@ -237,7 +238,7 @@ class SleepControl:
             else:
                 log.warning("ctl asked to wake %r: %d models are awake, none idle", name,
                             self.max_awake)  # fmt: skip
-        engine.pool.clear_sleep_request(name)
+        engine.pool.channel.clear(name)
         return woke
 
     def round(self) -> bool:
@@ -291,7 +292,7 @@ class SleepControl:
 
     def _clear_group_request(self, name: str, order: _Order) -> None:
         if order.from_group:
-            self.engines[name].pool.clear_sleep_request(name)
+            self.engines[name].pool.channel.clear(name)
 
     def _wake_for_requests(self, name: str) -> bool:
         """Wakes a sleeping model for its parked requests and hands them over; when every

@@ -16,6 +16,7 @@ from starlette.routing import Route
 from jax_kvcached.serve.context import AppContext
 from jax_kvcached.serve.loop import Conflict, Unavailable
 from jax_kvcached.serve.protocol import APIError
+from jax_kvcached.serve.sleep_mailbox import record_fields
 
 
 def _sleep_body(body: Any, fields: set[str]) -> str:
@@ -102,7 +103,7 @@ def routes(ctx: AppContext) -> list[Route]:
         ]
         budget = sum(p["budget_bytes"] for p in pools)
         groups = {
-            p.group: [dataclasses.asdict(r) for r in p.group_records() or []]
+            p.group: [record_fields(r) for r in p.group_records() or []]
             for p in ctx.loop.pools()
             if p.group is not None
         }
