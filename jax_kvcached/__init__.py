@@ -27,6 +27,9 @@ _LAZY = {
     "Engine": "jax_kvcached.engine.engine",
     "RequestOutput": "jax_kvcached.engine.engine",
     "SamplingParams": "jax_kvcached.engine.sampling",
+    "EngineConfig": "jax_kvcached.engine.config",
+    "paged_attention": "jax_kvcached.engine.attention",
+    "Ragged": "jax_kvcached.engine.attention",
     "ServingLoop": "jax_kvcached.serve.loop",
 }
 
@@ -45,15 +48,18 @@ __all__ = [
     "BackendError",
     "Config",
     "Engine",
+    "EngineConfig",
     "KVCache",
     "KVCacheError",
     "MemoryLimit",
     "Pool",
     "PoolExhausted",
+    "Ragged",
     "RequestOutput",
     "SamplingParams",
     "device_memory_bytes",
     "ServingLoop",
     "ops",
+    "paged_attention",
     "parse_bytes",
 ]

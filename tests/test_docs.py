@@ -75,7 +75,7 @@ def test_python_blocks_run(page, capsys):
         ran += 1
     out = capsys.readouterr().out
     if page == "README.md":
-        assert ran == 2
+        assert ran == 3
         # the engine example gives the right answer by default (fp32 on the CPU)
         assert "The capital of France is Paris." in out
         assert "budget_pages" in out  # the KV example printed the pool's stats

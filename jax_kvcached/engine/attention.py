@@ -97,6 +97,19 @@ class Ragged:
     item_pos: jax.Array
     token_slot: jax.Array
 
+    @classmethod
+    def of(
+        cls, q_lens: list[int], kv_lens: list[int], tables: np.ndarray, tokens: int | None = None,
+        tile: int = 8,
+    ) -> Ragged:  # fmt: skip
+        """The layout of sequences with ``q_lens`` new rows each (laid out in order on a
+        flat axis of ``tokens`` rows, default their sum), ``kv_lens`` tokens in the cache
+        after the step, block ``tables`` ``(S, nb)``; items of up to ``tile`` rows. For
+        :func:`paged_attention` in a loop of your own."""
+        tokens = sum(q_lens) if tokens is None else tokens
+        arrays = ragged_layout(q_lens, kv_lens, np.asarray(tables, np.int32), tokens, tile)
+        return cls(**{k: jnp.asarray(v) for k, v in arrays.items()})
+
 
 def num_items(tokens: int, seqs: int, tile: int) -> int:
     """Items a step of ``tokens`` rows over at most ``seqs`` sequences needs with tiles of
