@@ -29,6 +29,8 @@ test: install-test
 	$(BIN)/ruff check .
 	$(BIN)/pytest
 
+# Every benchmark; each prints its table and writes its JSON under benchmarks/results/
+# (committed: the figures in docs/benchmarks.md come from those files).
 bench: install-test
 	$(PIP) --no-build-isolation -e ".[test,bench]"
 	$(BIN)/python benchmarks/bench_vmm.py
@@ -38,6 +40,10 @@ bench: install-test
 	$(BIN)/python benchmarks/bench_prefix.py
 	$(BIN)/python benchmarks/bench_multitenant.py
 	$(BIN)/python benchmarks/bench_openai_features.py
+	$(BIN)/python benchmarks/bench_decode.py --parts launches --out benchmarks/results/bench_decode_launches.json
+	$(BIN)/python benchmarks/bench_serving.py
+	$(BIN)/python benchmarks/bench_hybrid.py
+	$(BIN)/python benchmarks/bench_sleep.py
 
 clean:
 	rm -rf build $(VENV)

@@ -151,7 +151,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             self.runner.max_prefill_tokens, self.runner.decode_budget,
         )  # fmt: skip
         self.outputs = OutputProcessor(
-            self.runner.fetch, cfg.eos_ids, self.max_model_len,
+            lambda x: self.runner.fetch(x), cfg.eos_ids, self.max_model_len,
             accepted=lambda s: self.kv.computed(s, s.num_computed), finish=self._finish,
             check_device=lambda: ops.raise_device_errors(self.cache),
         )  # fmt: skip

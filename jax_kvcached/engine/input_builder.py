@@ -103,12 +103,15 @@ class InputBuilder:
         scored: list[tuple[Seq, int, int, int]] = []
         for i, x in enumerate(out.scheduled):
             s, start, n = x.seq, x.start, x.num_tokens
-            tables = [list(t) for t in s.tables]
-            if x.fed_by_device:  # a decode row on the token the in-flight step samples
-                row = StepInput([0], start, tables[0], tuple(tables[1:]), src=s.last_row)
+            end, known = start + n, len(s.token_ids)
+            # (the tables as they are: build() copies them into the packed input at once)
+            first, more = s.tables[0], tuple(s.tables[1:])
+            if end > known:  # a decode row on the token the in-flight step samples
+                assert n == 1 and start == known and s.last_row >= 0, "one token in flight"
+                row = StepInput([0], start, first, more, src=s.last_row)
             else:
-                row = StepInput(s.token_ids[start : start + n], start, tables[0], tuple(tables[1:]))
-            if x.end == s.num_tokens:  # it reaches the end of its sequence: it samples
+                row = StepInput(s.token_ids[start:end], start, first, more)
+            if end == known + s.num_pending:  # it reaches the end of its sequence: it samples
                 row.params, row.sample_step = s.params, s.num_output
                 if s.params.processes_logits:
                     row.entries = row_entries(
@@ -164,15 +167,23 @@ class InputBuilder:
                 raise ValueError("a step input needs tokens and blocks covering them")
             if x.src >= max_rows or (x.src >= 0 and n != 1):
                 raise ValueError(f"bad src row {x.src} for a step of {n} tokens")
-            tokens[at : at + n] = x.tokens
-            pos = np.arange(x.start, x.start + n)
-            positions[at : at + n] = pos
             used = -(-(x.start + n) // bsz)
-            for g, blocks in enumerate(group_tables):
-                tables[g, i, :used] = blocks[:used]
-                blk = np.asarray(blocks, np.int64)[pos // bsz]
-                slots[g, at : at + n] = blk * bsz + pos % bsz
-                written[g].update(blocks[pos[0] // bsz : pos[-1] // bsz + 1])
+            if n == 1:  # a decode row: plain ints (numpy's per-call cost dominates here)
+                tokens[at], positions[at] = x.tokens[0], x.start
+                b, off = divmod(x.start, bsz)
+                for g, blocks in enumerate(group_tables):
+                    tables[g, i, :used] = blocks[:used]
+                    slots[g, at] = blocks[b] * bsz + off
+                    written[g].add(blocks[b])
+            else:
+                tokens[at : at + n] = x.tokens
+                pos = np.arange(x.start, x.start + n)
+                positions[at : at + n] = pos
+                for g, blocks in enumerate(group_tables):
+                    tables[g, i, :used] = blocks[:used]
+                    blk = np.asarray(blocks, np.int64)[pos // bsz]
+                    slots[g, at : at + n] = blk * bsz + pos % bsz
+                    written[g].update(blocks[pos[0] // bsz : pos[-1] // bsz + 1])
             src[i], last[i] = x.src, at + n - 1
             p = x.params or _GREEDY
             temperature[i], top_k[i], top_p[i] = p.temperature, p.top_k, p.top_p

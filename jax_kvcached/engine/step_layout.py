@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -86,10 +87,14 @@ class StepLayout:
         """Each segment's ``(start, end)`` in the packed array."""
         out, at = {}, 0
         for name in SEGMENTS:
-            n = int(np.prod(self.shapes[name]))
+            n = math.prod(self.shapes[name])
             out[name] = (at, at + n)
             at += n
         return out
+
+    @functools.cached_property
+    def _names(self) -> frozenset[str]:
+        return frozenset(SEGMENTS)
 
     @property
     def size(self) -> int:
@@ -99,7 +104,7 @@ class StepLayout:
     def pack(self, **segments: Any) -> np.ndarray:
         """The packed int32 array of every segment, given by name with its exact shape
         (ValueError on a missing, unknown or misshapen one)."""
-        if set(segments) != set(SEGMENTS):
+        if segments.keys() != self._names:
             missing, extra = set(SEGMENTS) - set(segments), set(segments) - set(SEGMENTS)
             raise ValueError(f"step segments missing {sorted(missing)}, unknown {sorted(extra)}")
         out = np.empty(self.size, np.int32)

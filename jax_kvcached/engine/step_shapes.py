@@ -120,6 +120,7 @@ class StepShapes:
         # scaled on a CPU unless the caller fixed the budget.
         adaptive = max_num_batched_tokens is None and backend != "cuda"
         self.decode_budget = cpu_decode_budget if adaptive else None
+        self._layouts: dict[tuple[int, int], StepLayout] = {}
         top = -(-max_blocks // 8) * 8
         self.widths = (top,) if attention in _WALKS_CONTEXT else ladder(8, top, 8, 2.0)
 
@@ -143,10 +144,15 @@ class StepShapes:
         return (0, 1) if tile == 0 else (num_items(t, self.max_rows, tile), tile)
 
     def layout(self, shape: tuple[int, int]) -> StepLayout:
-        """The packed input of a step shape ``(tokens, width)``."""
-        t, nb = shape
-        items, tile = self.items(t)
-        return StepLayout(t, self.max_rows, nb, items, tile, self.groups)
+        """The packed input of a step shape ``(tokens, width)`` (made once per shape: its
+        offsets are computed once, not every step)."""
+        lay = self._layouts.get(shape)
+        if lay is None:
+            t, nb = shape
+            items, tile = self.items(t)
+            lay = self._layouts[shape] = StepLayout(t, self.max_rows, nb, items, tile,
+                                                    self.groups)  # fmt: skip
+        return lay
 
     def all(self) -> list[tuple[int, int]]:
         """Every (tokens, block-table width) a step can take."""
