@@ -7,7 +7,8 @@
 #       (CUDA backend, FFI ops, the engine with the Pallas kernel and the XLA path against
 #       the CPU run, steps replayed as CUDA graphs vs ordinary launches, tensor
 #       parallelism, the host tier's page-locked copies, two processes of one group, n
-#       forks + penalties + logprobs, KV cache groups); the engine's decode step per step
+#       forks + penalties + logprobs, KV cache groups, forks of a hybrid model: a block
+#       copy per group); the engine's decode step per step
 #       (programs, launches, host time) with command buffers on and off; paged vs dense
 #       decode at batch 1/8/32 for the bench model.
 #   scripts/gpu-check.sh smollm2   the same two for SmolLM2-135M's architecture in bf16

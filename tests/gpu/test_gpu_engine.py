@@ -183,3 +183,32 @@ def test_kv_cache_groups_on_cuda_match_the_cpu_run():
     assert run("cuda", _gpus()[0], attention="xla") == cpu
     assert run("cuda", _gpus()[0], free=False) == cpu
     assert run("cuda", _gpus()[0], host=4096) == cpu
+
+
+def test_forks_of_a_hybrid_model_on_cuda_match_the_cpu_run():
+    """n forks of one prompt on a model with a sliding group: the partial block is copied
+    per KV cache group (the CUDA copy kernel once per plane of the group), the full
+    blocks shared in both groups; greedy forks give the CPU run's tokens, nothing leaks."""
+
+    def run(backend, device):
+        with jax.default_device(device):
+            model = build_model(BUILTIN_CONFIGS["tiny-swa"], seed=3)
+            pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
+            eng = Engine(model, pool, name="h", max_batch=4, max_num_batched_tokens=16,
+                         prefix_caching=False)  # fmt: skip
+            assert eng.cache.num_groups == 2
+            got: dict[int, list[int]] = {}
+            p = SamplingParams(max_tokens=8, ignore_eos=True)
+            first = eng.add_request(PROMPTS[3], p, lambda r, t, f: got.setdefault(r, []).append(t))
+            for _ in range(2):
+                eng.add_request(PROMPTS[3], p, lambda r, t, f: got.setdefault(r, []).append(t),
+                                fork_of=first)  # fmt: skip
+            eng.run()
+            assert eng.forks == 2 and eng.fork_fallbacks == 0
+            assert set(pool.mapped_pages_per_device().values()) == {0}
+            pool.close()
+        return [got[r] for r in sorted(got)]
+
+    cpu = run("host", jax.devices("cpu")[0])
+    assert len({tuple(t) for t in cpu}) == 1  # greedy: every fork samples the same
+    assert run("cuda", _gpus()[0]) == cpu
