@@ -364,7 +364,7 @@ def test_tiers_keep_tenants_and_salts_apart():
         e = Engine(build_model(LLAMA, seed=3), pool, host_cache_tokens=1024, **kw)
         assert e.stats()["host_cache"] is None
         e.close()
-    with pytest.raises(ValueError, match="host cache tokens must be >= 0"):
+    with pytest.raises(ValueError, match="host_cache_tokens must be >= 0"):
         Engine(build_model(LLAMA, seed=3), pool, host_cache_tokens=-1)
     assert pool.stats()["mapped_pages"] == 0 and not pool.caches
     pool.close()

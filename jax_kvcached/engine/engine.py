@@ -185,12 +185,16 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         """An engine for :func:`jax_kvcached.models.load_pretrained`'s ``source`` (a
         packaged model's name, a preset, a GGUF file or a checkpoint folder) with its
         tokenizer and chat template; ``dtype`` defaults to what the pool's device computes
-        well (fp32 on a CPU, bf16 on a GPU). ``kwargs`` go to the constructor."""
+        well (fp32 on a CPU, bf16 on a GPU). ``kwargs`` go to the constructor (a
+        ``config`` and / or its fields); the KV cache is named after ``source`` unless
+        they name it."""
         from jax_kvcached.models.pretrained import load_pretrained, weights_dtype
 
         dtype = dtype or weights_dtype(source, pool.device)
         pre = load_pretrained(source, dtype=dtype, seed=seed, download=download)
-        kwargs.setdefault("name", source)
+        config = kwargs.get("config")
+        if "name" not in kwargs and (config is None or config.name == EngineConfig.name):
+            kwargs["name"] = source
         # a level-2 sleep drops the weights: waking reads the checkpoint again
         kwargs.setdefault("reload", lambda: load_pretrained(source, dtype=dtype, seed=seed).model)
         return cls(pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs)
