@@ -326,12 +326,14 @@ def test_the_server_reports_each_kv_cache_group(models):
 
 
 @pytest.mark.parametrize("caching", [False, True])
-def test_forks_of_a_hybrid_model_share_the_prompt_in_every_group(models, caching):
+def test_forks_of_a_hybrid_model_share_the_prompt_in_every_group(caching):
     """n samples of one prompt on a model with a sliding group: each fork shares its
     parent's computed prompt blocks in both groups (a reference each, the sliding
     group's null blocks stay null), copies the partial block per group, and samples what
     a single seeded run samples; afterwards every group's accounting is exact."""
-    model = models["tiny-swa"]  # window 16: a 40-token prompt leaves null blocks behind
+    # window 16: a 40-token prompt leaves null blocks behind (its own model: a sleep in
+    # another test deletes the shared fixture's weights)
+    model = build_model(BUILTIN_CONFIGS["tiny-swa"], seed=0)
     prompt = [256, *range(30, 69)]
     eng, pool = _engine(model, prefix_caching=caching)
 
