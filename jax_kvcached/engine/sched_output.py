@@ -12,7 +12,7 @@ import dataclasses
 from jax_kvcached.engine.sequence import Sequence
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Scheduled:
     """One sequence in a step: its tokens ``start .. start + num_tokens - 1`` are
     computed. A range that reaches past the tokens the host has is a decode row whose

@@ -107,16 +107,16 @@ class StepLayout:
         if segments.keys() != self._names:
             missing, extra = set(SEGMENTS) - set(segments), set(segments) - set(SEGMENTS)
             raise ValueError(f"step segments missing {sorted(missing)}, unknown {sorted(extra)}")
-        out = np.empty(self.size, np.int32)
-        for name, (lo, hi) in self.offsets.items():
-            a = np.asarray(segments[name])
+        arrays = [np.asarray(segments[n]) for n in SEGMENTS]
+        for name, a in zip(SEGMENTS, arrays, strict=True):
             if a.shape != self.shapes[name]:
                 raise ValueError(f"step segment {name!r} has shape {a.shape}, "
                                  f"the layout's is {self.shapes[name]}")  # fmt: skip
-            if a.dtype.kind not in "iub":  # (floats travel as their bit patterns: a view)
-                raise ValueError(f"step segment {name!r} is {a.dtype}, not integers")
-            out[lo:hi] = a.ravel()
-        return out
+        try:  # (same-kind casting: floats travel as their bit patterns, a view, never a cast)
+            return np.concatenate([a.ravel() for a in arrays], dtype=np.int32,
+                                  casting="same_kind")  # fmt: skip
+        except TypeError as e:
+            raise ValueError(f"a step segment is not integers: {e}") from None
 
     def unpack(self, packed: Any) -> dict[str, Any]:
         """Each segment of a packed array (numpy or traced), by name, in its shape."""
