@@ -39,37 +39,41 @@ def table(rows: list[dict]) -> list[str]:
     return out
 
 
-def report(data: Any, path: str = "") -> list[str]:
+def report(data: Any, path: str = "", skip: tuple[str, ...] = ()) -> list[str]:
     """Markdown of a JSON value: scalars as a list, lists of rows as tables, nested
-    objects under their path."""
+    objects under their path; paths in ``skip`` (and below them) are left out."""
     out: list[str] = []
+    if path in skip:
+        return out
     if isinstance(data, list) and data and all(isinstance(r, dict) for r in data):
         out += [f"`{path}`:" if path else "", *table(data), ""]
         for i, r in enumerate(data):  # nested structures inside rows
             for k, v in r.items():
                 if not _scalar(v):
-                    out += report(v, f"{path}[{i}].{k}")
+                    out += report(v, f"{path}[{i}].{k}", skip)
         return out
     if isinstance(data, dict):
-        scalars = {k: v for k, v in data.items() if _scalar(v)}
+        scalars = {k: v for k, v in data.items()
+                   if _scalar(v) and (f"{path}.{k}" if path else k) not in skip}  # fmt: skip
         if scalars:
             label = f"`{path}`: " if path else ""
             out += [label + "; ".join(f"{k} {_fmt(v)}" for k, v in scalars.items()), ""]
         for k, v in data.items():
             if not _scalar(v):
-                out += report(v, f"{path}.{k}" if path else k)
+                out += report(v, f"{path}.{k}" if path else k, skip)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+")
+    p.add_argument("--skip", default="", help="paths to leave out, comma-separated")
     args = p.parse_args()
     for f in args.files:
         with open(f) as fh:
             data = json.load(fh)
         print(f"### {f}\n")
-        print("\n".join(report(data)))
+        print("\n".join(report(data, skip=tuple(filter(None, args.skip.split(","))))))
 
 
 if __name__ == "__main__":
