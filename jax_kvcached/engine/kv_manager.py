@@ -268,11 +268,6 @@ class KVManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def first_needed_block(self, group: int, position: int) -> int:
-        """The first block of a group a query at ``position`` (or later) can see (its
-        manager's rule)."""
-        return self.managers[group].first_needed_block(position)
-
     def available_blocks(self, group: int = 0) -> int:
         """Blocks an allocation of a group could get now: free ones plus its idle cached
         ones."""

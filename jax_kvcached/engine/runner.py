@@ -250,10 +250,6 @@ class ModelRunner:
         self.last_scores: jax.Array | None = None
         self.last_starts: list[int] = []  # each row's first token on the newest step's axis
 
-    def tile(self, t: int) -> int:
-        """Query rows per attention item in a step of ``t`` tokens (see StepShapes)."""
-        return self.shapes.tile(t)
-
     @property
     def _head_spec(self):
         """The partition of a (T, heads, D) array on a mesh."""

@@ -70,14 +70,6 @@ class Sequence:
         self.tables[0] = value
 
     @property
-    def num_inserted(self) -> int:
-        return self.inserted[0]
-
-    @num_inserted.setter
-    def num_inserted(self, value: int) -> None:
-        self.inserted[0] = value
-
-    @property
     def prompt(self) -> list[int]:
         return self.token_ids[: self.num_prompt]
 
