@@ -14,35 +14,12 @@
 #include <vector>
 
 #include "errors.h"
+#include "half.h"
 
 namespace kvcached {
 namespace {
 
 constexpr float kMasked = -1e30f;  // matches jax_kvcached.attention._MASKED
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
-  if (exp == 0) {
-    if (man == 0) {
-      bits = sign;
-    } else {  // subnormal: normalise
-      exp = 127 - 15 + 1;
-      while ((man & 0x400u) == 0) {
-        man <<= 1;
-        --exp;
-      }
-      bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 // One row of head_dim values as floats (a pointer into the view for fp32, else converted;
 // kD > 0: a compile-time head_dim, so the conversion loop unrolls and vectorises).
@@ -385,33 +362,11 @@ std::string attend_host(const KVBuffer& buf, const AttendArgs& a, int64_t worker
       for (int64_t h = 0; h < a.kv_heads; ++h) todo.push_back({s, t0, std::min<int64_t>(a.q_lens[s], t0 + kTile), h});
     }
   }
-  // Helpers may start late (the pool busy with other work): the caller takes tasks too and
-  // waits only for tasks taken, never for a helper to start, so it cannot deadlock. The
-  // shared state outlives the call for helpers that start after it returned.
-  struct State {
-    std::atomic<int64_t> next{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    int64_t finished = 0;
-    std::vector<Task> todo;
-  };
-  auto st = std::make_shared<State>();
-  st->todo = std::move(todo);
-  const int64_t tasks = static_cast<int64_t>(st->todo.size());
-  if (tasks == 0) return {};
   const AttendOne one = attend_for(a.head_dim);
-  auto run = [st, tasks, one, &buf, &a] {
-    for (int64_t i = st->next++; i < tasks; i = st->next++) {
-      const Task& t = st->todo[static_cast<size_t>(i)];
-      one(buf, a, t.s, t.t0, t.t1, t.h);
-      std::lock_guard<std::mutex> g(st->mu);
-      if (++st->finished == tasks) st->cv.notify_all();
-    }
-  };
-  for (int64_t w = 1; w < std::min(workers, tasks); ++w) spawn(run);
-  run();
-  std::unique_lock<std::mutex> g(st->mu);
-  st->cv.wait(g, [&] { return st->finished == tasks; });
+  parallel_for(static_cast<int64_t>(todo.size()), workers, spawn, [&](int64_t i) {
+    const Task& t = todo[static_cast<size_t>(i)];
+    one(buf, a, t.s, t.t0, t.t1, t.h);
+  });
   return {};
 }
 

@@ -8,6 +8,7 @@
 #include <functional>
 
 #include "kv_buffer.h"
+#include "parallel.h"
 
 namespace kvcached {
 
@@ -25,9 +26,6 @@ struct AttendArgs {
   float* out;              // (tokens, kv_heads, groups, head_dim), normalised; 0 where no sequence
 };
 
-// Runs fn(task) for task in [0, n) on up to `workers` threads (the caller included);
-// `spawn(f)` schedules f on another thread.
-using Spawn = std::function<void(std::function<void()>)>;
 
 // Validates the ragged layout (query ranges inside the token axis, disjoint, no longer
 // than their sequence) and, under the buffer's shared lock, the block tables (from the

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, gemma3_layer_types
+from .quant_format import GGUF_EXACT, Packed, from_gguf_blocks, nearest_format, quantize
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 # Architectures whose Q / K rows llama.cpp permuted (its interleaved RoPE).
@@ -52,6 +53,8 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
+# HF names of the weights a model can hold packed: projections and token tables.
+_PACKABLE = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
 
 
 class GGUFError(ValueError):
@@ -147,15 +150,27 @@ class GGUFCheckpoint:
         )
 
     # -- weights -----------------------------------------------------------------------
-    def tensors(self, cfg: ModelConfig, dtype: Any = np.float32) -> dict[str, np.ndarray]:
-        """Every weight under its Hugging Face name, dequantized, in HF layout."""
-        out: dict[str, np.ndarray] = {}
+    def tensors(
+        self, cfg: ModelConfig, dtype: Any = np.float32, *, packed: bool = False
+    ) -> dict[str, np.ndarray | Packed]:
+        """Every weight under its Hugging Face name, in HF layout: dequantized, or with
+        ``packed`` a quantized projection or token table as :class:`Packed` (Q8_0 / Q4_0 /
+        Q4_1 byte for byte, other types requantized to their nearest format)."""
+        out: dict[str, np.ndarray | Packed] = {}
         gemma = self.architecture == "gemma3"
         permuted = self.architecture in _PERMUTED
         for name in self._tensors:
             hf = _hf_name(name, _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES)
             if hf is None:
                 raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
+            if packed and hf.endswith(_PACKABLE):
+                p = self.packed(name)
+                if p is not None:
+                    heads = cfg.num_heads if hf.endswith("q_proj.weight") else cfg.num_kv_heads
+                    if permuted and hf.endswith(("q_proj.weight", "k_proj.weight")):
+                        p = p.take_rows(_unpermute(np.arange(p.shape[0]), heads))
+                    out[hf] = p
+                    continue
             w = self.dequantize(name)
             if permuted and (hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias")):
                 w = _unpermute(w, cfg.num_heads)
@@ -165,6 +180,26 @@ class GGUFCheckpoint:
                 w = w - 1.0  # stored as 1 + w
             out[hf] = w.astype(dtype, copy=False)
         return out
+
+    def packed(self, name: str) -> Packed | None:
+        """Tensor ``name`` packed (None for a float tensor): Q8_0 / Q4_0 / Q4_1 as stored,
+        other quantized types dequantized and rounded to :func:`nearest_format`."""
+        from gguf import GGMLQuantizationType as Q
+
+        t = self._tensors[name]
+        qtype = Q(t.tensor_type).name
+        if qtype in GGUF_EXACT:
+            if len(t.shape) != 2:
+                raise GGUFError(f"{self.path}: tensor {name!r} ({qtype}) is not 2-D: {t.shape}")
+            return from_gguf_blocks(self._file.data(t), qtype, t.shape)
+        fmt = nearest_format(qtype)
+        if fmt is None:
+            return None
+        w = self.dequantize(name)
+        if w.ndim != 2 or w.shape[1] % fmt.group:
+            raise GGUFError(f"{self.path}: tensor {name!r} ({qtype}, {w.shape}) is not rows "
+                            f"of whole groups of {fmt.group}")  # fmt: skip
+        return quantize(w, fmt, source=f"{qtype} requantized")
 
     def dequantize(self, name: str) -> np.ndarray:
         """Tensor ``name`` as float32, in numpy (row-major) shape."""

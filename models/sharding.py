@@ -4,7 +4,9 @@ A model's ``tensor_parallel_plan(tp)`` names, for the parameters it splits, whic
 their axes is split over the mesh (Megatron style: q/k/v and the MLP's gate/up split by
 output columns, o and down by input rows, the vocabulary of the embedding and LM head
 when it divides); every other parameter is replicated. Under ``jax.jit`` XLA then inserts
-the collectives (an all-reduce after o and down, an all-gather of the logits).
+the collectives (an all-reduce after o and down, an all-gather of the logits). Packed
+layers (:mod:`.quant_linear`) split their values, scales and mins alike and run their
+kernel per device under ``jax.shard_map`` (``tp`` set here).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .quant_linear import _PackedWeight
 
 
 def shard_model(model: Any, mesh: Mesh) -> Any:
@@ -25,7 +29,11 @@ def shard_model(model: Any, mesh: Mesh) -> Any:
         raise ValueError(f"tensor parallelism takes a 1-D mesh, got axes {mesh.axis_names}")
     axis = mesh.axis_names[0]
     tp = mesh.devices.size
-    plan = {id(getattr(m, attr)): dim for m, attr, dim in model.tensor_parallel_plan(tp)}
+    entries = model.tensor_parallel_plan(tp)
+    plan = {id(getattr(m, attr)): dim for m, attr, dim in entries}
+    for m, attr, dim in entries:  # packed layers run their kernel per device
+        if isinstance(m, _PackedWeight) and attr == "q":
+            m.tp = (mesh, "out" if dim == len(m.q.get_value().shape) - 2 else "in")
     for _, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param):
             continue

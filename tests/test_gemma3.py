@@ -24,7 +24,8 @@ STRINGS = [
 
 @pytest.fixture(scope="module")
 def ours():
-    return load_pretrained("gemma3-270m", dtype=jnp.float32)
+    # Dequantized, as the transformers model below is (the packed default: test_quant.py).
+    return load_pretrained("gemma3-270m", dtype=jnp.float32, quantization="none")
 
 
 @pytest.fixture(scope="module")

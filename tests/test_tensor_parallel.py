@@ -153,11 +153,13 @@ def test_prefix_caching_preemption_and_two_tenants_under_tp():
     assert hits2 > 0 and pre2 > 0
 
 
-def test_the_real_model_over_three_devices_equals_one():
-    # SmolLM2-135M: 9 heads, 3 KV heads, split over three devices.
+@pytest.mark.parametrize("quantization", ["none", None])
+def test_the_real_model_over_three_devices_equals_one(quantization):
+    # SmolLM2-135M: 9 heads, 3 KV heads, split over three devices; dequantized, and with
+    # its weights packed as the GGUF stores them (values, scales and mins split alike).
     from jax_kvcached.models import load_pretrained
 
-    pre = load_pretrained("smollm2-135m", dtype=jnp.float32)
+    pre = load_pretrained("smollm2-135m", dtype=jnp.float32, quantization=quantization)
     prompt = pre.tokenizer.encode("The capital of France is")
     out, logits = {}, {}
     for tp in (1, 3):
@@ -169,7 +171,15 @@ def test_the_real_model_over_three_devices_equals_one():
         eng.cache.free(blocks)
         pool.close()
     assert out[1] == out[3]
-    np.testing.assert_allclose(logits[3], logits[1], atol=2e-3, rtol=1e-3)
+    if quantization == "none":
+        np.testing.assert_allclose(logits[3], logits[1], atol=2e-3, rtol=1e-3)
+    else:
+        # Activations are rounded to int8 per block: a last-bit difference in an input
+        # (another fusion under the split) can flip a rounding, and 30 layers carry it to
+        # ~3% of the logits' range. A wrongly split weight is off by far more.
+        err = np.abs(logits[3] - logits[1]).max()
+        assert err < 0.1 * np.abs(logits[1]).max(), err
+        assert logits[3].argmax() == logits[1].argmax()
     with tp_pool(2, "64MiB") as pool, pytest.raises(ValueError, match="3 KV heads"):
         Engine(pre.model, pool, max_model_len=128)
 
