@@ -37,20 +37,22 @@ def architecture(name: str) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def load_model(name: str, dtype: str = "float32") -> Any:
+def load_model(name: str, dtype: str = "float32", quantization: str | None = "none") -> Any:
     """``bench`` (the random BENCH_MODEL), a packaged trained model (``smollm2-135m``,
     ``gemma3-270m``) or ``arch:NAME`` (that model's architecture, random weights: the
     same step time without the checkpoint), in ``dtype`` (default fp32: the CPU's fast
-    path; bfloat16 on a GPU)."""
+    path; bfloat16 on a GPU). ``quantization``: as ``load_pretrained`` takes it (default
+    ``none``: full precision, a GGUF dequantized; None: a GGUF's packed weights;
+    ``int8`` / ``int4``: packed at load)."""
     import jax.numpy as jnp
 
     from jax_kvcached.models import build_model, load_pretrained
+    from jax_kvcached.models.loader import repack
 
-    if name == "bench":
-        return build_model(BENCH_MODEL, seed=0, dtype=jnp.dtype(dtype))
-    if name.startswith("arch:"):
-        return build_model(architecture(name[5:]), seed=0, dtype=jnp.dtype(dtype))
-    return load_pretrained(name, dtype=jnp.dtype(dtype)).model
+    if name in ("bench",) or name.startswith("arch:"):
+        cfg = BENCH_MODEL if name == "bench" else architecture(name[5:])
+        return repack(build_model(cfg, seed=0, dtype=jnp.dtype(dtype)), cfg, quantization)
+    return load_pretrained(name, dtype=jnp.dtype(dtype), quantization=quantization).model
 
 
 def median_time(fn: Callable[[], object], iters: int, warmup: int = 0) -> float:

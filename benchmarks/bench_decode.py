@@ -615,6 +615,8 @@ def main() -> None:
     p.add_argument("--parts", default="decode,loop",
                    help="decode (+prefill), loop, launches, write (a list)")  # fmt: skip
     p.add_argument("--dtype", default="float32", help="the model's and KV cache's dtype")
+    p.add_argument("--quantization", default="none",
+                   help="none (full precision), packed (a GGUF's own), int8 or int4")  # fmt: skip
     p.add_argument("--no-prefill", action="store_true", help="--parts decode without prefill")
     p.add_argument(
         "--backend",
@@ -633,6 +635,9 @@ def main() -> None:
     )  # fmt: skip
     args = p.parse_args()
     suffix = "" if args.model == "bench" else "_" + args.model.replace(":", "-")
+    quantization = None if args.quantization == "packed" else args.quantization
+    if args.quantization != "none":
+        suffix += "_" + args.quantization
     if args.tp:
         out = args.out or os.path.join(here, "results", f"bench_decode_tp{suffix}.json")
         sizes = [int(x) for x in args.tp.split(",")]
@@ -640,9 +645,9 @@ def main() -> None:
         return
     args.out = args.out or os.path.join(here, "results", f"bench_decode{suffix}.json")
 
-    model = load_model(args.model, args.dtype)
+    model = load_model(args.model, args.dtype, quantization)
     parts = set(args.parts.split(","))
-    result: dict = {"model": args.model, "jax": jax.__version__}
+    result: dict = {"model": args.model, "quantization": args.quantization, "jax": jax.__version__}
     if "write" in parts:
         print(f"\nK/V write of a step, {args.backend} backend")
         result["write"] = bench_write(args.backend, args.rounds)

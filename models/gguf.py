@@ -1,13 +1,14 @@
-"""GGUF checkpoints (llama.cpp's single-file format), parsed by :mod:`.gguf_file` and
-dequantized by the ``gguf`` package.
+"""GGUF checkpoints (llama.cpp's single-file format), parsed by :mod:`.gguf_file`.
 
 One file carries everything: the config (``<arch>.*`` metadata), the weights (F32 / F16 /
-BF16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K, dequantized to the model
-dtype), the tokenizer (a byte-level BPE vocabulary with merges, or a SentencePiece one
-with scores and byte fallback) and the chat template. llama.cpp stores a ``llama``
-model's Q and K projections with their rows permuted for its RoPE; they are permuted back
-so the weights match the Hugging Face layout our models use. Gemma files store each
-RMSNorm weight as ``1 + w``; the 1 is taken back off (our Gemma norm adds it).
+BF16 / Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K: quantized projections and
+token tables packed (:mod:`.quant_format`), the rest, or all when asked, dequantized to
+the model dtype by the ``gguf`` package), the tokenizer (a byte-level BPE vocabulary
+with merges, or a SentencePiece one with scores and byte fallback) and the chat template.
+llama.cpp stores a ``llama`` model's Q and K projections with their rows permuted for its
+RoPE; they are permuted back so the weights match the Hugging Face layout our models
+use. Gemma files store each RMSNorm weight as ``1 + w``; the 1 is taken back off (our
+Gemma norm adds it).
 """
 
 from __future__ import annotations

@@ -225,18 +225,27 @@ def from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) ->
 
 
 # -- the kernel's arithmetic, in numpy (tests hold the kernels to it) ----------------------
+LO = 256  # hi's weight in units of lo (activations: two int8 planes)
+
+
 def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of x (rows, in) to int8 per 32-block: (xq, d), d = max|x| / 127 per block."""
+    """Rows of x (rows, in) as the kernel rounds them, per 32-block: two int8 planes, hi =
+    rint(x / s) with s = max|x| / 127 and lo = rint((x - s hi) 256 / s), clamped to 127;
+    returns the combined integers 256 hi + lo (int32, about 16 bits) and their unit
+    s / 256."""
     b = np.asarray(x, np.float32).reshape(x.shape[0], x.shape[1] // BLOCK, BLOCK)
     d = (np.abs(b).max(-1) / np.float32(127)).astype(np.float32)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)
-    xq = np.clip(np.rint(b * inv[..., None]), -127, 127)
-    return xq.reshape(x.shape).astype(np.int8), d
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)[..., None]
+    hi = np.clip(np.rint(b * inv), -127, 127).astype(np.float32)
+    lo = np.clip(np.rint((b - hi * d[..., None]) * inv * np.float32(LO)), -127, 127)
+    combined = (hi.astype(np.int32) * LO + lo.astype(np.int32)).reshape(x.shape)
+    return combined, (d / np.float32(LO)).astype(np.float32)
 
 
 def reference_matmul(x: np.ndarray, p: Packed) -> np.ndarray:
-    """``x @ W.T`` as the kernels compute it: int8 activations per 32-block, exact integer
-    dots per block, float scales (float64 sums here)."""
+    """``x @ W.T`` as the kernels compute it: activations rounded per 32-block
+    (:func:`quantize_activations`), exact integer dots per block, float scales (float64
+    sums here)."""
     xq, d = quantize_activations(x)
     lv = levels(p.q, p.fmt).astype(np.float64)  # (out, in)
     rows = xq.shape[0]

@@ -3,7 +3,10 @@ projections, ``QuantEmbed`` for a token table (lookups and tied logits).
 
 The weights stay packed on the device. :func:`quant_matmul` computes ``x @ W.T``:
 - on a CPU, the ``kvcached_quant_matmul`` custom call (AVX-512 VNNI / AVX2 / portable,
-  chosen at run time; activations quantized to int8 per 32-block, integer dot products);
+  chosen at run time; activations rounded per 32-block, integer dot products). The models
+  stand alone (no import of the C++ core): the call names its XLA FFI target, which
+  ``jax_kvcached.memory`` registers (a ``Pool`` or an ``Engine`` imports it; without it
+  XLA's lowering says the target is missing);
 - elsewhere, XLA: the weight's dequantization written as the dot's operand, for XLA's
   GPU fusion to fold into the matmul (``scripts/gpu-check.sh`` checks the optimized HLO).
 ``jax.lax.platform_dependent`` picks the path when the step is lowered.
@@ -20,8 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-
-from jax_kvcached.memory import ops as _ops  # noqa: F401  (registers the custom calls)
 
 from .quant_format import BLOCK, Packed, QuantFormat
 
@@ -232,6 +233,17 @@ def split_entries(mod: Any, split: str, tp: int) -> list[tuple[object, str, int]
     bias = getattr(mod, "bias", None)
     if split == "out" and bias is not None:
         out.append((mod, "bias", len(bias.get_value().shape) - 1))
+    return out
+
+
+def packed_leaves(state: Any) -> list[bool]:
+    """For each leaf of a model's state (``jax.tree`` order): whether it is a packed
+    layer's values, scales or mins."""
+    names = ("q", "scales", "mins")
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        keys = [getattr(k, "key", None) for k in path]  # (..., "q", value attribute)
+        out.append(any(k in names for k in keys[-2:]))
     return out
 
 

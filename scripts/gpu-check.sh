@@ -8,11 +8,13 @@
 #       the CPU run, steps replayed as CUDA graphs vs ordinary launches, tensor
 #       parallelism, the host tier's page-locked copies, two processes of one group, n
 #       forks + penalties + logprobs, KV cache groups, forks of a hybrid model: a block
-#       copy per group); the engine's decode step per step
+#       copy per group, packed int8 / int4 weights: no dequantized weight in the optimized
+#       HLO); the engine's decode step per step
 #       (programs, launches, host time) with command buffers on and off; paged vs dense
 #       decode at batch 1/8/32 for the bench model.
 #   scripts/gpu-check.sh smollm2   the same two for SmolLM2-135M's architecture in bf16
-#       (random weights: a run cannot carry the checkpoint, and the step costs the same).
+#       (random weights: a run cannot carry the checkpoint, and the step costs the same),
+#       then its decode step with int8 and int4 packed weights at batch 1 and 32.
 #   scripts/gpu-check.sh more   sleep / wake of six models (SmolLM2's architecture the
 #       big one: device bytes, JAX's memory_stats, the level-1 wake against the
 #       host-to-device bandwidth); Gemma 3 270M's architecture paged vs dense; the ragged
@@ -63,6 +65,11 @@ elif [ "$PART" = smollm2 ]; then
   run 150 smollm2-launches python3 "$B/bench_decode.py" --model arch:smollm2-135m \
     --dtype bfloat16 --parts launches --backend cuda --batches 1,32 --rounds 2 \
     --out "$J/launches_smollm2.json"
+  for q in int8 int4; do  # packed weights (XLA's fused dequantization) vs the bf16 above
+    run 100 "smollm2-$q" python3 "$B/bench_decode.py" --model arch:smollm2-135m \
+      --dtype bfloat16 --quantization $q --parts decode --no-prefill --backend cuda \
+      --batches 1,32 --ctx 1024 --iters 5 --rounds 2 --out "$J/decode_smollm2_$q.json"
+  done
 else
   # Six models sharing the device, two awake: wake time against the H2D bound, device
   # bytes and JAX's memory_stats asleep / awake (each engine compiles all it can run).

@@ -332,3 +332,33 @@ def test_serve_answers_from_the_start_and_logs_every_request(tmp_path):
     total = compiling[-1]["total"]
     assert f"tiny-llama: {total} programs ready" in out  # the bar's count, in the log
     assert out.count('"POST /v1/completions" model=tiny-llama 200 tokens=6+6') == 2, out
+
+
+def test_cli_serve_quantized_reports_weight_bytes(tmp_path):
+    import signal
+
+    import httpx
+    import jax
+    from flax import nnx
+
+    from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+
+    proc, url = start_serve(
+        ["--model", "a=tiny-llama", "--quantization", "int4", "--memory", "32MiB",
+         "--no-warmup", "--backend", "host", "--allow-unauthenticated-admin"],
+        tmp_path,
+    )  # fmt: skip
+    try:
+        complete_three_tokens(url, "a")
+        model = httpx.get(f"{url}/admin/memory").json()["models"]["a"]
+        preset = nnx.state(build_model(BUILTIN_CONFIGS["tiny-llama"]))
+        fp32 = sum(x.size * 4 for x in jax.tree.leaves(preset))
+        # int4 with mins: 5 bits a weight where fp32 has 32 (norms stay fp32).
+        assert 0 < model["weight_packed_bytes"] < model["weight_bytes"] < 0.2 * fp32
+        metrics = httpx.get(f"{url}/metrics").text
+        assert f'kvcached_weight_bytes{{model="a"}} {float(model["weight_bytes"])}' in metrics
+        assert 'kvcached_weight_packed_bytes{model="a"}' in metrics
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out

@@ -30,9 +30,10 @@ enable_compile_cache(sys.argv[1])
 import jax_kvcached as kv
 from jax_kvcached import Engine, SamplingParams
 from jax_kvcached.engine.compile_events import compile_events
-from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+from jax_kvcached.models import load_pretrained
 pool = kv.Pool("64MiB", backend="host")
-eng = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"]), pool, max_batch=2,
+quantization = sys.argv[2] if len(sys.argv) > 2 else None
+eng = Engine(load_pretrained("tiny-llama", quantization=quantization).model, pool, max_batch=2,
              max_num_batched_tokens=16, max_model_len=256)
 first = compile_events()
 info = eng.compile()
@@ -109,3 +110,18 @@ def test_the_executable_store_drops_what_does_not_load_and_stays_under_its_cap(t
     small = ExecutableStore(str(tmp_path), max_bytes=size)
     assert sorted(os.listdir(str(tmp_path))) == [keys[0] + ".xla"]
     assert small.load(keys[0], dev) is not None
+
+
+def test_a_warm_start_with_packed_weights_loads_its_executables(tmp_path):
+    """The steps over int4 weights (their kernel a custom call) are stored and loaded like
+    the others: the warm start compiles nothing and answers the same."""
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", _START, str(tmp_path / "xla"), "int4"],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["stored"] == [0, cold["programs"]]
+    assert warm["stored"] == [warm["programs"], 0] and warm["xla_compiles"] == 0
+    assert warm["tokens"] == cold["tokens"]

@@ -269,3 +269,36 @@ def test_an_unknown_gguf_quant_type_fails_the_load_naming_the_tensor(tmp_path):
     _write_gguf(path, tensor_type=Q.Q2_K)
     with pytest.raises(GGUFError, match="blk.0.ffn_up.weight.*Q2_K"):
         GGUFCheckpoint(str(path)).tensors(GGUFCheckpoint(str(path)).config(), packed=True)
+
+
+def test_sleep_and_wake_with_packed_weights():
+    """Level 1 copies the packed bytes out and back; level 2 reads the checkpoint again,
+    packed the same way: the same greedy tokens after each."""
+    import jax_kvcached as kv
+    from jax_kvcached import SamplingParams
+
+    with kv.Pool("64MiB", backend="host") as pool:
+        eng = kv.Engine.from_pretrained("tiny-llama", pool, quantization="int4",
+                                        max_model_len=128)  # fmt: skip
+        prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+        want = eng.generate(prompt, SamplingParams(max_tokens=6))[0].token_ids
+        before = eng.stats()
+        assert before["weight_packed_bytes"] > 0.8 * before["weight_bytes"]
+        for level in (1, 2):
+            eng.sleep(level)
+            assert eng.stats()["weight_bytes"] == 0
+            eng.wake()
+            assert eng.stats()["weight_bytes"] == before["weight_bytes"]
+            assert eng.generate(prompt, SamplingParams(max_tokens=6))[0].token_ids == want
+
+
+def test_a_weight_that_is_not_whole_groups_fails_the_load_naming_it(tmp_path):
+    from test_gguf import _write_gguf
+
+    from jax_kvcached.models.loader import load_checkpoint
+
+    path = tmp_path / "tiny.gguf"
+    _write_gguf(path)  # hidden size 8: no whole group of 32
+    with pytest.raises(ValueError, match=r"tiny.gguf: model\.\S+\.weight .*not whole groups of 32"):
+        load_checkpoint(str(path), quantization="int8")
+    load_checkpoint(str(path))  # its float weights load as they are

@@ -466,6 +466,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             "max_batch": self.max_batch,
             "preemptions": self.num_preemptions,
             "mapped_bytes": self.cache.mapped_bytes,  # per device
+            **self.runner.weight_bytes(),  # per device; 0 while asleep
             "tensor_parallel": self.cache.tensor_parallel,
             "limit_bytes": lim.limit_bytes,
             "guarantee_bytes": lim.guarantee_bytes,

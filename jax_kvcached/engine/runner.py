@@ -436,6 +436,10 @@ class ModelRunner:
         """The device arrays of the weights the steps run with (empty while asleep)."""
         return list(self.weights.arrays)
 
+    def weight_bytes(self) -> dict[str, int]:
+        """See :meth:`StepWeights.nbytes`."""
+        return self.weights.nbytes()
+
     def offload_weights(self, level: int) -> Offloaded:
         """Sleep: see :meth:`StepWeights.offload`."""
         return self.weights.offload(level)

@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 from jax_kvcached.engine.sleep import Offloaded, offload, restore
+from jax_kvcached.models.quant_linear import packed_leaves
 from jax_kvcached.models.sharding import shard_model
 from jax_kvcached.models.stack import LayerList, stacked_leaves
 
@@ -31,6 +32,19 @@ class StepWeights:
         self._num_layers = num_layers
         self._mesh = mesh
         self.arrays: list[jax.Array] = self._expand(leaves)
+        packed = packed_leaves(state)  # which arrays are packed values / scales / mins
+        self.packed = [p for p, s in zip(packed, self._stacked, strict=True)
+                       for _ in range(num_layers if s else 1)]  # fmt: skip
+
+    def nbytes(self) -> dict[str, int]:
+        """Device bytes (one device of a mesh; 0 while asleep): ``weight_bytes`` in all,
+        ``weight_packed_bytes`` of them packed int8 / int4 values and their scales."""
+        total = packed = 0
+        for a, p in zip(self.arrays, self.packed, strict=False):
+            n = a.addressable_shards[0].data.nbytes
+            total += n
+            packed += n if p else 0
+        return {"weight_bytes": total, "weight_packed_bytes": packed}
 
     def _expand(self, leaves: list) -> list:
         """A state's leaves as the step takes them: stacked weights split into their

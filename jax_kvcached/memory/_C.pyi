@@ -157,3 +157,10 @@ handlers: dict[str, dict[str, Any]]
 def handler_metadata(handler: Any) -> dict[str, Any]:
     """What a handler capsule declares to XLA: api_version, traits,
     command_buffer_compatible."""
+
+def quant_isa() -> str:
+    """The instruction set quant_matmul uses on this CPU (portable, avx2, avx512_vnni)."""
+
+def set_quant_isa(name: str) -> None:
+    """Forces quant_matmul's instruction set (auto: the best this CPU has); KVCacheError
+    when the CPU lacks it."""

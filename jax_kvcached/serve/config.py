@@ -14,6 +14,7 @@ from typing import Any
 from jax_kvcached.engine.config import ConfigError, EngineConfig, option
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,12 @@ class ServeConfig:
     )  # fmt: skip
     dtype: str = option("auto", "weights' dtype; auto: float32 on a CPU, bfloat16 on a GPU",
                         choices=DTYPES)  # fmt: skip
+    quantization: str = option(
+        "auto",
+        "packed weights: auto (a quantized GGUF stays packed, int8 / int4, others in "
+        "--dtype), int8 / int4 (every projection packed at load), none (dequantized)",
+        choices=QUANTIZATIONS,
+    )  # fmt: skip
     chat_template: str | None = option(
         None, "a Jinja chat template replacing the checkpoint's (default: the checkpoint's)",
         metavar="FILE",
@@ -165,6 +172,9 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError("quantization", f"must be one of {', '.join(QUANTIZATIONS)}, "
+                              f"got {self.quantization!r}")  # fmt: skip
         if self.max_queue < 0:
             raise ConfigError("max_queue", f"must be >= 0, got {self.max_queue}")
         if not self.shutdown_timeout >= 0:

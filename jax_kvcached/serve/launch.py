@@ -131,6 +131,7 @@ def build_served(
     chat_template: str | None = None,
     generation_config: str = "auto",
     default_sampling: dict[str, float] | None = None,
+    quantization: str = "auto",
 ) -> ServedModel:
     """An engine (of ``engine``'s settings, named and limited by ``spec``) for a
     packaged model (``smollm2-135m``: downloaded on first use), a built-in random preset,
@@ -162,8 +163,10 @@ def build_served(
             f"({', '.join(sorted(BUILTIN_CONFIGS))}), a .gguf file nor a checkpoint directory"
         )
     dt = weights_dtype(spec.source, pool.device) if dtype == "auto" else dtype
-    log.info("loading %s from %s (%s)", spec.name, where, jnp.dtype(dt).name)
-    pre = load_pretrained(spec.source, dtype=dt, seed=seed)
+    quant = None if quantization == "auto" else quantization
+    log.info("loading %s from %s (%s, quantization %s)", spec.name, where, jnp.dtype(dt).name,
+             quantization)  # fmt: skip
+    pre = load_pretrained(spec.source, dtype=dt, seed=seed, quantization=quant)
     template = pre.template
     if chat_template is not None:
         try:
@@ -379,6 +382,7 @@ def _load(
         models[spec.name] = build_served(
             spec, pool, c.engine, seed=c.seed + i, dtype=c.dtype, chat_template=c.chat_template,
             generation_config=c.generation_config, default_sampling=c.default_sampling,
+            quantization=c.quantization,
         )  # fmt: skip
         if hc := models[spec.name].engine.stats()["host_cache"]:
             log.info(

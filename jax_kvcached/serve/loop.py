@@ -307,6 +307,8 @@ class ServingLoop:
                 "generated_tokens": self.generated_tokens[name],
                 "preemptions": e["preemptions"],
                 "mapped_bytes": e["mapped_bytes"],
+                "weight_bytes": e["weight_bytes"],
+                "weight_packed_bytes": e["weight_packed_bytes"],
                 "limit_bytes": e["limit_bytes"],
                 "guarantee_bytes": e["guarantee_bytes"],
                 "prefix_hit_rate": pc["hit_rate"] if pc else 0.0,

@@ -37,6 +37,16 @@ class _LoopCollector:
             "kvcached_mapped_bytes", "Physical KV memory mapped by the model.", "mapped_bytes"
         )
         yield gauge(
+            "kvcached_weight_bytes",
+            "Device memory held by the model's weights (per device; 0 asleep).",
+            "weight_bytes",
+        )
+        yield gauge(
+            "kvcached_weight_packed_bytes",
+            "Of the weights, packed int8 / int4 values and their scales.",
+            "weight_packed_bytes",
+        )
+        yield gauge(
             "kvcached_memory_limit_bytes", "The model's memory limit (NaN: the pool budget).",
             "limit_bytes",
         )  # fmt: skip

@@ -88,7 +88,8 @@ def routes(ctx: AppContext) -> list[Route]:
             limits[name] = {**dataclasses.asdict(r), "applied": r.applied,
                             "kv_cache_groups": m.engine.kv.group_stats(),
                             "sleeping": m.engine.sleeping,
-                            "sleep_level": m.engine.sleep_level}  # fmt: skip
+                            "sleep_level": m.engine.sleep_level,
+                            **m.engine.runner.weight_bytes()}  # fmt: skip
         pools = [
             {
                 "device": str(p.device),
