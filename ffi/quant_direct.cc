@@ -18,9 +18,9 @@ KVCACHED_VNNI inline __attribute__((always_inline)) __m512i load_pair(const uint
   return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
 }
 
-// NO output rows at a time (independent chains), NR activation rows.
+// NO output rows at a time (independent chains), NR activation rows from row r0.
 template <int BITS, int NR, int NO>
-KVCACHED_VNNI void direct_rows(const QuantMatmulArgs& a, const QuantizedRows& x, int64_t o) {
+KVCACHED_VNNI void direct_rows(const QuantMatmulArgs& a, const QuantizedRows& x, int64_t o, int64_t r0) {
   const int64_t k = a.k, nb = k / kBlock;
   const int64_t row_bytes = BITS == 4 ? k / 2 : k;
   const float zero = static_cast<float>(zero_point(BITS, a.mins != nullptr));
@@ -45,8 +45,9 @@ KVCACHED_VNNI void direct_rows(const QuantMatmulArgs& a, const QuantizedRows& x,
       const __m512 corr = _mm512_fnmadd_ps(_mm512_set1_ps(zero), d, mv);
       #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
-        sdx[j][r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(m16, x.d.data() + r * x.nbp + c));
-        cacc[j][r] = _mm512_fmadd_ps(corr, _mm512_maskz_loadu_ps(m16, x.xs.data() + r * x.nbp + c), cacc[j][r]);
+        const int64_t at = (r0 + r) * x.nbp + c;
+        sdx[j][r] = _mm512_mul_ps(d, _mm512_maskz_loadu_ps(m16, x.d.data() + at));
+        cacc[j][r] = _mm512_fmadd_ps(corr, _mm512_maskz_loadu_ps(m16, x.xs.data() + at), cacc[j][r]);
       }
     }
     __m512i idx = pat;
@@ -56,8 +57,8 @@ KVCACHED_VNNI void direct_rows(const QuantMatmulArgs& a, const QuantizedRows& x,
       __m512i xv[NR], xv2[NR];
       #pragma GCC unroll 4
       for (int r = 0; r < NR; ++r) {
-        xv[r] = _mm512_loadu_si512(x.q.data() + r * x.kp + b * kBlock);
-        xv2[r] = _mm512_loadu_si512(x.q2.data() + r * x.kp + b * kBlock);
+        xv[r] = _mm512_loadu_si512(x.q.data() + (r0 + r) * x.kp + b * kBlock);
+        xv2[r] = _mm512_loadu_si512(x.q2.data() + (r0 + r) * x.kp + b * kBlock);
       }
       #pragma GCC unroll 4
       for (int j = 0; j < NO; ++j) {
@@ -75,7 +76,9 @@ KVCACHED_VNNI void direct_rows(const QuantMatmulArgs& a, const QuantizedRows& x,
   #pragma GCC unroll 4
   for (int j = 0; j < NO; ++j) {
     #pragma GCC unroll 4
-    for (int r = 0; r < NR; ++r) a.out[r * a.n + o + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r], cacc[j][r]));
+    for (int r = 0; r < NR; ++r) {
+      a.out[(r0 + r) * a.n + o + j] = _mm512_reduce_add_ps(_mm512_add_ps(acc[j][r], cacc[j][r]));
+    }
   }
 }
 
@@ -94,31 +97,43 @@ inline void prefetch_rows(const QuantMatmulArgs& a, int64_t o, int64_t o1) {
   }
 }
 
-template <int BITS, int NR>
-KVCACHED_VNNI void direct_vnni(const QuantMatmulArgs& a, const QuantizedRows& x, int64_t o0, int64_t o1) {
-  constexpr int kNO = NR == 1 ? 4 : 2;  // outputs per pass: chains enough to hide latency
-  constexpr int kAhead = 4 * kNO;       // rows prefetched ahead
-  prefetch_rows(a, o0, std::min(o1, o0 + kAhead));
-  int64_t o = o0;
-  for (; o + kNO <= o1; o += kNO) {
-    prefetch_rows(a, o + kAhead, std::min(o1, o + kAhead + kNO));
-    direct_rows<BITS, NR, kNO>(a, x, o);
+// The rows in groups of up to 4 (registers: NO x NR accumulators): NO outputs' weights are
+// read from memory once and from L1 for the next groups.
+template <int BITS, int NO>
+KVCACHED_VNNI void direct_group(const QuantMatmulArgs& a, const QuantizedRows& x, int64_t o) {
+  for (int64_t r0 = 0; r0 < a.rows; r0 += 4) {
+    switch (std::min<int64_t>(4, a.rows - r0)) {
+      case 1:
+        direct_rows<BITS, 1, NO>(a, x, o, r0);
+        break;
+      case 2:
+        direct_rows<BITS, 2, NO>(a, x, o, r0);
+        break;
+      case 3:
+        direct_rows<BITS, 3, NO>(a, x, o, r0);
+        break;
+      default:
+        direct_rows<BITS, 4, NO>(a, x, o, r0);
+    }
   }
-  for (; o < o1; ++o) direct_rows<BITS, NR, 1>(a, x, o);
 }
 
 template <int BITS>
-DirectKernel direct_bits(int64_t rows) {
-  switch (rows) {
-    case 1:
-      return direct_vnni<BITS, 1>;
-    case 2:
-      return direct_vnni<BITS, 2>;
-    case 3:
-      return direct_vnni<BITS, 3>;
-    default:
-      return direct_vnni<BITS, 4>;
+KVCACHED_VNNI void direct_vnni(const QuantMatmulArgs& a, const QuantizedRows& x, int64_t o0, int64_t o1) {
+  const bool one = a.rows == 1;
+  const int64_t step = one ? 4 : 2;  // outputs per pass: chains enough to hide latency
+  const int64_t ahead = 4 * step;    // rows prefetched ahead
+  prefetch_rows(a, o0, std::min(o1, o0 + ahead));
+  int64_t o = o0;
+  for (; o + step <= o1; o += step) {
+    prefetch_rows(a, o + ahead, std::min(o1, o + ahead + step));
+    if (one) {
+      direct_rows<BITS, 1, 4>(a, x, o, 0);
+    } else {
+      direct_group<BITS, 2>(a, x, o);
+    }
   }
+  for (; o < o1; ++o) direct_group<BITS, 1>(a, x, o);
 }
 
 }  // namespace
@@ -145,7 +160,7 @@ KVCACHED_VNNI void permute_int4_pairs(QuantizedRows& x, int64_t rows) {
   }
 }
 
-DirectKernel direct_for(int bits, int64_t rows) { return bits == 4 ? direct_bits<4>(rows) : direct_bits<8>(rows); }
+DirectKernel direct_for(int bits) { return bits == 4 ? direct_vnni<4> : direct_vnni<8>; }
 
 
 }  // namespace quant

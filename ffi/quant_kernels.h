@@ -27,7 +27,7 @@ inline int zero_point(int bits, bool has_min) { return bits == 8 ? 128 : (has_mi
 // 512-bit kernel reads two blocks at a time with no tail.
 constexpr int64_t kPair = 2 * kBlock;
 constexpr int64_t kTileR = 4;  // activation rows one kernel call takes
-constexpr int64_t kDirectRows = 4;  // up to this many rows: the direct kernel (VNNI, group 32)
+constexpr int64_t kDirectRows = 32;  // up to this many rows: the direct kernel (VNNI, group 32)
 
 // Activation rows quantized per 32-block in two int8 planes (quant_matmul.cc's
 // quantize_rows): x = unit (256 hi + lo) with unit = max|x| / 127 / 256.
@@ -67,7 +67,7 @@ void run_outputs(const QuantMatmulArgs& a, const QuantizedRows& xr, TileKernel k
                  int64_t o0, int64_t o1);
 // The direct kernel for rows <= kDirectRows (VNNI, group 32); int4 needs the activations'
 // pairs permuted first.
-DirectKernel direct_for(int bits, int64_t rows);
+DirectKernel direct_for(int bits);
 void permute_int4_pairs(QuantizedRows& x, int64_t rows);
 
 __attribute__((target("avx2,fma"), always_inline)) inline float hsum256(__m256 v) {

@@ -141,7 +141,7 @@ void quant_matmul(const std::vector<QuantMatmulArgs>& parts, int64_t workers, co
   for (const auto& p : parts) {
     for (int64_t o = 0; o < p.n; o += size) chunks.push_back({&p, o, std::min(p.n, o + size)});
   }
-  const DirectKernel dk = direct ? direct_for(a.bits, a.rows) : nullptr;
+  const DirectKernel dk = direct ? direct_for(a.bits) : nullptr;
   const TileKernel kernel = tile_kernel_for(isa);
   const PrepareRow prepare = prepare_for(isa);
   parallel_for(static_cast<int64_t>(chunks.size()), workers, spawn, [&](int64_t t) {

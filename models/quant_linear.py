@@ -4,9 +4,8 @@ projections, ``QuantEmbed`` for a token table (lookups and tied logits).
 The weights stay packed on the device. :func:`quant_matmul` computes ``x @ W.T``:
 - on a CPU, the ``kvcached_quant_matmul`` custom call (AVX-512 VNNI / AVX2 / portable,
   chosen at run time; activations rounded per 32-block, integer dot products). The models
-  stand alone (no import of the C++ core): the call names its XLA FFI target, which
-  ``jax_kvcached.memory`` registers (a ``Pool`` or an ``Engine`` imports it; without it
-  XLA's lowering says the target is missing);
+  stand alone: the call names its XLA FFI target, and the C++ core that registers it
+  (``jax_kvcached.memory.ops``) is loaded when a CPU step is first traced, not imported;
 - elsewhere, XLA: the weight's dequantization written as the dot's operand, for XLA's
   GPU fusion to fold into the matmul (``scripts/gpu-check.sh`` checks the optimized HLO).
 ``jax.lax.platform_dependent`` picks the path when the step is lowered.
@@ -17,6 +16,7 @@ per device under ``jax.shard_map`` (inputs: a ``psum`` of the partial products).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import jax
@@ -49,6 +49,9 @@ Weight = tuple  # (q, scales, mins or None) of one packed weight
 
 
 def _kernel(x, weights: list, fmt: QuantFormat) -> list:
+    # The custom call's target lives in the C++ core; loading it registers every target
+    # (idempotent). A plug-in, not an import: the models work without it elsewhere.
+    importlib.import_module("jax_kvcached.memory.ops")
     rows = x.shape[0]
     outs = [jax.ShapeDtypeStruct((rows, q.shape[0]), jnp.float32) for q, _, _ in weights]
     operands = [x.astype(jnp.float32)]
