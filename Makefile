@@ -44,6 +44,8 @@ bench: install-test
 	$(BIN)/python benchmarks/bench_serving.py
 	$(BIN)/python benchmarks/bench_hybrid.py
 	$(BIN)/python benchmarks/bench_sleep.py
+	# llama.cpp beside it when --llama-python names a Python with llama-cpp-python
+	$(BIN)/python benchmarks/bench_quant.py
 
 clean:
 	rm -rf build $(VENV)

@@ -116,7 +116,7 @@ def _param(shape: tuple[int, ...], dtype: Any) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
 
 
-class _PackedWeight(nnx.Module):
+class PackedWeight(nnx.Module):
     """``q``, ``scales`` and ``mins`` of a packed (out, in) weight, ``layers`` deep when
     stacked (0: not). ``tp``: (mesh, split "out" | "in") once sharded."""
 
@@ -176,7 +176,7 @@ class _PackedWeight(nnx.Module):
         )(x, q, scales, mins)  # fmt: skip
 
 
-class QuantLinear(_PackedWeight):
+class QuantLinear(PackedWeight):
     """``x @ W.T + bias`` over a packed weight; stands in for ``nnx.Linear``."""
 
     def __init__(
@@ -196,7 +196,7 @@ class QuantLinear(_PackedWeight):
         return y.astype(dtype)
 
 
-class QuantEmbed(_PackedWeight):
+class QuantEmbed(PackedWeight):
     """A packed token table (vocab, hidden): lookups dequantize the rows they gather;
     ``attend`` (tied logits) is a packed matmul. Stands in for ``nnx.Embed``."""
 
@@ -221,7 +221,7 @@ def split_entries(mod: Any, split: str, tp: int) -> list[tuple[object, str, int]
     be whole groups (ValueError otherwise)."""
     if isinstance(mod, nnx.Embed):
         return [(mod, "embedding", 0)]
-    if isinstance(mod, _PackedWeight):
+    if isinstance(mod, PackedWeight):
         ndim = len(mod.q.get_value().shape)
         if split == "in" and (mod.features[0] // tp) % mod.fmt.group:
             raise ValueError(
@@ -254,7 +254,7 @@ def packed_bytes(model: Any) -> int:
     """Bytes of a model's packed weights (q, scales, mins)."""
     total = 0
     for _, node in nnx.iter_graph(model):
-        if isinstance(node, _PackedWeight):
+        if isinstance(node, PackedWeight):
             for name in node.packed_params():
                 v = getattr(node, name).get_value()
                 total += int(np.prod(v.shape)) * jnp.dtype(v.dtype).itemsize

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from .quant_format import AT_LOAD, Packed, QuantFormat, convert, quantize, widest
-from .quant_linear import QuantEmbed, QuantLinear, _PackedWeight
+from .quant_linear import PackedWeight, QuantEmbed, QuantLinear
 
 log = logging.getLogger("jax_kvcached.models")
 
@@ -80,7 +80,7 @@ def pack_model(model: Any, tensors: dict, quantization: str | None, path: str) -
         log.info("%s: packed weights: %s (%d tensors)", path or "model", note, count)
 
 
-def _packed_module(module: Any, fmt: QuantFormat, count: int, names: list) -> _PackedWeight:
+def _packed_module(module: Any, fmt: QuantFormat, count: int, names: list) -> PackedWeight:
     """The packed stand-in for ``module`` (shapes only: the loader fills the values)."""
     stacked = names[0][1] is not None
     if isinstance(module, nnx.Embed):
@@ -110,9 +110,9 @@ def _swap(model: Any, old: Any, new: Any) -> None:
 def assign_packed(targets: dict, tensors: dict, path: str) -> None:
     """Copies the packed tensors of ``targets`` (HF name -> (module, attr, transpose,
     index)) into their packed modules, checking shapes; removes them from ``tensors``."""
-    host: dict[int, tuple[_PackedWeight, dict[str, np.ndarray]]] = {}
+    host: dict[int, tuple[PackedWeight, dict[str, np.ndarray]]] = {}
     for name, (module, attr, _, index) in targets.items():
-        if not isinstance(module, _PackedWeight) or attr == "bias":
+        if not isinstance(module, PackedWeight) or attr == "bias":
             continue
         p = tensors.pop(name)
         if not isinstance(p, Packed):

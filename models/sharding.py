@@ -17,7 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from .quant_linear import _PackedWeight
+from .quant_linear import PackedWeight
 
 
 def shard_model(model: Any, mesh: Mesh) -> Any:
@@ -32,7 +32,7 @@ def shard_model(model: Any, mesh: Mesh) -> Any:
     entries = model.tensor_parallel_plan(tp)
     plan = {id(getattr(m, attr)): dim for m, attr, dim in entries}
     for m, attr, dim in entries:  # packed layers run their kernel per device
-        if isinstance(m, _PackedWeight) and attr == "q":
+        if isinstance(m, PackedWeight) and attr == "q":
             m.tp = (mesh, "out" if dim == len(m.q.get_value().shape) - 2 else "in")
     for _, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param):

@@ -175,6 +175,16 @@ def test_k_quants_load_into_the_nearest_format_and_the_log_names_it(caplog):
     a, b = np.asarray(m(toks, pos, att))[0, -1], np.asarray(full.model(toks, pos, att))[0, -1]
     assert a.argmax() == b.argmax()
     assert np.abs(a - b).max() < 0.1 * np.abs(b).max()
+    # The hybrid engine (a full and a sliding-window KV cache group) over packed weights.
+    import jax_kvcached as kv
+    from jax_kvcached import SamplingParams
+
+    with kv.Pool("256MiB", backend="host") as pool:
+        eng = kv.Engine(m, pool, max_model_len=256)
+        assert len(eng.kv.managers) == 2
+        out = eng.generate([list(np.asarray(toks[0]))], SamplingParams(max_tokens=3))[0]
+        assert out.token_ids[0] == int(a.argmax())
+        assert eng.stats()["weight_packed_bytes"] > 0.9 * eng.stats()["weight_bytes"]
 
 
 def _perplexity(pre, tokens):
