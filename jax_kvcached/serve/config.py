@@ -37,7 +37,7 @@ class ServeConfig:
     quantization: str = option(
         "auto",
         "packed weights: auto (a quantized GGUF stays packed, int8 / int4, others in "
-        "--dtype), int8 / int4 (every projection packed at load), none (dequantized)",
+        "the dtype), int8 / int4 (every projection packed at load), none (dequantized)",
         choices=QUANTIZATIONS,
     )  # fmt: skip
     chat_template: str | None = option(
