@@ -15,6 +15,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .interface import CausalLM
+from .quant_format import Packed
 from .quantize import assign_packed, check_quantization, pack_model
 from .registry import abstract_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -65,7 +66,17 @@ def load_checkpoint(
         raise FileNotFoundError(f"checkpoint {path!r}: no such folder or .gguf file")
     cfg = ModelConfig.from_dir(path)
     model = abstract_model(cfg, dtype=dtype or jnp.float32)
-    _assign(model, cfg, _read_tensors(path), path, quantization)
+    tensors = _read_tensors(path)
+    with open(os.path.join(path, "config.json")) as f:
+        qcfg = json.load(f).get("quantization_config")
+    if qcfg:  # AWQ / GPTQ / compressed-tensors: packed as stored (models/hf_quant.py)
+        from .hf_quant import read_quantized
+
+        read_quantized(tensors, qcfg, path)
+        if quantization == "none":
+            tensors = {k: v.dequantize() if isinstance(v, Packed) else v
+                       for k, v in tensors.items()}  # fmt: skip
+    _assign(model, cfg, tensors, path, quantization)
     return cfg, model
 
 

@@ -312,3 +312,125 @@ def test_a_weight_that_is_not_whole_groups_fails_the_load_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"tiny.gguf: model\.\S+\.weight .*not whole groups of 32"):
         load_checkpoint(str(path), quantization="int8")
     load_checkpoint(str(path))  # its float weights load as they are
+
+
+# -- Hugging Face folders with a quantization_config --------------------------------------
+def _words(nibbles: np.ndarray) -> np.ndarray:
+    """Shifted nibbles (..., 8) summed into int32 words, owning their bytes."""
+    return nibbles.sum(-1).astype(np.uint32).view(np.int32).copy()
+
+
+def _hf_folder(tmp_path, method: str):
+    # (int32 words are copied out of their uint32 views: safetensors writes a view's base)
+    """tiny-llama's weights rounded to 4 bits per group of 32 with zero points, written in
+    ``method``'s layout (written here from the formats' public descriptions), with the
+    float weights those values stand for."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+    from jax_kvcached.models.loader import _read_tensors  # noqa: F401  (the reader used)
+
+    cfg = BUILTIN_CONFIGS["tiny-llama"]
+    model = build_model(cfg)
+    rng = np.random.default_rng(7)
+    tensors, want = {}, {}
+    for name, (module, attr, transpose, index) in model.hf_weights().items():
+        v = np.asarray(getattr(module, attr).get_value())
+        v = v if index is None else v[index]
+        v = v.T if transpose else v
+        if not name.endswith("_proj.weight"):
+            tensors[name] = np.ascontiguousarray(v)
+            continue
+        out, inputs = v.shape
+        g = 32
+        u = rng.integers(0, 16, (out, inputs)).astype(np.uint32)
+        z = rng.integers(0, 16, (out, inputs // g)).astype(np.uint32)
+        s = (rng.random((out, inputs // g)) * 0.02 + 0.001).astype(np.float16)
+        if method == "compressed":
+            z[:] = 8  # symmetric
+        if method == "gptq":
+            z = np.maximum(z, 1)  # v1 stores z - 1 in a nibble (a zero point of 0 reads as 16)
+        want[name] = ((u.astype(np.float32) - np.repeat(z, g, 1)) *
+                      np.repeat(s.astype(np.float32), g, 1))  # fmt: skip
+        p = name[: -len(".weight")]
+        shifts = (4 * np.arange(8)).astype(np.uint32)
+        if method == "awq":  # (in, out/8), columns 0 2 4 6 1 3 5 7 in nibbles 0..7
+            cols = u.T.reshape(inputs, out // 8, 8)[..., list((0, 2, 4, 6, 1, 3, 5, 7))]
+            tensors[p + ".qweight"] = _words(cols << shifts)
+            zc = z.T.reshape(inputs // g, out // 8, 8)[..., list((0, 2, 4, 6, 1, 3, 5, 7))]
+            tensors[p + ".qzeros"] = _words(zc << shifts)
+            tensors[p + ".scales"] = np.ascontiguousarray(s.T)
+        elif method == "gptq":  # (in/8, out), rows in order; zeros stored minus one
+            rows = u.T.reshape(inputs // 8, 8, out).transpose(0, 2, 1)
+            tensors[p + ".qweight"] = _words(rows << shifts)
+            zc = (z.T - 1).reshape(inputs // g, out // 8, 8)
+            tensors[p + ".qzeros"] = _words(zc << shifts)
+            tensors[p + ".scales"] = np.ascontiguousarray(s.T)
+            tensors[p + ".g_idx"] = (np.arange(inputs) // g).astype(np.int32)
+        else:  # compressed-tensors pack-quantized: (out, in/8), inputs in order, q + 8
+            words = u.reshape(out, inputs // 8, 8)
+            packed = (words << shifts).sum(-1).astype(np.uint32)
+            tensors[p + ".weight_packed"] = packed.view(np.int32).copy()
+            tensors[p + ".weight_scale"] = s
+    qcfg = {
+        "awq": {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"},
+        "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False},
+        "compressed": {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                       "config_groups": {"group_0": {"weights": {"num_bits": 4,
+                                                                 "symmetric": True}}}},
+    }[method]  # fmt: skip
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+          "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+          "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+          "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+          "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_position_embeddings,
+          "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+          "tie_word_embeddings": cfg.tie_word_embeddings, "quantization_config": qcfg}  # fmt: skip
+    folder = tmp_path / method
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder, want
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed"])
+def test_quantized_hf_folders_load_packed(tmp_path, method):
+    from jax_kvcached.models.loader import load_checkpoint
+
+    folder, want = _hf_folder(tmp_path, method)
+    _, model = load_checkpoint(str(folder))
+    q = model.layers.self_attn.q_proj
+    assert isinstance(q, QuantLinear) and q.fmt.bits == 4
+    got = np.asarray(dequantize(np.asarray(q.q.get_value()[1]), np.asarray(q.scales.get_value()[1]),
+                                None if q.mins is None else np.asarray(q.mins.get_value()[1]),
+                                q.fmt))  # fmt: skip
+    # the values and scales as stored; a zero point's min rounded to float16
+    np.testing.assert_allclose(got, want["model.layers.1.self_attn.q_proj.weight"],
+                               atol=2e-3 * np.abs(got).max())  # fmt: skip
+    _, full = load_checkpoint(str(folder), quantization="none")
+    w = np.asarray(full.layers.mlp.down_proj.kernel.get_value()[0]).T
+    np.testing.assert_allclose(w, want["model.layers.0.mlp.down_proj.weight"],
+                               atol=2e-3 * np.abs(w).max())  # fmt: skip
+
+
+def test_an_act_order_gptq_folder_fails_naming_the_tensor(tmp_path):
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from jax_kvcached.models.loader import load_checkpoint
+
+    folder, _ = _hf_folder(tmp_path, "gptq")
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.g_idx"
+    tensors[name] = np.ascontiguousarray(tensors[name][::-1])
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"{name}: act-order"):
+        load_checkpoint(str(folder))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported"):
+        load_checkpoint(str(folder))
