@@ -150,14 +150,15 @@ def bench_bytes() -> dict:
         return sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
 
     full = load_pretrained(MODEL, dtype=jnp.float32, quantization="none")
+    packed = load_pretrained(MODEL, dtype=jnp.float32).model
     out = {
         "float32": nbytes(full.model),
         "bfloat16": nbytes(load_pretrained(MODEL, dtype=jnp.bfloat16, quantization="none").model),
         "int8": nbytes(repack(full.model, full.config, "int8")),
         "int4": nbytes(repack(full.model, full.config, "int4")),
-        "file_packed": nbytes(load_pretrained(MODEL, dtype=jnp.float32).model),
+        "file_packed": nbytes(packed),
     }
-    out["file_packed_share"] = packed_bytes(load_pretrained(MODEL).model) / out["file_packed"]
+    out["file_packed_share"] = packed_bytes(packed) / out["file_packed"]
     ratios = {k: out[k] / out["bfloat16"] for k in ("float32", "int8", "int4", "file_packed")}
     print("\nWeight bytes (SmolLM2-135M)")
     for k in ("float32", "bfloat16", "int8", "int4", "file_packed"):

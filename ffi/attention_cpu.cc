@@ -1,13 +1,9 @@
 #include "attention_cpu.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <shared_mutex>
 #include <string>
 #include <utility>

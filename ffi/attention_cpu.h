@@ -26,7 +26,6 @@ struct AttendArgs {
   float* out;              // (tokens, kv_heads, groups, head_dim), normalised; 0 where no sequence
 };
 
-
 // Validates the ragged layout (query ranges inside the token axis, disjoint, no longer
 // than their sequence) and, under the buffer's shared lock, the block tables (from the
 // first block a window lets any row see); then computes causal attention of every query

@@ -142,7 +142,7 @@ KVCACHED_VNNI void direct_vnni(const QuantMatmulArgs& a, const QuantizedRows& x,
 // Scales and the zero-point / min terms are done 16 blocks at a time in float vectors;
 // each pair of blocks takes its two scales from them with one permute. int4 nibbles are
 // split in registers, so the activations are laid out per pair as [x0 0:16, x1 0:16,
-// x0 16:32, x1 16:32] (Direct::perm) to meet them: dpbusd lanes 0-3 and 8-11 are the
+// x0 16:32, x1 16:32] (permute_int4_pairs) to meet them: dpbusd lanes 0-3 and 8-11 are the
 // first block's, 4-7 and 12-15 the second's.
 KVCACHED_VNNI void permute_int4_pairs(QuantizedRows& x, int64_t rows) {
   std::vector<int8_t> tmp(static_cast<size_t>(kPair));
@@ -161,7 +161,6 @@ KVCACHED_VNNI void permute_int4_pairs(QuantizedRows& x, int64_t rows) {
 }
 
 DirectKernel direct_for(int bits) { return bits == 4 ? direct_vnni<4> : direct_vnni<8>; }
-
 
 }  // namespace quant
 }  // namespace kvcached

@@ -92,6 +92,5 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 fdot256(const f
 
 #define KVCACHED_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 
-
 }  // namespace quant
 }  // namespace kvcached

@@ -157,20 +157,13 @@ void quant_matmul(const std::vector<QuantMatmulArgs>& parts, int64_t workers, co
 std::string quant_isa() { return isa_name(current_isa()); }
 
 void set_quant_isa(const std::string& name) {
-  QuantIsa isa;
-  if (name == "auto") {
-    isa = QuantIsa::kAuto;
-  } else if (name == "portable") {
-    isa = QuantIsa::kPortable;
-  } else if (name == "avx2") {
-    isa = QuantIsa::kAvx2;
-  } else if (name == "avx512_vnni") {
-    isa = QuantIsa::kAvx512Vnni;
-  } else {
-    throw Error("unknown instruction set '" + name + "' (auto, portable, avx2, avx512_vnni)");
+  for (QuantIsa isa : {QuantIsa::kAuto, QuantIsa::kPortable, QuantIsa::kAvx2, QuantIsa::kAvx512Vnni}) {
+    if (name != isa_name(isa)) continue;
+    if (!cpu_has(isa)) throw Error("this CPU has no " + name);
+    g_isa.store(isa);
+    return;
   }
-  if (!cpu_has(isa)) throw Error("this CPU has no " + name);
-  g_isa.store(isa);
+  throw Error("unknown instruction set '" + name + "' (auto, portable, avx2, avx512_vnni)");
 }
 
 }  // namespace kvcached

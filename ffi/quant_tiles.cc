@@ -232,7 +232,8 @@ void run_outputs(const QuantMatmulArgs& a, const QuantizedRows& xr, TileKernel k
   const bool wide = !xr.d16.empty();
   if (wide) t.scale16.assign(static_cast<size_t>(kTileN * t.nbp * 8), 0.f);
   for (int64_t t0 = o0; t0 < o1; t0 += kTileN) {
-    const int64_t live = std::min(kTileN, o1 - t0);  // rows past the end stay zero
+    // Rows past the end keep the previous tile's weights: computed, never written out.
+    const int64_t live = std::min(kTileN, o1 - t0);
     for (int64_t i = 0; i < live; ++i) {
       prepare(a, t0 + i, zero, t.u.data() + i * t.kp, t.scale.data() + i * t.nbp, t.corr.data() + i * t.nbp);
       if (wide) expand16(t.scale.data() + i * t.nbp, t.nbp, t.scale16.data() + i * t.nbp * 8);

@@ -16,7 +16,7 @@ import numpy as np
 from .config import ModelConfig
 from .interface import CausalLM
 from .quant_format import Packed
-from .quantize import assign_packed, check_quantization, pack_model
+from .quantize import check_quantization, pack_model, packed_targets
 from .registry import abstract_model
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -109,11 +109,9 @@ def _assign(
             f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
             f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
         )
-    assign_packed(targets, tensors, path)
+    targets = packed_targets(targets, tensors, path)  # a packed weight: one entry per array
     stacked: dict[int, tuple[object, np.ndarray]] = {}  # id(param) -> (param, host rows)
     for name, (module, attr, transpose, index) in targets.items():
-        if name not in tensors:  # packed: assigned above
-            continue
         value = tensors.pop(name)  # (released as it is copied)
         if transpose:
             value = value.T

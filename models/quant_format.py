@@ -16,6 +16,7 @@ formats with group 32, exactly; its other quantized types load into the nearest
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
@@ -101,10 +102,11 @@ class Packed:
         return dequantize(self.q, self.scales, self.mins, self.fmt)
 
 
-def unpack_int4(q: np.ndarray) -> np.ndarray:
-    """uint8 (..., in / 2) in the nibble layout -> nibbles (..., in) as uint8."""
+def unpack_int4(q: Any, xp: Any = np) -> Any:
+    """uint8 (..., in / 2) in the nibble layout -> nibbles (..., in) as uint8 (``xp``:
+    numpy, or ``jax.numpy`` inside a traced step)."""
     blocks = q.reshape(*q.shape[:-1], -1, BLOCK // 2)
-    u = np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1)
+    u = xp.concatenate([blocks & 0x0F, blocks >> 4], axis=-1)
     return u.reshape(*q.shape[:-1], q.shape[-1] * 2)
 
 
@@ -114,21 +116,24 @@ def pack_int4(u: np.ndarray) -> np.ndarray:
     return (blocks[..., 0, :] | (blocks[..., 1, :] << 4)).reshape(*u.shape[:-1], -1)
 
 
-def levels(q: np.ndarray, fmt: QuantFormat) -> np.ndarray:
+def levels(q: Any, fmt: QuantFormat, dtype: Any = np.float32, xp: Any = np) -> Any:
     """The integer each weight stands for before its scale: int8 q, int4 u - 8 (symmetric)
-    or u (with mins), as float32 (..., in)."""
+    or u (with mins), in ``dtype`` (..., in)."""
     if fmt.bits == 8:
-        return q.astype(np.float32)
-    u = unpack_int4(q).astype(np.float32)
-    return u if fmt.has_min else u - 8.0
+        return q.astype(dtype)
+    u = unpack_int4(q, xp).astype(dtype)
+    return u if fmt.has_min else u - 8
 
 
-def dequantize(q, scales, mins, fmt: QuantFormat) -> np.ndarray:
-    v = levels(q, fmt)
+def dequantize(q: Any, scales: Any, mins: Any, fmt: QuantFormat, dtype: Any = np.float32,
+               xp: Any = np) -> Any:  # fmt: skip
+    """Packed (..., out, cols) -> the weight (..., out, in) in ``dtype``; with ``xp`` =
+    ``jax.numpy`` the expression XLA folds into a dot (``quant_linear``)."""
+    v = levels(q, fmt, dtype, xp)
     shape = v.shape
-    v = v.reshape(*shape[:-1], -1, fmt.group) * scales.astype(np.float32)[..., None]
+    v = v.reshape(*shape[:-1], -1, fmt.group) * scales.astype(dtype)[..., None]
     if mins is not None:
-        v = v + mins.astype(np.float32)[..., None]
+        v = v + mins.astype(dtype)[..., None]
     return v.reshape(shape)
 
 

@@ -24,25 +24,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .quant_format import BLOCK, Packed, QuantFormat
+from . import quant_format
+from .quant_format import QuantFormat
 
 QUANT_IMPLS = ("auto", "kernel", "xla")
 
 
 def dequantize(q: jax.Array, scales: jax.Array, mins: jax.Array | None, fmt: QuantFormat,
                dtype: Any) -> jax.Array:  # fmt: skip
-    """Packed (..., out, cols) -> (..., out, in) in ``dtype`` (what XLA folds into a dot)."""
-    if fmt.bits == 8:
-        v = q.astype(dtype)
-    else:
-        b = q.reshape(*q.shape[:-1], -1, BLOCK // 2)
-        u = jnp.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(*q.shape[:-1], -1)
-        v = u.astype(dtype) - (0 if fmt.has_min else 8)
-    inputs = v.shape[-1]
-    v = v.reshape(*v.shape[:-1], -1, fmt.group) * scales.astype(dtype)[..., None]
-    if mins is not None:
-        v = v + mins.astype(dtype)[..., None]
-    return v.reshape(*v.shape[:-2], inputs)
+    """Packed (..., out, cols) -> (..., out, in) in ``dtype`` (what XLA folds into a dot):
+    :func:`.quant_format.dequantize` over ``jax.numpy``."""
+    return quant_format.dequantize(q, scales, mins, fmt, dtype, xp=jnp)
 
 
 Weight = tuple  # (q, scales, mins or None) of one packed weight
@@ -134,15 +126,6 @@ class PackedWeight(nnx.Module):
 
     def packed_params(self) -> list[str]:
         return ["q", "scales"] + (["mins"] if self.mins is not None else [])
-
-    def set_rows(self, host: dict[str, np.ndarray], index: int | None, p: Packed) -> None:
-        """Copies ``p`` into host buffers for this weight's params (``index``: its layer)."""
-        arrays = {"q": p.q, "scales": p.scales, "mins": p.mins}
-        for name in self.packed_params():
-            if index is None:
-                host[name][...] = arrays[name]
-            else:
-                host[name][index] = arrays[name]
 
     def weight(self) -> Weight:
         return (self.q[...], self.scales[...], None if self.mins is None else self.mins[...])

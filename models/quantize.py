@@ -18,7 +18,6 @@ import collections
 import logging
 from typing import Any
 
-import numpy as np
 from flax import nnx
 
 from .quant_format import AT_LOAD, Packed, QuantFormat, convert, quantize, widest
@@ -75,12 +74,12 @@ def pack_model(model: Any, tensors: dict, quantization: str | None, path: str) -
                       "one format; exact)"] += 1  # fmt: skip
                 tensors[n] = convert(p, fmt)
             notes[f"{tensors[n].source} -> {fmt.name}"] += 1
-        _swap(model, modules[key], _packed_module(modules[key], fmt, len(names), names))
+        _swap(model, modules[key], _packed_module(modules[key], fmt, names))
     for note, count in sorted(notes.items()):
         log.info("%s: packed weights: %s (%d tensors)", path or "model", note, count)
 
 
-def _packed_module(module: Any, fmt: QuantFormat, count: int, names: list) -> PackedWeight:
+def _packed_module(module: Any, fmt: QuantFormat, names: list) -> PackedWeight:
     """The packed stand-in for ``module`` (shapes only: the loader fills the values)."""
     stacked = names[0][1] is not None
     if isinstance(module, nnx.Embed):
@@ -107,29 +106,25 @@ def _swap(model: Any, old: Any, new: Any) -> None:
     raise ValueError("module to replace not found in the model")
 
 
-def assign_packed(targets: dict, tensors: dict, path: str) -> None:
-    """Copies the packed tensors of ``targets`` (HF name -> (module, attr, transpose,
-    index)) into their packed modules, checking shapes; removes them from ``tensors``."""
-    host: dict[int, tuple[PackedWeight, dict[str, np.ndarray]]] = {}
-    for name, (module, attr, _, index) in targets.items():
+def packed_targets(targets: dict, tensors: dict, path: str) -> dict:
+    """``targets`` (HF name -> (module, attr, transpose, index)) with each packed layer's
+    weight entry replaced by one per array it holds (values, scales, mins: ``NAME:q``...),
+    and ``tensors`` likewise, so the loader copies them as it copies any parameter. Checks
+    that each tensor is packed in its layer's format and shape."""
+    out = {}
+    for name, (module, attr, transpose, index) in targets.items():
         if not isinstance(module, PackedWeight) or attr == "bias":
+            out[name] = (module, attr, transpose, index)
             continue
         p = tensors.pop(name)
         if not isinstance(p, Packed):
             raise ValueError(f"{path}: {name} is not packed but its layer is")
-        inputs, out = module.features
-        if p.shape != (out, inputs) or p.fmt != module.fmt:
+        inputs, n = module.features
+        if p.shape != (n, inputs) or p.fmt != module.fmt:
             raise ValueError(f"{path}: {name}: {p.fmt.name} {p.shape} != the layer's "
-                             f"{module.fmt.name} {(out, inputs)}")  # fmt: skip
-        if id(module) not in host:
-            bufs = {}
-            for attr in module.packed_params():
-                v = getattr(module, attr).get_value()
-                bufs[attr] = np.empty(v.shape, np.dtype(v.dtype))
-            host[id(module)] = (module, bufs)
-        module.set_rows(host[id(module)][1], index, p)
-    import jax.numpy as jnp
-
-    for module, bufs in host.values():
-        for attr, value in bufs.items():
-            getattr(module, attr).set_value(jnp.asarray(value))
+                             f"{module.fmt.name} {(n, inputs)}")  # fmt: skip
+        arrays = {"q": p.q, "scales": p.scales, "mins": p.mins}
+        for array in module.packed_params():
+            out[f"{name}:{array}"] = (module, array, False, index)
+            tensors[f"{name}:{array}"] = arrays[array]
+    return out

@@ -325,7 +325,6 @@ def _hf_folder(tmp_path, method: str):
     from safetensors.numpy import save_file
 
     from jax_kvcached.models import BUILTIN_CONFIGS, build_model
-    from jax_kvcached.models.loader import _read_tensors  # noqa: F401  (the reader used)
 
     cfg = BUILTIN_CONFIGS["tiny-llama"]
     model = build_model(cfg)
