@@ -7,6 +7,9 @@ fp32 (the old path), and by llama.cpp (llama-cpp-python, ``--llama-python``: the
 interpreter that has it, so it stays out of this project's environment) with as many
 threads as this process's XLA pool (``--threads``); rounds alternate the three, medians
 reported. Batch 8 and 32: our aggregate decode tokens/s, packed vs fp32.
+``--parts prefill``: four 256-token prompts prefilled together: packed with the row-count
+dispatch (``quant_linear.KERNEL_MAX_ROWS``), packed through the kernel at every row
+count, and fp32.
 ``--parts bytes``: weight bytes of SmolLM2 in fp32, bf16, int8 and int4 (quantized at
 load) and as the file packs it, and the ratios to bf16.
 ``--parts density``: SmolLM2 models that fit awake in one 2 GiB budget with room for a
@@ -136,6 +139,40 @@ def bench_decode(rounds: int, batches: list[int], python: str | None, threads: i
     return out
 
 
+def bench_prefill(rounds: int) -> dict:
+    """Four 256-token prompts prefilled together (first token only), tokens/s: the packed
+    file with the row-count dispatch (auto), with the kernel for every row count, and
+    dequantized to fp32."""
+    import numpy as np
+
+    from jax_kvcached.models import quant_linear
+
+    pool = kv.Pool("2GiB", backend="host")
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    default = quant_linear.KERNEL_MAX_ROWS
+    for name, q, max_rows in (("packed", None, default), ("packed_kernel_only", None, 1 << 30),
+                              ("fp32", "none", default)):  # fmt: skip
+        quant_linear.KERNEL_MAX_ROWS = max_rows  # read when the steps are traced
+        eng = Engine.from_pretrained(MODEL, pool, quantization=q, name=name, max_batch=8,
+                                     max_model_len=1024)  # fmt: skip
+        runs = []
+        for r in range(rounds + 1):
+            ids = [[int(t) for t in rng.integers(100, 40000, 256)] for _ in range(4)]
+            t0 = time.perf_counter()
+            eng.generate(ids, SamplingParams(max_tokens=1))
+            if r:  # the first compiles
+                runs.append(1024 / (time.perf_counter() - t0))
+        eng.close()
+        out[name] = {"tok_s": statistics.median(runs), "runs": runs}
+    quant_linear.KERNEL_MAX_ROWS = default
+    pool.close()
+    print("\nPrefill, 4 x 256 tokens (median tok/s)")
+    for name, o in out.items():
+        print(f"{name:20s} {o['tok_s']:7.1f}")
+    return out
+
+
 def bench_bytes() -> dict:
     import jax.numpy as jnp
 
@@ -219,7 +256,7 @@ def bench_wake(rounds: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="decode,bytes,density,wake")
+    p.add_argument("--parts", default="decode,prefill,bytes,density,wake")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batches", default="1,8,32")
     p.add_argument("--llama-python", default=None,
@@ -245,6 +282,8 @@ def main() -> None:
     if "decode" in parts:
         batches = [int(b) for b in args.batches.split(",")]
         result["decode"] = bench_decode(args.rounds, batches, python, args.threads)
+    if "prefill" in parts:
+        result["prefill"] = bench_prefill(args.rounds)
     if "bytes" in parts:
         result["bytes"] = bench_bytes()
     if "density" in parts:

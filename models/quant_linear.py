@@ -17,6 +17,7 @@ per device under ``jax.shard_map`` (inputs: a ``psum`` of the partial products).
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 import jax
@@ -28,6 +29,11 @@ from . import quant_format
 from .quant_format import QuantFormat
 
 QUANT_IMPLS = ("auto", "kernel", "xla")
+# "auto" on a CPU: the kernel up to this many rows (decode; weight bandwidth bound), XLA's
+# float32 dot over the dequantized weight above it (prefill; compute bound, where XLA's
+# dot outruns the kernel: 4 x 256-token prefill 464 vs 364 tok/s through the kernel;
+# benchmarks/bench_quant.py, part "prefill"). Decode-sized steps through XLA were slower.
+KERNEL_MAX_ROWS = int(os.environ.get("KVCACHED_QUANT_KERNEL_MAX_ROWS", "32"))
 
 
 def dequantize(q: jax.Array, scales: jax.Array, mins: jax.Array | None, fmt: QuantFormat,
@@ -70,7 +76,7 @@ def quant_matmuls(x: jax.Array, weights: list, fmt: QuantFormat, impl: str = "au
     weights = [tuple(w) for w in weights]
     if impl == "kernel":
         return list(_kernel(x, weights, fmt))
-    if impl == "xla":
+    if impl == "xla" or x.shape[0] > KERNEL_MAX_ROWS:
         return _xla(x, weights, fmt)
     return list(jax.lax.platform_dependent(
         x, weights, cpu=lambda x, w: list(_kernel(x, w, fmt)), default=lambda x, w: _xla(x, w, fmt),

@@ -69,6 +69,10 @@ def test_parse_completion_defaults_and_errors():
         ({"model": "m", "prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids"),
         ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
         ({"model": "m", "prompt": "x", "stream_options": {"other": 1}}, "stream_options"),
+        ({"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
+         "stream_options"),  # not streamed
+        ({"model": "m", "prompt": "x", "stream": True,
+          "stream_options": {"continuous_usage_stats": 1}}, "continuous_usage_stats"),
     ]:
         with pytest.raises(APIError) as e:
             parse_completion(body)

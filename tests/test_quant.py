@@ -27,6 +27,7 @@ from jax_kvcached.models.quant_format import (
     reference_matmul,
 )
 from jax_kvcached.models.quant_linear import (
+    KERNEL_MAX_ROWS,
     QuantEmbed,
     QuantLinear,
     packed_bytes,
@@ -107,6 +108,22 @@ def test_several_weights_in_one_call_equal_one_call_each():
         for y, p in zip(together, ps, strict=True):
             alone = quant_matmul(x, *_args(p), fmt)
             np.testing.assert_array_equal(np.asarray(y), np.asarray(alone))
+
+
+def test_auto_runs_the_kernel_for_few_rows_and_xla_for_many():
+    """Decode-sized steps (up to KERNEL_MAX_ROWS rows) read the packed weights in the
+    custom call; prefill-sized ones take XLA's dot of the dequantized weight (faster
+    there: bench_quant's rows / prefill parts), with the same products."""
+    rng = np.random.default_rng(2)
+    fmt = QuantFormat(4, has_min=True)
+    p = quantize(rng.standard_normal((64, 128)).astype(np.float32), fmt)
+    for rows in (1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 4 * KERNEL_MAX_ROWS):
+        x = jnp.asarray(rng.standard_normal((rows, 128)).astype(np.float32))
+        f = jax.jit(lambda x: quant_matmul(x, *_args(p), fmt))
+        hlo = f.lower(x).as_text()
+        assert ("kvcached_quant_matmul" in hlo) == (rows <= KERNEL_MAX_ROWS), rows
+        kernel = quant_matmul(x, *_args(p), fmt, impl="kernel")
+        np.testing.assert_allclose(np.asarray(f(x)), np.asarray(kernel), rtol=1e-3, atol=1e-3)
 
 
 def test_rounding_to_nearest_and_exact_conversions():

@@ -173,6 +173,16 @@ def test_chat_completion_streaming_and_not(server):
     assert events[-1]["usage"]["completion_tokens"] == 6 and events[-1]["choices"] == []
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
     assert text == msg["content"]
+    # vLLM's continuous_usage_stats (guidellm sends it): running usage in every chunk
+    events = sse_events(
+        server.url, "/v1/chat/completions",
+        {**body, "stream": True,
+         "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    )  # fmt: skip
+    done = [e["usage"]["completion_tokens"] for e in events if e["choices"]
+            and "content" in e["choices"][0]["delta"] and e["choices"][0]["delta"]["content"]]
+    assert done == sorted(done) and done[-1] == 6 and len(done) >= 2
+    assert all("usage" in e for e in events[1:])  # (the role chunk precedes any token)
 
 
 def test_stop_string_ends_the_request(server):

@@ -93,6 +93,9 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's stream_options.continuous_usage_stats: running usage in every chunk (with
+    # include_usage only, as vLLM does).
+    continuous_usage: bool = False
 
     def sampling(
         self, max_tokens: int, index: int = 0, defaults: dict[str, float] | None = None
@@ -222,8 +225,11 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
     ):
         raise _bad("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
     opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict) or set(opts) - {"include_usage"}:
-        raise _bad("'stream_options' supports only include_usage", "stream_options")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise _bad(
+            "'stream_options' supports only include_usage and continuous_usage_stats",
+            "stream_options",
+        )
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise _bad("'cache_salt' must be a string", "cache_salt")
@@ -232,6 +238,8 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
     max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
     n = _int(body, "n", 1, 1, MAX_N)
     stream = _flag(body, "stream")
+    if opts and not stream:  # (as OpenAI and vLLM answer)
+        raise _bad("'stream_options' needs 'stream': true", "stream_options")
     echo = False if chat else _flag(body, "echo")
     if chat:
         top = _int(body, "top_logprobs", None, 0, 20)
@@ -268,7 +276,8 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
         seed=_seed(body),
         stop=stop,
         stream=stream,
-        include_usage=bool(opts.get("include_usage", False)),
+        include_usage=_flag(opts, "include_usage"),
+        continuous_usage=_flag(opts, "continuous_usage_stats") and _flag(opts, "include_usage"),
         ignore_eos=_flag(body, "ignore_eos"),
         cache_salt=salt,
     )

@@ -409,6 +409,9 @@ async def generate(
         except BaseException as e:  # (the client went away: the stream is closed)
             await out.put((index, "error", APIError(500, repr(e), "server_error")))
 
+    def running() -> dict:
+        return {"usage": _usage(choices)} if req.continuous_usage else {}
+
     async def stream() -> AsyncIterator[str]:
         tasks = []
         try:
@@ -428,10 +431,12 @@ async def generate(
                 if kind == "text":
                     text, entries = value
                     lps = build.logprobs(c, entries, False) if entries else None
-                    yield _sse({**head, "choices": [build.delta(index, text, lps, None)]})
+                    yield _sse({**head, "choices": [build.delta(index, text, lps, None)],
+                                **running()})  # fmt: skip
                 elif kind == "done":
                     left -= 1
-                    yield _sse({**head, "choices": [build.delta(index, None, None, value)]})
+                    yield _sse({**head, "choices": [build.delta(index, None, None, value)],
+                                **running()})  # fmt: skip
                 else:
                     left -= 1
                     failed = True
