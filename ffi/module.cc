@@ -15,6 +15,7 @@
 #include "host_arena.h"
 #include "kv_buffer.h"
 #include "page_pool.h"
+#include "grouped_matmul.h"
 #include "quant_matmul.h"
 #include "registry.h"
 
@@ -280,6 +281,7 @@ NB_MODULE(_C, m) {
   cpu["unmap_pages"] = handler(kvcached_unmap_pages_cpu);
   cpu["paged_attention"] = handler(kvcached_paged_attention_cpu);
   cpu["quant_matmul"] = handler(kvcached_quant_matmul_cpu);
+  cpu["grouped_matmul"] = handler(kvcached_grouped_matmul_cpu);
 #ifdef KVCACHED_WITH_CUDA
   nb::dict cuda;
   cuda["write_kv"] = handler(kvcached_write_kv_cuda);
@@ -294,6 +296,10 @@ NB_MODULE(_C, m) {
   m.def("set_quant_isa", &set_quant_isa, nb::arg("name"),
         "Forces quant_matmul's instruction set (portable, avx2, avx512_vnni; auto: the best "
         "this CPU has). Raises KVCacheError when the CPU lacks it.");
+  m.def("grouped_isa", &grouped_isa, "The instruction set grouped_matmul uses on this CPU.");
+  m.def("set_grouped_isa", &set_grouped_isa, nb::arg("name"),
+        "Forces grouped_matmul's instruction set (portable, avx512; auto: the best this CPU "
+        "has). Raises KVCacheError when the CPU lacks it.");
   m.def("handler_metadata", &handler_metadata, nb::arg("handler"),
         "What a handler capsule (from `handlers`) declares to XLA: its FFI api_version, traits "
         "and whether it may be captured into a command buffer (CUDA graph).");

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from . import registry
+from .moe import MoEConfig, moe_from_hf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,9 @@ class ModelConfig:
     # and sliding layers rotate with their own RoPE base (None: rope_theta).
     query_pre_attn_scalar: float | None = None
     rope_local_theta: float | None = None
+    # Mixture-of-experts feed-forward (models/moe.py) on every layer not in its
+    # dense_layers; None: dense MLPs of intermediate_size everywhere.
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -51,6 +55,10 @@ class ModelConfig:
         ):
             if getattr(self, f) <= 0:
                 raise ValueError(f"model config: {f} must be positive")
+        dense = self.moe.dense_layers if self.moe is not None else ()
+        if any(not 0 <= i < self.num_layers for i in dense):
+            raise ValueError(f"model config: moe dense_layers {self.moe.dense_layers} outside "
+                             f"the {self.num_layers} layers")  # fmt: skip
         if self.num_heads % self.num_kv_heads:
             raise ValueError("model config: num_heads must be a multiple of num_kv_heads")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -125,12 +133,13 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             sliding_window=int(window) if window else None,
             layer_types=tuple(layer_types) if layer_types and window else None,
+            moe=moe_from_hf(cfg, model_type) if model_type in MOE_TYPES else None,
         )
 
     @classmethod
@@ -140,6 +149,7 @@ class ModelConfig:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MOE_TYPES = ("qwen3_moe",)
 
 
 def _gemma3_from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -278,6 +288,26 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         bos_token_id=256,
         eos_token_id=257,
         qk_norm=True,
+    ),
+    # Qwen3-MoE's shape in small: 8 experts, 2 a token, the first layer dense
+    # (mlp_only_layers), so both kinds of layer run.
+    "tiny-qwen3-moe": ModelConfig(
+        vocab_size=320,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        model_type="qwen3_moe",
+        bos_token_id=256,
+        eos_token_id=257,
+        qk_norm=True,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
+                      dense_layers=(0,)),  # fmt: skip
     ),
     # Gemma 3's shape in small: 5 local layers (window 16) to 1 global one.
     "tiny-gemma3": ModelConfig(

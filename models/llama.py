@@ -21,9 +21,10 @@ from flax import nnx
 
 from .config import ModelConfig
 from .interface import Attend
+from .moe import MoE, expert_weights
 from .quant_linear import project, split_entries
 from .registry import register
-from .stack import run_layers, stack_layers
+from .stack import layer_runs, run_layers, stack_segments
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -131,11 +132,16 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    """Attention then a feed-forward: the dense MLP, or (``moe``) the model's mixture of
+    experts (:mod:`.moe`)."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, moe: bool = False
+    ) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MoE(cfg.hidden_size, cfg.moe, dtype, rngs) if moe else MLP(cfg, dtype, rngs)
 
     def __call__(self, x, positions, inv_freq, attend_layer, carry):
         a, carry = self.self_attn(self.input_layernorm(x), positions, inv_freq, attend_layer, carry)
@@ -143,11 +149,13 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), carry
 
 
-@register("llama", "qwen2", "qwen3", "mistral")
+@register("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 class LlamaModel(nnx.Module):
-    """Decoder-only LM (Llama family, Qwen2): a :class:`~.interface.CausalLM`.
+    """Decoder-only LM (Llama family, Qwen2/3, Qwen3-MoE): a :class:`~.interface.CausalLM`.
     ``model(tokens, positions, attend)`` returns fp32 logits. ``layers`` is one
-    DecoderLayer with stacked parameters; ``scan_layers`` False unrolls them."""
+    DecoderLayer with stacked parameters (or, when dense and mixture-of-experts layers
+    mix, an ``nnx.List`` of one stack per run: ``layer_starts``); ``scan_layers`` False
+    unrolls them."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> None:
         self.config = cfg
@@ -155,7 +163,10 @@ class LlamaModel(nnx.Module):
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = stack_layers(lambda: DecoderLayer(cfg, dtype, rngs), cfg.num_layers)
+        kinds = [cfg.moe is not None and cfg.moe.is_moe(i) for i in range(cfg.num_layers)]
+        self.layers, self.layer_starts = stack_segments(
+            lambda moe: DecoderLayer(cfg, dtype, rngs, moe), kinds
+        )
         self.scan_layers = True
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = (
@@ -186,9 +197,9 @@ class LlamaModel(nnx.Module):
         def body(layer, x, i, carry):
             return layer(x, positions, inv_freq, lambda q, k, v, c: attend(i, q, k, v, c), carry)
 
-        x, carry = run_layers(
-            self.layers, self.embed_tokens(tokens), carry, body, scan=self.scan_layers
-        )
+        x = self.embed_tokens(tokens)
+        for start, layers in layer_runs(self.layers, self.layer_starts):
+            x, carry = run_layers(layers, x, carry, body, scan=self.scan_layers, offset=start)
         return self.norm(x), carry
 
     def logits(self, x: jax.Array) -> jax.Array:
@@ -212,16 +223,20 @@ class LlamaModel(nnx.Module):
         }
         if self.lm_head is not None:
             t["lm_head.weight"] = (self.lm_head, "kernel", True, None)
-        layer = self.layers
-        for i in range(self.config.num_layers):
-            p = f"model.layers.{i}."
-            t[p + "input_layernorm.weight"] = (layer.input_layernorm, "weight", False, i)
-            t[p + "post_attention_layernorm.weight"] = (
-                layer.post_attention_layernorm, "weight", False, i,
-            )  # fmt: skip
-            t.update(attention_weights(layer.self_attn, p, i))
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                t[p + f"mlp.{name}.weight"] = (getattr(layer.mlp, name), "kernel", True, i)
+        for start, layer in layer_runs(self.layers, self.layer_starts):
+            n = layer.input_layernorm.weight.get_value().shape[0]
+            for i in range(n):  # i: the index into this run's stacked parameters
+                p = f"model.layers.{start + i}."
+                t[p + "input_layernorm.weight"] = (layer.input_layernorm, "weight", False, i)
+                t[p + "post_attention_layernorm.weight"] = (
+                    layer.post_attention_layernorm, "weight", False, i,
+                )  # fmt: skip
+                t.update(attention_weights(layer.self_attn, p, i))
+                if isinstance(layer.mlp, MoE):
+                    t.update(expert_weights(layer.mlp, p, i))
+                    continue
+                for name in ("gate_proj", "up_proj", "down_proj"):
+                    t[p + f"mlp.{name}.weight"] = (getattr(layer.mlp, name), "kernel", True, i)
         return t
 
 
@@ -245,11 +260,15 @@ def decoder_tp_plan(model: Any, tp: int) -> list[tuple[object, str, int]]:
     ``tp`` devices (the rest are replicated): attention heads and KV heads, the MLP's
     hidden units and, when it divides, the vocabulary. ValueError when heads do not split."""
     cfg = model.config
-    for what, n in (
-        ("attention heads", cfg.num_heads),
-        ("KV heads", cfg.num_kv_heads),
-        ("MLP units (intermediate_size)", cfg.intermediate_size),
-    ):
+    runs = layer_runs(model.layers, getattr(model, "layer_starts", (0,)))
+    checks = [("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads)]
+    if any(not isinstance(layers.mlp, MoE) for _, layers in runs):
+        checks.append(("MLP units (intermediate_size)", cfg.intermediate_size))
+    if cfg.moe is not None:
+        checks.append(("expert units (moe_intermediate_size)", cfg.moe.intermediate_size))
+        if cfg.moe.shared_intermediate_size:
+            checks.append(("shared expert units", cfg.moe.shared_intermediate_size))
+    for what, n in checks:
         if n % tp:
             raise ValueError(
                 f"tensor parallelism over {tp} devices needs {what} divisible by {tp}; "
@@ -261,9 +280,20 @@ def decoder_tp_plan(model: Any, tp: int) -> list[tuple[object, str, int]]:
         plan += split_entries(model.embed_tokens, "out", tp)
         if lm_head is not None:
             plan += split_entries(lm_head, "out", tp)
-    attn, mlp = model.layers.self_attn, model.layers.mlp  # stacked
-    for mod in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
-        plan += split_entries(mod, "out", tp)  # by output columns (and the bias)
-    for mod in (attn.o_proj, mlp.down_proj):
-        plan += split_entries(mod, "in", tp)  # by input rows
+    for _, layers in runs:
+        attn, mlp = layers.self_attn, layers.mlp  # stacked
+        outs, ins = [attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj]
+        if isinstance(mlp, MoE):  # experts split along their intermediate units
+            plan += [(mlp, "gate_up", mlp.gate_up.get_value().ndim - 1),
+                     (mlp, "down", mlp.down.get_value().ndim - 2)]  # fmt: skip
+            if mlp.shared is not None:
+                outs += [mlp.shared.gate_proj, mlp.shared.up_proj]
+                ins.append(mlp.shared.down_proj)
+        else:
+            outs += [mlp.gate_proj, mlp.up_proj]
+            ins.append(mlp.down_proj)
+        for mod in outs:
+            plan += split_entries(mod, "out", tp)  # by output columns (and the bias)
+        for mod in ins:
+            plan += split_entries(mod, "in", tp)  # by input rows
     return plan

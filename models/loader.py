@@ -15,6 +15,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .interface import CausalLM
+from .moe import split_fused_experts
 from .quant_format import Packed
 from .quantize import check_quantization, pack_model, packed_targets
 from .registry import abstract_model
@@ -99,6 +100,7 @@ def _assign(
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway
     # Rotary caches some exporters save are derived, not weights.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    split_fused_experts(tensors)  # transformers 5's fused experts: per expert, as on the Hub
     pack_model(model, tensors, quantization, path)
     targets = model.hf_weights()
     missing = sorted(set(targets) - set(tensors))
@@ -117,7 +119,7 @@ def _assign(
             value = value.T
         param = getattr(module, attr)
         current = param.get_value()  # an array, or a shape-only struct (abstract model)
-        want = current.shape if index is None else current.shape[1:]
+        want = current.shape if index is None else _shape_at(current.shape, index)
         if value.shape != want:
             raise ValueError(f"{path}: {name}: shape {value.shape} != model's {want}")
         if index is None:
@@ -128,6 +130,12 @@ def _assign(
         stacked[id(param)][1][index] = np.asarray(value).astype(np.dtype(current.dtype))
     for param, rows in stacked.values():
         param.set_value(jnp.asarray(rows))
+
+
+def _shape_at(shape: tuple[int, ...], index: int | tuple) -> tuple[int, ...]:
+    """The shape of ``array[index]`` for an array of ``shape`` (an int: a layer of a
+    stacked parameter; a tuple: e.g. one expert's half of a fused weight)."""
+    return np.broadcast_to(np.empty((), np.int8), shape)[index].shape
 
 
 def repack(model: CausalLM, cfg: ModelConfig, quantization: str | None) -> CausalLM:

@@ -6,7 +6,8 @@ output columns, o and down by input rows, the vocabulary of the embedding and LM
 when it divides); every other parameter is replicated. Under ``jax.jit`` XLA then inserts
 the collectives (an all-reduce after o and down, an all-gather of the logits). Packed
 layers (:mod:`.quant_linear`) split their values, scales and mins alike and run their
-kernel per device under ``jax.shard_map`` (``tp`` set here).
+kernel per device under ``jax.shard_map`` (``tp`` set here); so do the experts of a
+mixture of experts (:mod:`.moe`), split along their intermediate units.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from .moe import MoE
 from .quant_linear import PackedWeight
 
 
@@ -31,9 +33,11 @@ def shard_model(model: Any, mesh: Mesh) -> Any:
     tp = mesh.devices.size
     entries = model.tensor_parallel_plan(tp)
     plan = {id(getattr(m, attr)): dim for m, attr, dim in entries}
-    for m, attr, dim in entries:  # packed layers run their kernel per device
+    for m, attr, dim in entries:  # packed layers and experts run per device
         if isinstance(m, PackedWeight) and attr == "q":
             m.tp = (mesh, "out" if dim == len(m.q.get_value().shape) - 2 else "in")
+        if isinstance(m, MoE) and attr == "gate_up":
+            m.tp = mesh
     for _, param in nnx.iter_graph(model):
         if not isinstance(param, nnx.Param):
             continue

@@ -33,6 +33,34 @@ def stack_layers(make: Callable[[], nnx.Module], n: int) -> nnx.Module:
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), first, *rest))
 
 
+def segments(kinds: list) -> list[tuple[int, int, Any]]:
+    """Runs of equal layer kinds as (first layer, count, kind), in order: each run is
+    stacked apart (a scan's layers share one structure)."""
+    out: list[tuple[int, int, Any]] = []
+    for i, kind in enumerate(kinds):
+        if out and out[-1][2] == kind:
+            out[-1] = (out[-1][0], out[-1][1] + 1, kind)
+        else:
+            out.append((i, 1, kind))
+    return out
+
+
+def stack_segments(make: Callable[[Any], nnx.Module], kinds: list) -> tuple[Any, tuple[int, ...]]:
+    """Layers of ``kinds`` (one per layer; ``make(kind)`` builds one): a stacked module
+    when all are alike, else an ``nnx.List`` of one stacked module per run; and each
+    run's first layer."""
+    runs = segments(kinds)
+    stacks = [stack_layers(lambda k=kind: make(k), n) for _, n, kind in runs]
+    starts = tuple(start for start, _, _ in runs)
+    return (stacks[0] if len(stacks) == 1 else nnx.List(stacks)), starts
+
+
+def layer_runs(layers: Any, starts: tuple[int, ...]) -> list[tuple[int, nnx.Module]]:
+    """(first layer, stacked module) of each run of :func:`stack_segments`' layers."""
+    stacks = list(layers) if isinstance(layers, nnx.List) else [layers]
+    return list(zip(starts, stacks, strict=True))
+
+
 def num_stacked(layers: nnx.Module) -> int:
     """The number of layers in a stacked module."""
     return jax.tree.leaves(nnx.state(layers))[0].shape[0]
@@ -55,9 +83,11 @@ def run_layers(
     body: Callable[[nnx.Module, jax.Array, jax.Array, Any], tuple[jax.Array, Any]],
     *,
     scan: bool = True,
+    offset: int = 0,
 ) -> tuple[jax.Array, Any]:
     """Runs ``body(layer, x, index, carry) -> (x, carry)`` over the stacked ``layers`` in
-    order; ``index`` is the layer's int32 scalar. ``scan``: under ``jax.lax.scan`` (one
+    order; ``index`` is the layer's int32 scalar (``offset`` + its place in the stack: a
+    segment's first layer, see :func:`segments`). ``scan``: under ``jax.lax.scan`` (one
     body in the program), else unrolled."""
     graphdef, state = nnx.split(layers)
     n = jax.tree.leaves(state)[0].shape[0]
@@ -65,14 +95,15 @@ def run_layers(
         scan = False  # per-layer arrays (see LayerList): unrolled
     if not scan:
         for i in range(n):
-            x, carry = body(_layer(graphdef, state, i), x, jnp.int32(i), carry)
+            x, carry = body(_layer(graphdef, state, i), x, jnp.int32(offset + i), carry)
         return x, carry
 
     def step(xc, xs):
         (x, c), (st, i) = xc, xs
         return body(nnx.merge(graphdef, st), x, i, c), None
 
-    (x, carry), _ = jax.lax.scan(step, (x, carry), (state, jnp.arange(n, dtype=jnp.int32)))
+    index = jnp.arange(offset, offset + n, dtype=jnp.int32)
+    (x, carry), _ = jax.lax.scan(step, (x, carry), (state, index))
     return x, carry
 
 

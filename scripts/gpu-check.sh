@@ -9,7 +9,8 @@
 #       parallelism, the host tier's page-locked copies, two processes of one group, n
 #       forks + penalties + logprobs, KV cache groups, forks of a hybrid model: a block
 #       copy per group, packed int8 / int4 weights: no dequantized weight in the optimized
-#       HLO); the engine's decode step per step
+#       HLO, mixtures of experts: ragged_dot computes each expert's rows only and the tiny
+#       MoE preset gives the CPU's tokens); the engine's decode step per step
 #       (programs, launches, host time) with command buffers on and off; paged vs dense
 #       decode at batch 1/8/32 for the bench model.
 #   scripts/gpu-check.sh smollm2   the same two for SmolLM2-135M's architecture in bf16

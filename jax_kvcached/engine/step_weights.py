@@ -29,12 +29,16 @@ class StepWeights:
     def __init__(self, state: Any, num_layers: int, *, unroll: bool, mesh: Any = None) -> None:
         leaves, self._treedef = jax.tree.flatten(state)
         self._stacked = [f and unroll for f in stacked_leaves(state)]
-        self._num_layers = num_layers
+        # A stacked weight's depth: num_layers, or its segment's layers (a model whose
+        # layers differ, e.g. dense and mixture-of-experts ones, stacks each run apart).
+        self._depths = [x.shape[0] if s else 1 for x, s in zip(leaves, self._stacked, strict=True)]
+        if any(d > num_layers for d in self._depths):
+            raise ValueError(f"a stacked weight is deeper than the model's {num_layers} layers")
         self._mesh = mesh
         self.arrays: list[jax.Array] = self._expand(leaves)
         packed = packed_leaves(state)  # which arrays are packed values / scales / mins
-        self.packed = [p for p, s in zip(packed, self._stacked, strict=True)
-                       for _ in range(num_layers if s else 1)]  # fmt: skip
+        self.packed = [p for p, d in zip(packed, self._depths, strict=True)
+                       for _ in range(d)]  # fmt: skip
 
     def nbytes(self) -> dict[str, int]:
         """Device bytes (one device of a mesh; 0 while asleep): ``weight_bytes`` in all,
@@ -65,10 +69,9 @@ class StepWeights:
         """The step's flat weights back into the model's state (per-layer arrays as a
         LayerList); traced inside the step."""
         leaves, at = [], 0
-        n = self._num_layers
-        for split in self._stacked:
+        for split, n in zip(self._stacked, self._depths, strict=True):
             leaves.append(LayerList(weights[at : at + n]) if split else weights[at])
-            at += n if split else 1
+            at += n
         return jax.tree.unflatten(self._treedef, leaves)
 
     # -- sleep -----------------------------------------------------------------------------

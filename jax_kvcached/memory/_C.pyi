@@ -164,3 +164,10 @@ def quant_isa() -> str:
 def set_quant_isa(name: str) -> None:
     """Forces quant_matmul's instruction set (auto: the best this CPU has); KVCacheError
     when the CPU lacks it."""
+
+def grouped_isa() -> str:
+    """The instruction set grouped_matmul uses on this CPU (portable, avx512)."""
+
+def set_grouped_isa(name: str) -> None:
+    """Forces grouped_matmul's instruction set (auto: the best this CPU has); KVCacheError
+    when the CPU lacks it."""

@@ -1,0 +1,172 @@
+// The grouped matmul (see grouped_matmul.h). Work is split into tasks of one group and
+// kCols output columns; each task runs its group's rows kRows at a time against a panel of
+// the weight (kCols columns of every k), so a panel is read once per kRows rows. Decode
+// (a few rows per expert) reads each chosen expert's weight once: bandwidth bound, as it
+// must be; prefill reuses each panel over many rows.
+#include "grouped_matmul.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "errors.h"
+
+namespace kvcached {
+namespace {
+
+constexpr int64_t kCols = 64;  // output columns a task takes (4 x 16 floats)
+constexpr int kRows = 4;       // rows a panel pass takes
+
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline float weight_at(const GroupedMatmulArgs& a, int64_t i) {
+  return a.w_bf16 ? bf16_to_float(static_cast<const uint16_t*>(a.w)[i]) : static_cast<const float*>(a.w)[i];
+}
+
+// Rows [r0, r0 + nr) of x (nr <= kRows) times columns [c0, c0 + nc) of w's group g
+// (nc <= kCols), written to out.
+void panel_portable(const GroupedMatmulArgs& a, int64_t g, int64_t r0, int nr, int64_t c0, int64_t nc) {
+  float acc[kRows][kCols] = {};
+  const int64_t base = g * a.k * a.n;
+  for (int64_t kk = 0; kk < a.k; ++kk) {
+    float w[kCols];
+    for (int64_t c = 0; c < nc; ++c) w[c] = weight_at(a, base + kk * a.n + c0 + c);
+    for (int r = 0; r < nr; ++r) {
+      const float xv = a.x[(r0 + r) * a.k + kk];
+      for (int64_t c = 0; c < nc; ++c) acc[r][c] += xv * w[c];
+    }
+  }
+  for (int r = 0; r < nr; ++r) std::memcpy(a.out + (r0 + r) * a.n + c0, acc[r], sizeof(float) * nc);
+}
+
+#define KVCACHED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+template <int NR, bool BF16>
+KVCACHED_AVX512 void panel_avx512_rows(const GroupedMatmulArgs& a, int64_t g, int64_t r0, int64_t c0,
+                                       int64_t nc) {
+  __mmask16 mask[4];
+  for (int v = 0; v < 4; ++v) {
+    const int64_t left = std::clamp<int64_t>(nc - 16 * v, 0, 16);
+    mask[v] = static_cast<__mmask16>((1u << left) - 1u);
+  }
+  __m512 acc[NR][4];
+  for (int r = 0; r < NR; ++r) {
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  const int64_t base = g * a.k * a.n + c0;
+  const float* x = a.x + r0 * a.k;
+  for (int64_t kk = 0; kk < a.k; ++kk) {
+    __m512 w[4];
+    for (int v = 0; v < 4; ++v) {
+      const int64_t at = base + kk * a.n + 16 * v;
+      if constexpr (BF16) {
+        const __m256i h = _mm256_maskz_loadu_epi16(mask[v], static_cast<const uint16_t*>(a.w) + at);
+        w[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      } else {
+        w[v] = _mm512_maskz_loadu_ps(mask[v], static_cast<const float*>(a.w) + at);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[r * a.k + kk]);
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(a.out + (r0 + r) * a.n + c0 + 16 * v, mask[v], acc[r][v]);
+  }
+}
+
+template <bool BF16>
+void panel_avx512(const GroupedMatmulArgs& a, int64_t g, int64_t r0, int nr, int64_t c0, int64_t nc) {
+  switch (nr) {
+    case 1:
+      return panel_avx512_rows<1, BF16>(a, g, r0, c0, nc);
+    case 2:
+      return panel_avx512_rows<2, BF16>(a, g, r0, c0, nc);
+    case 3:
+      return panel_avx512_rows<3, BF16>(a, g, r0, c0, nc);
+    default:
+      return panel_avx512_rows<4, BF16>(a, g, r0, c0, nc);
+  }
+}
+
+enum class Isa { kAuto, kPortable, kAvx512 };
+std::atomic<Isa> g_isa{Isa::kAuto};
+
+bool has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+Isa resolved() {
+  const Isa isa = g_isa.load();
+  if (isa != Isa::kAuto) return isa;
+  return has_avx512() ? Isa::kAvx512 : Isa::kPortable;
+}
+
+}  // namespace
+
+std::string check_group_sizes(const GroupedMatmulArgs& a) {
+  int64_t total = 0;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    if (a.sizes[g] < 0) return "group " + std::to_string(g) + " has a negative size " + std::to_string(a.sizes[g]);
+    total += a.sizes[g];
+  }
+  if (total > a.rows) {
+    return "the group sizes add up to " + std::to_string(total) + " rows, more than x's " + std::to_string(a.rows);
+  }
+  return "";
+}
+
+void grouped_matmul(const GroupedMatmulArgs& a, int64_t workers, const Spawn& spawn) {
+  using Panel = void (*)(const GroupedMatmulArgs&, int64_t, int64_t, int, int64_t, int64_t);
+  const Panel panel = resolved() == Isa::kAvx512 ? (a.w_bf16 ? panel_avx512<true> : panel_avx512<false>)
+                                                 : panel_portable;
+  struct Task {
+    int64_t group, r0, r1, c0;
+  };
+  std::vector<Task> tasks;
+  const int64_t col_tiles = (a.n + kCols - 1) / kCols;
+  constexpr int64_t kTaskRows = 64;  // a big group's rows split too (prefill)
+  int64_t start = 0;
+  for (int64_t g = 0; g < a.groups; ++g) {
+    for (int64_t r = start; r < start + a.sizes[g]; r += kTaskRows) {
+      for (int64_t t = 0; t < col_tiles; ++t) {
+        tasks.push_back({g, r, std::min(r + kTaskRows, start + a.sizes[g]), t * kCols});
+      }
+    }
+    start += a.sizes[g];
+  }
+  if (start < a.rows) std::memset(a.out + start * a.n, 0, sizeof(float) * (a.rows - start) * a.n);
+  parallel_for(static_cast<int64_t>(tasks.size()), workers, spawn, [&](int64_t i) {
+    const Task& t = tasks[i];
+    const int64_t nc = std::min(kCols, a.n - t.c0);
+    for (int64_t r = t.r0; r < t.r1; r += kRows) {
+      panel(a, t.group, r, static_cast<int>(std::min<int64_t>(kRows, t.r1 - r)), t.c0, nc);
+    }
+  });
+}
+
+std::string grouped_isa() { return resolved() == Isa::kAvx512 ? "avx512" : "portable"; }
+
+void set_grouped_isa(const std::string& name) {
+  if (name == "auto") {
+    g_isa.store(Isa::kAuto);
+  } else if (name == "portable") {
+    g_isa.store(Isa::kPortable);
+  } else if (name == "avx512") {
+    if (!has_avx512()) throw Error("this CPU has no avx512");
+    g_isa.store(Isa::kAvx512);
+  } else {
+    throw Error("unknown instruction set '" + name + "' (auto, portable, avx512)");
+  }
+}
+
+}  // namespace kvcached
