@@ -8,20 +8,30 @@ with merges, or a SentencePiece one with scores and byte fallback) and the chat 
 llama.cpp stores a ``llama`` model's Q and K projections with their rows permuted for its
 RoPE; they are permuted back so the weights match the Hugging Face layout our models
 use. Gemma files store each RMSNorm weight as ``1 + w``; the 1 is taken back off (our
-Gemma norm adds it).
+Gemma norm adds it). A mixture of experts' stacked expert tensors (``qwen3moe``) become
+each expert's weight, dequantized (experts are not held packed yet).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import numpy as np
 
 from .config import ModelConfig, gemma3_layer_types
+from .moe import MoEConfig
 from .quant_format import GGUF_EXACT, Packed, from_gguf_blocks, nearest_format, quantize
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+log = logging.getLogger("jax_kvcached.models")
+
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+# GGUF architecture -> our model_type, where the names differ.
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
+# A mixture of experts' stacked expert tensors (E, out, in) -> each expert's HF name.
+_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                 "ffn_down_exps.weight": "down_proj"}  # fmt: skip
 # Architectures whose Q / K rows llama.cpp permuted (its interleaved RoPE).
 _PERMUTED = ("llama",)
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
@@ -40,6 +50,7 @@ _LAYER_NAMES = {
     "ffn_down.weight": "mlp.down_proj.weight",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router
 }
 # Gemma's block has a norm before and after attention and MLP each.
 _GEMMA_LAYER_NAMES = {
@@ -128,13 +139,21 @@ class GGUFCheckpoint:
             )
         elif a == "qwen3":
             extra = dict(qk_norm=True)
+        elif a == "qwen3moe":  # every layer MoE; llama.cpp renormalizes the top k
+            experts = int(self.meta(f"{a}.expert_feed_forward_length"))
+            extra = dict(qk_norm=True, moe=MoEConfig(
+                num_experts=int(self.meta(f"{a}.expert_count")),
+                top_k=int(self.meta(f"{a}.expert_used_count")),
+                intermediate_size=experts, norm_topk_prob=True,
+            ))  # fmt: skip
         window = self.meta(f"{a}.attention.sliding_window", None)
         if window and a == "llama":  # Mistral: one window for every layer
             extra = dict(sliding_window=int(window))
         return ModelConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(self.meta(f"{a}.feed_forward_length")),
+            intermediate_size=int(self.meta(f"{a}.feed_forward_length",
+                                            self.meta(f"{a}.expert_feed_forward_length", 0))),
             num_layers=int(self.meta(f"{a}.block_count")),
             num_heads=heads,
             num_kv_heads=int(self.meta(f"{a}.attention.head_count_kv", heads)),
@@ -144,7 +163,7 @@ class GGUFCheckpoint:
             rms_norm_eps=float(self.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings="output.weight" not in self._tensors,
             qkv_bias=a == "qwen2" or "blk.0.attn_q.bias" in self._tensors,
-            model_type=a,
+            model_type=_MODEL_TYPES.get(a, a),
             bos_token_id=self.meta("tokenizer.ggml.bos_token_id", None),
             eos_token_id=self.meta("tokenizer.ggml.eos_token_id", None),
             **extra,
@@ -161,6 +180,8 @@ class GGUFCheckpoint:
         gemma = self.architecture == "gemma3"
         permuted = self.architecture in _PERMUTED
         for name in self._tensors:
+            if self._experts(name, dtype, out):
+                continue
             hf = _hf_name(name, _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES)
             if hf is None:
                 raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
@@ -181,6 +202,28 @@ class GGUFCheckpoint:
                 w = w - 1.0  # stored as 1 + w
             out[hf] = w.astype(dtype, copy=False)
         return out
+
+    def _experts(self, name: str, dtype: Any, out: dict) -> bool:
+        """A stacked expert tensor ``blk.N.ffn_*_exps.weight`` (E, out, in) as each
+        expert's Hugging Face weight (dequantized: experts are not held packed yet; the
+        log says so); False for any other tensor."""
+        parts = name.split(".", 2)
+        if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _EXPERT_NAMES:
+            return False
+        from gguf import GGMLQuantizationType as Q
+
+        w = self.dequantize(name)
+        if w.ndim != 3:
+            raise GGUFError(f"{self.path}: expert tensor {name!r} is not 3-D: {w.shape}")
+        qtype = Q(self._tensors[name].tensor_type).name
+        if qtype not in ("F32", "F16", "BF16"):
+            log.info("%s: %s (%s) dequantized: experts are not held packed yet",
+                     self.path, name, qtype)  # fmt: skip
+        proj = _EXPERT_NAMES[parts[2]]
+        for j in range(w.shape[0]):
+            key = f"model.layers.{parts[1]}.mlp.experts.{j}.{proj}.weight"
+            out[key] = w[j].astype(dtype, copy=False)
+        return True
 
     def packed(self, name: str) -> Packed | None:
         """Tensor ``name`` packed (None for a float tensor): Q8_0 / Q4_0 / Q4_1 as stored,

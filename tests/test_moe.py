@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_engine import assert_only_cached_blocks_hold_pages
@@ -164,6 +165,25 @@ def test_qwen3_moe_folder_matches_transformers(hf_moe):
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
 
 
+def test_fused_expert_tensors_load_as_the_per_expert_ones(hf_moe, tmp_path):
+    """transformers 5 holds experts fused (gate_up_proj (E, 2I, H), down_proj (E, H, I));
+    a folder saved in that layout loads to the same weights as the Hub's per-expert one."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    hf, path = hf_moe
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in sd
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    shutil.copy(f"{path}/config.json", tmp_path / "config.json")
+    _, fused = load_checkpoint(str(tmp_path), dtype=jnp.float32)
+    _, per_expert = load_checkpoint(path, dtype=jnp.float32)
+    for a, b in zip(jax.tree.leaves(nnx.state(fused)), jax.tree.leaves(nnx.state(per_expert)),
+                    strict=True):  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_qwen3_moe_engine_greedy_matches_transformers_generate(hf_moe):
     """Chunked prefill (16-token steps), several sequences at once, then a prefix hit and
     a preemption under a small budget: the tokens of transformers' greedy generate."""
@@ -258,3 +278,85 @@ def test_moe_under_tensor_parallelism_gives_the_same_tokens():
         eng.close()
         pool.close()
     assert outs[2] == outs[1] and outs[4] == outs[1]
+
+
+def _gguf_from_hf(hf, path, expert_type=None):
+    """A qwen3moe GGUF of a transformers Qwen3-MoE (llama.cpp's names and layout; F32, or
+    ``expert_type`` for the stacked expert tensors)."""
+    import gguf
+
+    c = hf.config
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_vocab_size(c.vocab_size)
+    names = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+             "self_attn.v_proj.weight": "attn_v.weight",
+             "self_attn.o_proj.weight": "attn_output.weight",
+             "self_attn.q_norm.weight": "attn_q_norm.weight",
+             "self_attn.k_norm.weight": "attn_k_norm.weight",
+             "mlp.gate.weight": "ffn_gate_inp.weight"}  # fmt: skip
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf_name, name in names.items():
+            w.add_tensor(f"blk.{i}.{name}", sd[p + hf_name])
+        gate_up = sd[p + "mlp.experts.gate_up_proj"]  # transformers 5 in memory: fused
+        inter = gate_up.shape[1] // 2
+        for stacked, name in ((gate_up[:, :inter], "ffn_gate_exps"),
+                              (gate_up[:, inter:], "ffn_up_exps"),
+                              (sd[p + "mlp.experts.down_proj"], "ffn_down_exps")):  # fmt: skip
+            stacked = np.ascontiguousarray(stacked)
+            if expert_type is None:
+                w.add_tensor(f"blk.{i}.{name}.weight", stacked)
+            else:
+                raw = gguf.quants.quantize(stacked, expert_type)
+                w.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=expert_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_qwen3moe_gguf_matches_transformers(tmp_path, caplog):
+    """llama.cpp's qwen3moe layout (stacked expert tensors, ffn_gate_inp): F32 within
+    1e-4 of transformers; Q8_0 experts load dequantized and the log says so."""
+    import logging
+
+    from gguf import GGMLQuantizationType as Q
+
+    torch.manual_seed(1)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+        max_position_embeddings=512, attn_implementation="eager", tie_word_embeddings=False,
+    )  # fmt: skip
+    hf = transformers.Qwen3MoeForCausalLM(cfg).eval()
+    ids = np.random.default_rng(0).integers(0, 300, 30).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    for expert_type, tol in ((None, 1e-4), (Q.Q8_0, 3e-2)):
+        path = tmp_path / f"moe-{expert_type}.gguf"
+        _gguf_from_hf(hf, path, expert_type)
+        with caplog.at_level(logging.INFO, logger="jax_kvcached.models"):
+            ours, model = load_checkpoint(str(path), dtype=jnp.float32, quantization="none")
+        assert ours.model_type == "qwen3_moe" and ours.moe.num_experts == 8
+        got = model(jnp.asarray([ids]), jnp.arange(30)[None], no_cache_attention(ours))[0]
+        assert np.abs(np.asarray(got) - ref).max() < tol * max(1.0, np.abs(ref).max())
+    assert "ffn_gate_exps.weight (Q8_0) dequantized" in caplog.text
