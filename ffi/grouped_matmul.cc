@@ -49,39 +49,72 @@ void panel_portable(const GroupedMatmulArgs& a, int64_t g, int64_t r0, int nr, i
 
 #define KVCACHED_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
+template <bool BF16>
+KVCACHED_AVX512 inline __attribute__((always_inline)) __m512 load16(const GroupedMatmulArgs& a, int64_t at,
+                                                                   __mmask16 mask) {
+  if constexpr (BF16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(a.w) + at);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(a.w) + at);
+  }
+}
+
+// The lanes of 16-column vector v that hold some of nc columns.
+inline __mmask16 cols_mask(int64_t nc, int v) {
+  const int64_t left = std::clamp<int64_t>(nc - 16 * v, 0, 16);
+  return static_cast<__mmask16>((1u << left) - 1u);
+}
+
+KVCACHED_AVX512 inline __attribute__((always_inline)) void store64(float* o, const __mmask16* m, __m512 v0,
+                                                                  __m512 v1, __m512 v2, __m512 v3) {
+  _mm512_mask_storeu_ps(o, m[0], v0);
+  _mm512_mask_storeu_ps(o + 16, m[1], v1);
+  _mm512_mask_storeu_ps(o + 32, m[2], v2);
+  _mm512_mask_storeu_ps(o + 48, m[3], v3);
+}
+
+// NR rows x 64 columns in 4 x NR registers (written out: GCC keeps arrays of vectors
+// indexed in loops on the stack).
 template <int NR, bool BF16>
 KVCACHED_AVX512 void panel_avx512_rows(const GroupedMatmulArgs& a, int64_t g, int64_t r0, int64_t c0,
                                        int64_t nc) {
-  __mmask16 mask[4];
-  for (int v = 0; v < 4; ++v) {
-    const int64_t left = std::clamp<int64_t>(nc - 16 * v, 0, 16);
-    mask[v] = static_cast<__mmask16>((1u << left) - 1u);
-  }
-  __m512 acc[NR][4];
-  for (int r = 0; r < NR; ++r) {
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-  }
+  const __mmask16 m0 = cols_mask(nc, 0), m1 = cols_mask(nc, 1), m2 = cols_mask(nc, 2), m3 = cols_mask(nc, 3);
+  __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+  __m512 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+  __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+  __m512 a30 = a00, a31 = a00, a32 = a00, a33 = a00;
   const int64_t base = g * a.k * a.n + c0;
   const float* x = a.x + r0 * a.k;
   for (int64_t kk = 0; kk < a.k; ++kk) {
-    __m512 w[4];
-    for (int v = 0; v < 4; ++v) {
-      const int64_t at = base + kk * a.n + 16 * v;
-      if constexpr (BF16) {
-        const __m256i h = _mm256_maskz_loadu_epi16(mask[v], static_cast<const uint16_t*>(a.w) + at);
-        w[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-      } else {
-        w[v] = _mm512_maskz_loadu_ps(mask[v], static_cast<const float*>(a.w) + at);
-      }
+    const int64_t at = base + kk * a.n;
+    const __m512 w0 = load16<BF16>(a, at, m0), w1 = load16<BF16>(a, at + 16, m1);
+    const __m512 w2 = load16<BF16>(a, at + 32, m2), w3 = load16<BF16>(a, at + 48, m3);
+    __m512 xv = _mm512_set1_ps(x[kk]);
+    a00 = _mm512_fmadd_ps(xv, w0, a00), a01 = _mm512_fmadd_ps(xv, w1, a01);
+    a02 = _mm512_fmadd_ps(xv, w2, a02), a03 = _mm512_fmadd_ps(xv, w3, a03);
+    if constexpr (NR > 1) {
+      xv = _mm512_set1_ps(x[a.k + kk]);
+      a10 = _mm512_fmadd_ps(xv, w0, a10), a11 = _mm512_fmadd_ps(xv, w1, a11);
+      a12 = _mm512_fmadd_ps(xv, w2, a12), a13 = _mm512_fmadd_ps(xv, w3, a13);
     }
-    for (int r = 0; r < NR; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[r * a.k + kk]);
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(xv, w[v], acc[r][v]);
+    if constexpr (NR > 2) {
+      xv = _mm512_set1_ps(x[2 * a.k + kk]);
+      a20 = _mm512_fmadd_ps(xv, w0, a20), a21 = _mm512_fmadd_ps(xv, w1, a21);
+      a22 = _mm512_fmadd_ps(xv, w2, a22), a23 = _mm512_fmadd_ps(xv, w3, a23);
+    }
+    if constexpr (NR > 3) {
+      xv = _mm512_set1_ps(x[3 * a.k + kk]);
+      a30 = _mm512_fmadd_ps(xv, w0, a30), a31 = _mm512_fmadd_ps(xv, w1, a31);
+      a32 = _mm512_fmadd_ps(xv, w2, a32), a33 = _mm512_fmadd_ps(xv, w3, a33);
     }
   }
-  for (int r = 0; r < NR; ++r) {
-    for (int v = 0; v < 4; ++v) _mm512_mask_storeu_ps(a.out + (r0 + r) * a.n + c0 + 16 * v, mask[v], acc[r][v]);
-  }
+  const __mmask16 m[4] = {m0, m1, m2, m3};
+  float* o = a.out + r0 * a.n + c0;
+  store64(o, m, a00, a01, a02, a03);
+  if constexpr (NR > 1) store64(o + a.n, m, a10, a11, a12, a13);
+  if constexpr (NR > 2) store64(o + 2 * a.n, m, a20, a21, a22, a23);
+  if constexpr (NR > 3) store64(o + 3 * a.n, m, a30, a31, a32, a33);
 }
 
 template <bool BF16>
