@@ -46,6 +46,9 @@ bench: install-test
 	$(BIN)/python benchmarks/bench_sleep.py
 	# llama.cpp beside it when --llama-python names a Python with llama-cpp-python
 	$(BIN)/python benchmarks/bench_quant.py
+	$(BIN)/python benchmarks/bench_moe.py
+	# Served against llama.cpp's server needs guidellm and llama-cpp-python[server] in
+	# their own venvs: benchmarks/bench_guidellm.py --guidellm G --llama-python P
 
 clean:
 	rm -rf build $(VENV)
