@@ -9,6 +9,7 @@ from typing import Any
 
 from . import registry
 from .moe import MoEConfig, moe_from_hf
+from .rope import ROPE_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +112,10 @@ class ModelConfig:
         scaling = rope_params or cfg.get("rope_scaling")
         if scaling is not None:
             kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "default", None):
-                raise ValueError(f"unsupported rope_scaling type {kind!r}")
+            if kind not in (*ROPE_TYPES, None):
+                raise ValueError(
+                    f"unsupported rope_scaling type {kind!r} ({', '.join(ROPE_TYPES)})"
+                )
             scaling = None if kind in ("default", None) else scaling
         eos = cfg.get("eos_token_id")
         window = cfg.get("sliding_window")

@@ -24,16 +24,20 @@ from .interface import Attend
 from .moe import MoE, expert_weights
 from .quant_linear import project, split_entries
 from .registry import register
+from .rope import yarn
 from .stack import layer_runs, run_layers, stack_segments
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Inverse RoPE frequencies (head_dim / 2,), llama3 scaling applied when configured."""
+    """Inverse RoPE frequencies (head_dim / 2,), llama3 or YaRN scaling applied when
+    configured (:mod:`.rope`)."""
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     s = cfg.rope_scaling_dict
     if not s:
         return inv
+    if s.get("rope_type", s.get("type")) == "yarn":
+        return jnp.asarray(yarn(d, cfg.rope_theta, s, cfg.max_position_embeddings)[0])
     factor = float(s["factor"])
     low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
     old_ctx = float(s["original_max_position_embeddings"])
@@ -44,6 +48,14 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return jnp.where(medium, smoothed, scaled)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor YaRN scales the rotated q and k by (1 for other RoPE kinds)."""
+    s = cfg.rope_scaling_dict
+    if not s or s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    return yarn(cfg.head_dim, cfg.rope_theta, s, cfg.max_position_embeddings)[1]
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
@@ -91,6 +103,8 @@ class Attention(nnx.Module):
         self.k_norm = norm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         scalar = cfg.query_pre_attn_scalar
         self.q_scale = float(d**0.5 * scalar**-0.5) if scalar and scalar != d else None
+        factor = rope_attention_factor(cfg)  # YaRN: q and k scaled after the rotation
+        self.rope_factor = factor if factor != 1.0 else None
         self.shape = (h, kvh, d)
 
     def __call__(self, x, positions, inv_freq, attend_layer, carry):
@@ -103,6 +117,9 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
+        if self.rope_factor is not None:
+            q = q * jnp.asarray(self.rope_factor, q.dtype)
+            k = k * jnp.asarray(self.rope_factor, k.dtype)
         if self.q_scale is not None:
             q = q * jnp.asarray(self.q_scale, q.dtype)
         v = v.reshape(b, t, kvh, d)

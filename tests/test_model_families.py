@@ -25,6 +25,11 @@ def _hf(kind):
     if kind == "qwen3":
         cfg = transformers.Qwen3Config(**COMMON, tie_word_embeddings=False)
         return transformers.Qwen3ForCausalLM(cfg)
+    if kind == "qwen3-yarn":  # YaRN (factor 4 over 128 original positions)
+        cfg = transformers.Qwen3Config(**COMMON, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 128, "beta_fast": 32.0, "beta_slow": 1.0})
+        return transformers.Qwen3ForCausalLM(cfg)
     if kind == "mistral":
         cfg = transformers.MistralConfig(**COMMON, sliding_window=12)
         return transformers.MistralForCausalLM(cfg)
@@ -41,14 +46,16 @@ def _hf(kind):
     return model
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "mistral"])
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "mistral", "qwen3-yarn"])
 def test_hf_folder_matches_transformers(kind, tmp_path):
     hf = _hf(kind).eval()
     hf.save_pretrained(tmp_path)
     cfg, model = load_checkpoint(str(tmp_path), dtype=jnp.float32)
     assert cfg.qk_norm == (kind != "mistral")
-    if kind != "qwen3":  # both windowed, on the layers transformers windows
+    if kind in ("gemma3", "mistral"):  # both windowed, on the layers transformers windows
         assert cfg.sliding_window == 12
+    if kind == "qwen3-yarn":
+        assert cfg.rope_scaling_dict["rope_type"] == "yarn"
     ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
@@ -72,3 +79,24 @@ def test_presets_through_the_engine_match_the_dense_reference(name):
         assert o.token_ids == toks[len(p) :], name
     eng.close()
     pool.close()
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "original_max_position_embeddings": 128},
+    {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+     "beta_slow": 1.0, "truncate": False},  # GPT-OSS's shape
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+     "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},  # DeepSeek's
+])  # fmt: skip
+def test_yarn_frequencies_and_attention_factor_match_transformers(params):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jax_kvcached.models.rope import yarn
+
+    cfg = transformers.Qwen3Config(**{**COMMON, "head_dim": 64, "max_position_embeddings": 8192},
+                                   rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0,
+                                                    **params})  # fmt: skip
+    ref_inv, ref_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    inv, factor = yarn(64, 50000.0, params, 8192)
+    np.testing.assert_allclose(inv, ref_inv.numpy(), rtol=1e-6)
+    assert abs(factor - ref_factor) < 1e-6

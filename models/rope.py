@@ -1,0 +1,53 @@
+"""RoPE frequency scalings beyond llama3's (:func:`.llama.rope_inv_freq` dispatches here):
+YaRN (long-context Qwen3 configs, GPT-OSS, DeepSeek-V2/V3), as transformers computes it.
+
+YaRN interpolates the low frequencies by ``factor`` and keeps the high ones, with a linear
+ramp between the dimensions that turn ``beta_fast`` and ``beta_slow`` times over the
+original context; the rotated q and k are then scaled by an attention factor (``0.1
+ln(factor) + 1``, or DeepSeek's ``mscale`` / ``mscale_all_dim`` ratio, or as configured).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+ROPE_TYPES = ("default", "llama3", "yarn")  # what config.json may name
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context ``factor`` (1 when not extended)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn(dim: int, theta: float, s: dict[str, Any], max_positions: int) -> tuple[np.ndarray, float]:
+    """(inverse frequencies (dim / 2,) float32, attention factor) of YaRN scaling ``s``
+    (a config's ``rope_scaling`` / ``rope_parameters``) over ``dim`` rotated dimensions."""
+    original = float(s.get("original_max_position_embeddings") or max_positions)
+    factor = s.get("factor") or max_positions / original
+    factor = float(factor)
+    attention = s.get("attention_factor")
+    if attention is None:
+        mscale, all_dim = s.get("mscale"), s.get("mscale_all_dim")
+        if mscale and all_dim:
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+        else:
+            attention = yarn_mscale(factor)
+    fast, slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # (as transformers: no division by zero)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: the dimension extrapolates (high frequency), 0: interpolated
+    pos = theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    inv = (1.0 / (factor * pos)) * (1 - keep) + (1.0 / pos) * keep
+    return inv.astype(np.float32), float(attention)
