@@ -303,6 +303,8 @@ def decoder_tp_plan(model: Any, tp: int) -> list[tuple[object, str, int]]:
         if isinstance(mlp, MoE):  # experts split along their intermediate units
             plan += [(mlp, "gate_up", mlp.gate_up.get_value().ndim - 1),
                      (mlp, "down", mlp.down.get_value().ndim - 2)]  # fmt: skip
+            if mlp.gate_up_bias is not None:  # (the down bias stays whole)
+                plan.append((mlp, "gate_up_bias", mlp.gate_up_bias.get_value().ndim - 1))
             if mlp.shared is not None:
                 outs += [mlp.shared.gate_proj, mlp.shared.up_proj]
                 ins.append(mlp.shared.down_proj)

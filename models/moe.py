@@ -33,6 +33,9 @@ from flax import nnx
 from .quant_linear import project
 
 SCORINGS = ("softmax", "sigmoid")
+# The expert MLP's gate: SiLU(gate) * up, or GPT-OSS's clamped form (gate <= limit,
+# |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1)).
+ACTIVATIONS = ("silu", "swiglu_oai")
 GROUPED_IMPLS = ("auto", "kernel", "ragged_dot")
 
 
@@ -51,12 +54,20 @@ class MoEConfig:
     score_bias: bool = False  # e_score_correction_bias (DeepSeek-V3; choice only)
     shared_intermediate_size: int = 0  # the shared experts' width in all (0: none)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702  # swiglu_oai's
+    swiglu_limit: float = 7.0
+    router_bias: bool = False  # GPT-OSS: the router's logits have a bias
+    expert_bias: bool = False  # GPT-OSS: gate/up and down have biases per expert
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"moe config: top_k {self.top_k} of {self.num_experts} experts")
         if self.intermediate_size < 1 or self.shared_intermediate_size < 0:
             raise ValueError("moe config: expert sizes must be positive")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"moe config: activation {self.activation!r} is not one of "
+                             f"{ACTIVATIONS}")  # fmt: skip
         if self.scoring not in SCORINGS:
             raise ValueError(f"moe config: scoring {self.scoring!r} is not one of {SCORINGS}")
         if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
@@ -181,6 +192,9 @@ class MoE(nnx.Module):
         self.gate_up = nnx.Param(gate_up.reshape(e, hidden, 2, i))
         self.down = nnx.Param(init(rngs.params(), (e, i, hidden), dtype))
         self.score_bias = nnx.Param(jnp.zeros((e,), jnp.float32)) if m.score_bias else None
+        self.router_bias = nnx.Param(jnp.zeros((e,), dtype)) if m.router_bias else None
+        self.gate_up_bias = nnx.Param(jnp.zeros((e, 2, i), dtype)) if m.expert_bias else None
+        self.down_bias = nnx.Param(jnp.zeros((e, hidden), dtype)) if m.expert_bias else None
         self.shared = (
             SharedExperts(hidden, m.shared_intermediate_size, dtype, rngs)
             if m.shared_intermediate_size else None
@@ -192,43 +206,69 @@ class MoE(nnx.Module):
         lead, hidden = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, hidden)
         logits = jnp.dot(x2, self.router[...].T, preferred_element_type=jnp.float32)
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...].astype(jnp.float32)
         bias = None if self.score_bias is None else self.score_bias[...]
         weights, experts = route(logits, bias, self.cfg)
         order, token, sizes = sort_by_expert(experts, self.cfg.num_experts)
         pair_w = weights.reshape(-1)[order]
-        y = self._experts(x2, token, sizes, pair_w, self.gate_up[...], self.down[...])
+        pair_e = experts.reshape(-1)[order]  # each sorted pair's expert
+        biases = (None if self.gate_up_bias is None
+                  else (self.gate_up_bias[...][pair_e], self.down_bias[...][pair_e]))  # fmt: skip
+        y = self._experts(x2, token, sizes, pair_w, biases, self.gate_up[...], self.down[...])
         out = y.astype(x.dtype).reshape(*lead, hidden)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
 
-    def _experts(self, x, token, sizes, pair_w, gate_up, down) -> jax.Array:
+    def _experts(self, x, token, sizes, pair_w, biases, gate_up, down) -> jax.Array:
+        m = self.cfg
         if self.tp is None:
-            return _expert_sum(x, token, sizes, pair_w, gate_up, down)
+            return _expert_sum(m, x, token, sizes, pair_w, biases, gate_up, down)
         mesh = self.tp
         axis = mesh.axis_names[0]
         P = jax.sharding.PartitionSpec
         nd = gate_up.ndim
+        rank = jax.lax.axis_index  # the down bias is added once: on the first device
 
-        def local(x, token, sizes, pair_w, gu, dn):
-            return jax.lax.psum(_expert_sum(x, token, sizes, pair_w, gu, dn), axis)
+        def local(x, token, sizes, pair_w, biases, gu, dn):
+            if biases is not None:
+                first = (rank(axis) == 0).astype(biases[1].dtype)
+                biases = (biases[0], biases[1] * first)
+            return jax.lax.psum(_expert_sum(m, x, token, sizes, pair_w, biases, gu, dn), axis)
 
+        bias_spec = None if biases is None else (P(None, None, axis), P())
         return jax.shard_map(
             local, mesh=mesh,
-            in_specs=(P(), P(), P(), P(), P(*([None] * (nd - 1)), axis), P(None, axis, None)),
+            in_specs=(P(), P(), P(), P(), bias_spec, P(*([None] * (nd - 1)), axis),
+                      P(None, axis, None)),
             out_specs=P(), check_vma=False,
-        )(x, token, sizes, pair_w, gate_up, down)  # fmt: skip
+        )(x, token, sizes, pair_w, biases, gate_up, down)  # fmt: skip
 
 
-def _expert_sum(x, token, sizes, pair_w, gate_up, down) -> jax.Array:
-    """Sum over each token's chosen experts of weight x SwiGLU expert (float32 (N, hidden))."""
+def _gate(m: MoEConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    if m.activation == "silu":
+        return jax.nn.silu(gate) * up
+    gate = jnp.minimum(gate, m.swiglu_limit)
+    up = jnp.clip(up, -m.swiglu_limit, m.swiglu_limit)
+    return gate * jax.nn.sigmoid(gate * m.swiglu_alpha) * (up + 1)
+
+
+def _expert_sum(m, x, token, sizes, pair_w, biases, gate_up, down) -> jax.Array:
+    """Sum over each token's chosen experts of weight x gated expert (float32 (N, hidden));
+    ``biases``: each sorted pair's expert's gate/up ``(P, 2, I)`` and down ``(P, hidden)``
+    biases, or None."""
     e, hidden, _, inter = gate_up.shape
     xs = x[token]  # the pairs' tokens, sorted by expert
     h = grouped_matmul(xs, gate_up.reshape(e, hidden, 2 * inter), sizes)
     h = h.reshape(-1, 2, inter)
-    a = (jax.nn.silu(h[:, 0]) * h[:, 1]).astype(x.dtype)
-    y = grouped_matmul(a, down, sizes) * pair_w[:, None]
-    return jnp.zeros((x.shape[0], hidden), jnp.float32).at[token].add(y)
+    if biases is not None:
+        h = h + biases[0].astype(jnp.float32)
+    a = _gate(m, h[:, 0], h[:, 1]).astype(x.dtype)
+    y = grouped_matmul(a, down, sizes)
+    if biases is not None:
+        y = y + biases[1].astype(jnp.float32)
+    return jnp.zeros((x.shape[0], hidden), jnp.float32).at[token].add(y * pair_w[:, None])
 
 
 def expert_weights(moe: MoE, p: str, layer: int) -> dict[str, tuple]:
@@ -244,11 +284,48 @@ def expert_weights(moe: MoE, p: str, layer: int) -> dict[str, tuple]:
         t[q + "down_proj.weight"] = (moe, "down", True, (layer, j))
     if moe.score_bias is not None:
         t[p + "mlp.gate.e_score_correction_bias"] = (moe, "score_bias", False, layer)
+    if moe.router_bias is not None:
+        t[p + "mlp.gate.bias"] = (moe, "router_bias", False, layer)
+    if moe.gate_up_bias is not None:
+        for j in range(moe.cfg.num_experts):
+            q = f"{p}mlp.experts.{j}."
+            t[q + "gate_proj.bias"] = (moe, "gate_up_bias", False, (layer, j, 0))
+            t[q + "up_proj.bias"] = (moe, "gate_up_bias", False, (layer, j, 1))
+            t[q + "down_proj.bias"] = (moe, "down_bias", False, (layer, j))
     if moe.shared is not None:
         for name in ("gate_proj", "up_proj", "down_proj"):
             mod = getattr(moe.shared, name)
             t[p + f"mlp.shared_experts.{name}.weight"] = (mod, "kernel", True, layer)
     return t
+
+
+def split_gpt_oss_experts(tensors: dict[str, Any]) -> dict[str, Any]:
+    """GPT-OSS's expert tensors (``mlp.router.{weight,bias}``; ``mlp.experts.gate_up_proj``
+    ``(E, hidden, 2I)`` with gate and up interleaved by column, ``down_proj`` ``(E, I,
+    hidden)``, and their ``_bias``) as the per-expert tensors :func:`expert_weights`
+    names (in place; returns ``tensors``)."""
+    for name in [n for n in tensors if n.endswith("mlp.router.weight")]:
+        base = name[: -len("router.weight")]
+        tensors[base + "gate.weight"] = tensors.pop(name)
+        if base + "router.bias" in tensors:
+            tensors[base + "gate.bias"] = tensors.pop(base + "router.bias")
+        ex = base + "experts."
+        gu = tensors.pop(ex + "gate_up_proj", None)
+        if gu is None:
+            continue
+        gu, down = np.asarray(gu), np.asarray(tensors.pop(ex + "down_proj"))
+        gub = tensors.pop(ex + "gate_up_proj_bias", None)
+        db = tensors.pop(ex + "down_proj_bias", None)
+        for j in range(gu.shape[0]):
+            tensors[f"{ex}{j}.gate_proj.weight"] = np.ascontiguousarray(gu[j][:, 0::2].T)
+            tensors[f"{ex}{j}.up_proj.weight"] = np.ascontiguousarray(gu[j][:, 1::2].T)
+            tensors[f"{ex}{j}.down_proj.weight"] = np.ascontiguousarray(down[j].T)
+            if gub is not None:
+                tensors[f"{ex}{j}.gate_proj.bias"] = np.asarray(gub[j][0::2])
+                tensors[f"{ex}{j}.up_proj.bias"] = np.asarray(gub[j][1::2])
+            if db is not None:
+                tensors[f"{ex}{j}.down_proj.bias"] = np.asarray(db[j])
+    return tensors
 
 
 def split_fused_experts(tensors: dict[str, Any]) -> dict[str, Any]:

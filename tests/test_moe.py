@@ -260,15 +260,29 @@ def test_moe_under_tensor_parallelism_gives_the_same_tokens():
     tokens of one device, a prefix hit included, and exact accounting per device."""
     import dataclasses
 
+    base = dataclasses.replace(BUILTIN_CONFIGS["tiny-qwen3-moe"], num_heads=8, num_kv_heads=4,
+                               head_dim=16)  # fmt: skip
+    # GPT-OSS's form too: its expert biases split with the units (the down bias added once)
+    oai = dataclasses.replace(base, moe=dataclasses.replace(
+        base.moe, activation="swiglu_oai", router_bias=True, expert_bias=True))  # fmt: skip
+    for cfg in (base, oai):
+        _tp_tokens(cfg)
+
+
+def _tp_tokens(cfg):
     from conftest import tp_pool
 
-    cfg = dataclasses.replace(BUILTIN_CONFIGS["tiny-qwen3-moe"], num_heads=8, num_kv_heads=4,
-                              head_dim=16)  # fmt: skip
     prompts = [list(range(1, 40)), [5, 6, 7], list(range(1, 33)) + [9, 9]]
     outs = {}
     for tp in (1, 2, 4):
         pool = tp_pool(tp, min_reserved_pages=0, max_reserved_pages=0)
         model = build_model(cfg, seed=0)
+        if cfg.moe.expert_bias:  # (they start at zero)
+            rng = np.random.default_rng(5)
+            for name in ("gate_up_bias", "down_bias", "router_bias"):
+                prm = getattr(model.layers[1].mlp, name)
+                shape = prm.get_value().shape
+                prm.set_value(jnp.asarray(rng.standard_normal(shape).astype(np.float32)))
         eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=32, max_model_len=256)
         if tp > 1:  # the experts' weights split along their units (the last axis)
             gate_up = [a for a in eng.runner.weights.arrays if a.shape == (8, 128, 2, 64)]
@@ -360,3 +374,40 @@ def test_a_qwen3moe_gguf_matches_transformers(tmp_path, caplog):
         got = model(jnp.asarray([ids]), jnp.arange(30)[None], no_cache_attention(ours))[0]
         assert np.abs(np.asarray(got) - ref).max() < tol * max(1.0, np.abs(ref).max())
     assert "ffn_gate_exps.weight (Q8_0) dequantized" in caplog.text
+
+
+def test_gpt_oss_experts_match_transformers():
+    """GPT-OSS's form: a router with a bias (top-k of the logits, softmax over them),
+    experts with biases, gate and up interleaved by column, the clamped SwiGLU; the
+    checkpoint's tensors through split_gpt_oss_experts into our layout."""
+    from jax_kvcached.models.moe import MoE, expert_weights, split_gpt_oss_experts
+
+    torch.manual_seed(2)
+    hc = transformers.GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=8,
+                                   num_experts_per_tok=2, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   vocab_size=64)  # fmt: skip
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    ref = GptOssMLP(hc).eval()
+    with torch.no_grad():
+        for prm in ref.parameters():
+            prm.normal_(0.0, 0.5)  # large enough that the clamps at +-7 bite
+    m = MoEConfig(num_experts=8, top_k=2, intermediate_size=16, norm_topk_prob=True,
+                  activation="swiglu_oai", router_bias=True, expert_bias=True)  # fmt: skip
+    ours = MoE(32, m, jnp.float32, nnx.Rngs(0))
+    tensors = {f"model.layers.0.mlp.{k}": v.detach().numpy() for k, v in ref.state_dict().items()}
+    split_gpt_oss_experts(tensors)
+    for name, (mod, attr, transpose, index) in expert_weights(ours, "model.layers.0.", 0).items():
+        value = tensors.pop(name)
+        value = value.T if transpose else value
+        param = getattr(mod, attr)
+        at = index[1:] if isinstance(index, tuple) else ()  # (not stacked: no layer axis)
+        param.set_value(param.get_value().at[at].set(value))
+    assert not tensors  # every checkpoint tensor has its place
+    x = np.random.default_rng(0).standard_normal((2, 7, 32)).astype(np.float32) * 3
+    with torch.no_grad():
+        want = ref(torch.tensor(x))
+        want = (want[0] if isinstance(want, tuple) else want).numpy()
+    got = np.asarray(ours(jnp.asarray(x)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
