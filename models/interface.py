@@ -9,7 +9,8 @@ the engine supplies (it writes the new K/V into the cache and reads the context)
 see ``models.stack``), and ``carry`` the state the attention threads through the layers
 (the engine's ordering token; a dense cache; None). Loaders fill the parameters through
 ``hf_weights()``: Hugging Face tensor name -> (module, attribute, transpose, index), the
-index a layer's row of a stacked parameter (None: the whole parameter).
+index a layer's row of a stacked parameter, or a tuple into it (one expert's slice of a
+mixture of experts' weight); None: the whole parameter.
 Tensor parallelism splits the parameters ``tensor_parallel_plan(tp)`` names along the
 axis it gives (see ``models.sharding``); ``attend`` then receives each device's heads.
 """

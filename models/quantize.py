@@ -65,6 +65,10 @@ def pack_model(model: Any, tensors: dict, quantization: str | None, path: str) -
         per_module[id(module)].append((name, index))
         modules[id(module)] = module
     notes: collections.Counter = collections.Counter()
+    experts = any(type(node).__name__ == "MoE" for _, node in nnx.iter_graph(model))
+    if at_load is not None and experts:  # (said, not silent: most of such a model's bytes)
+        log.info("%s: the mixture-of-experts layers keep their experts in the model dtype "
+                 "(packed experts are not supported yet)", path or "model")  # fmt: skip
     for key, names in per_module.items():
         fmt = widest([tensors[n].fmt for n, _ in names])
         for n, _ in names:
