@@ -292,26 +292,6 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         eos_token_id=257,
         qk_norm=True,
     ),
-    # Qwen3-MoE's shape in small: 8 experts, 2 a token, the first layer dense
-    # (mlp_only_layers), so both kinds of layer run.
-    "tiny-qwen3-moe": ModelConfig(
-        vocab_size=320,
-        hidden_size=128,
-        intermediate_size=256,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        model_type="qwen3_moe",
-        bos_token_id=256,
-        eos_token_id=257,
-        qk_norm=True,
-        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
-                      dense_layers=(0,)),  # fmt: skip
-    ),
     # Gemma 3's shape in small: 5 local layers (window 16) to 1 global one.
     "tiny-gemma3": ModelConfig(
         vocab_size=320,
@@ -335,3 +315,11 @@ BUILTIN_CONFIGS: dict[str, ModelConfig] = {
         rope_local_theta=10000.0,
     ),
 }
+
+# Qwen3-MoE's shape in small: tiny-qwen3 with 8 experts, 2 a token, the first layer dense
+# (mlp_only_layers), so both kinds of layer run.
+BUILTIN_CONFIGS["tiny-qwen3-moe"] = dataclasses.replace(
+    BUILTIN_CONFIGS["tiny-qwen3"], model_type="qwen3_moe", tie_word_embeddings=False,
+    moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
+                  dense_layers=(0,)),
+)  # fmt: skip
