@@ -7,8 +7,9 @@ dense MLP of top_k x expert_size units (the same active parameters per token), r
 weights; greedy decode tokens/s at each batch, rounds alternating, medians; the goal is an
 MoE step within 1.5x the dense one.
 ``--parts grouped``: one expert layer's gate/up projection (the tokens sorted by expert)
-through our kernel and through ``jax.lax.ragged_dot``, which XLA's CPU backend computes
-for every expert, against one dense matmul of the same active rows.
+through ``grouped_matmul`` (our kernel on a CPU, ragged_dot on a GPU) and through
+``jax.lax.ragged_dot``, which XLA's CPU backend computes for every expert, against one
+dense matmul of the same active rows. ``--backend cuda``: on a GPU.
 Prints tables and writes JSON (benchmarks/results/bench_moe.json).
 """
 
@@ -54,7 +55,7 @@ def _tok_s(eng: Engine, batch: int) -> float:
 
 def bench_decode(args) -> dict:
     batches = [int(b) for b in args.batches.split(",")]
-    pool = kv.Pool("2GiB", backend="host")
+    pool = kv.Pool("2GiB", backend=args.backend)
     engines = {}
     for name, cfg in configs(args.experts, args.top_k, args.expert_size).items():
         engines[name] = Engine(build_model(cfg, seed=0), pool, name=name, max_batch=max(batches),
@@ -92,8 +93,8 @@ def bench_grouped(args) -> dict:
         x = jnp.asarray(rng.standard_normal((tokens * k, h)).astype(np.float32))
         experts = jnp.asarray(rng.integers(0, e, (tokens, k)))
         _, _, sizes = sort_by_expert(experts, e)
-        fns = {
-            "kernel": jax.jit(lambda x, s: grouped_matmul(x, w, s, impl="kernel")),
+        fns = {  # (on a GPU "auto" is ragged_dot, and there is no CPU kernel)
+            "kernel": jax.jit(lambda x, s: grouped_matmul(x, w, s, impl="auto")),
             "ragged_dot": jax.jit(lambda x, s: grouped_matmul(x, w, s, impl="ragged_dot")),
             "dense": jax.jit(lambda x, s: x @ w[0]),
         }
@@ -113,6 +114,7 @@ def main() -> None:
     p.add_argument("--expert-size", type=int, default=256)
     p.add_argument("--batches", default="1,32")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--backend", default="host", help="the pool's backend (cuda on a GPU)")
     here = os.path.dirname(os.path.abspath(__file__))
     p.add_argument("--out", default=os.path.join(here, "results", "bench_moe.json"))
     args = p.parse_args()

@@ -19,7 +19,8 @@
 #   scripts/gpu-check.sh more   sleep / wake of six models (SmolLM2's architecture the
 #       big one: device bytes, JAX's memory_stats, the level-1 wake against the
 #       host-to-device bandwidth); Gemma 3 270M's architecture paged vs dense; the ragged
-#       mixed step served (stall case, two rates); the hybrid sliding-window freeing.
+#       mixed step served (stall case, two rates); the hybrid sliding-window freeing;
+#       a mixture of experts' decode step vs a dense one and ragged_dot's time.
 #   (The attention kernels, VMM, K/V write and OpenAI-feature benchmarks ran on the H200
 #   on 2026-12-04: docs/gpu.md; their scripts take --backend cuda / run as before.)
 #
@@ -76,6 +77,8 @@ else
   # bytes and JAX's memory_stats asleep / awake (each engine compiles all it can run).
   run 200 sleep python3 "$B/bench_sleep.py" --big arch:smollm2-135m --dtype bfloat16 \
     --out "$J/sleep.json"
+  run 90 moe python3 "$B/bench_moe.py" --backend cuda --batches 1,32 --rounds 2 \
+    --out "$J/moe.json"
   run 70 gemma3 python3 "$B/bench_decode.py" --model arch:gemma3-270m --dtype bfloat16 \
     --parts decode --no-prefill --backend cuda --batches 1,8,32 --ctx 1024 --iters 5 \
     --rounds 2 --out "$J/decode_gemma3.json"
