@@ -223,6 +223,52 @@ def test_qwen3_moe_engine_greedy_matches_transformers_generate(hf_moe):
     small.close()
 
 
+def test_deepseek_form_with_shared_experts_through_the_engine():
+    """Sigmoid routing with a score bias over 2 groups of 4 (topk_group 1), routed scaling
+    and shared experts: the engine's greedy tokens equal the dense reference's, the
+    shared experts add what they compute alone, and the weights' names round-trip."""
+    import dataclasses
+
+    from jax_kvcached.models.loader import repack
+    from jax_kvcached.models.stack import layer_slice
+
+    base = BUILTIN_CONFIGS["tiny-qwen3-moe"]
+    cfg = dataclasses.replace(base, moe=dataclasses.replace(
+        base.moe, scoring="sigmoid", n_group=2, topk_group=1, score_bias=True,
+        routed_scaling_factor=2.5, shared_intermediate_size=64))  # fmt: skip
+    model = build_model(cfg, seed=1)
+    moe = model.layers[1].mlp
+    moe.score_bias.set_value(jnp.linspace(-1.0, 1.0, 16).reshape(2, 8))  # (2 stacked layers)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 128)).astype(np.float32))
+    layer = layer_slice(model.layers[1], 0).mlp  # the MoE run's first layer, alone
+    shared = layer.shared(x)
+    routed_only = layer(x) - shared
+    layer.shared = None
+    np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(routed_only), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+    pool = kv.Pool("32MiB", page_size="64KiB", backend="host", min_reserved_pages=0,
+                   max_reserved_pages=0)  # fmt: skip
+    eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16)
+    prompts = [[256, *range(20, 50)], [256, 9, 8, 7]]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))
+    attend = no_cache_attention(cfg)
+    for p, o in zip(prompts, outs, strict=True):
+        toks = list(p)
+        for _ in range(4):
+            logits = model(jnp.asarray([toks]), jnp.arange(len(toks))[None], attend)
+            toks.append(int(jnp.argmax(logits[0, -1])))
+        assert o.token_ids == toks[len(p) :]
+    assert_only_cached_blocks_hold_pages(eng, pool)
+    eng.close()
+    pool.close()
+    names = model.hf_weights()
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    assert "model.layers.2.mlp.shared_experts.down_proj.weight" in names
+    again = repack(model, cfg, "int8")  # every named tensor read back and loaded again
+    np.testing.assert_array_equal(np.asarray(again.layers[1].mlp.score_bias.get_value()),
+                                  np.asarray(moe.score_bias.get_value()))  # fmt: skip
+
+
 def test_quantizing_a_moe_model_packs_attention_and_says_the_experts_stay(caplog):
     import logging
 
