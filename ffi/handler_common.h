@@ -1,11 +1,15 @@
 // Validation shared by the Host and CUDA FFI handlers: handle lookup, dtypes, shapes.
 #pragma once
 
+#include <algorithm>
+#include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "errors.h"
 #include "kv_buffer.h"
+#include "parallel.h"
 #include "registry.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,6 +27,13 @@ inline ffi::Error to_ffi_error(const std::string& op, const std::exception& e) {
   }
   if (dynamic_cast<const Error*>(&e) != nullptr) return invalid(op, e.what());
   return ffi::Error::Internal("jax_kvcached." + op + ": " + e.what());
+}
+
+// XLA's intra-op thread pool as the CPU kernels take it (parallel.h): the threads that
+// work, the caller included, and how a task is handed to another thread.
+inline int64_t pool_workers(ffi::ThreadPool& pool) { return std::max<int64_t>(1, pool.num_threads()); }
+inline Spawn pool_spawn(ffi::ThreadPool& pool) {
+  return [&pool](std::function<void()> f) { pool.Schedule(std::move(f)); };
 }
 
 // Looks up the shard of a handle on the device the call runs on; expected_kind rejects a

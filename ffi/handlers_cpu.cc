@@ -145,9 +145,7 @@ ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t hand
                static_cast<const int32_t*>(q_lens.untyped_data()),
                static_cast<float*>(out->untyped_data())};
   try {
-    const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-    const std::string err =
-        attend_host(*buf, a, workers, [&pool](std::function<void()> f) { pool.Schedule(std::move(f)); });
+    const std::string err = attend_host(*buf, a, pool_workers(pool), pool_spawn(pool));
     if (!err.empty()) return invalid(op, err);
   } catch (const std::exception& e) {
     return to_ffi_error(op, e);

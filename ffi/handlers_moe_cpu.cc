@@ -40,8 +40,7 @@ ffi::Error GroupedMatmulCpu(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
                       static_cast<float*>(out->untyped_data())};
   if (std::string err = check_group_sizes(a); !err.empty()) return invalid(op, err);
   try {
-    const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-    grouped_matmul(a, workers, [&pool](std::function<void()> f) { pool.Schedule(std::move(f)); });
+    grouped_matmul(a, pool_workers(pool), pool_spawn(pool));
   } catch (const std::exception& e) {
     return to_ffi_error(op, e);
   }

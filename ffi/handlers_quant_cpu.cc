@@ -74,8 +74,7 @@ ffi::Error QuantMatmulCpu(ffi::ThreadPool pool, int64_t bits, int64_t group, ffi
     parts.push_back(a);
   }
   try {
-    const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-    quant_matmul(parts, workers, [&pool](std::function<void()> f) { pool.Schedule(std::move(f)); });
+    quant_matmul(parts, pool_workers(pool), pool_spawn(pool));
   } catch (const std::exception& e) {
     return to_ffi_error(op, e);
   }

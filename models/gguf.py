@@ -152,8 +152,7 @@ class GGUFCheckpoint:
         return ModelConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,
-            intermediate_size=int(self.meta(f"{a}.feed_forward_length",
-                                            self.meta(f"{a}.expert_feed_forward_length", 0))),
+            intermediate_size=int(self._dense_width(a, extra.get("moe"))),
             num_layers=int(self.meta(f"{a}.block_count")),
             num_heads=heads,
             num_kv_heads=int(self.meta(f"{a}.attention.head_count_kv", heads)),
@@ -168,6 +167,12 @@ class GGUFCheckpoint:
             eos_token_id=self.meta("tokenizer.ggml.eos_token_id", None),
             **extra,
         )
+
+    def _dense_width(self, a: str, moe: MoEConfig | None) -> int:
+        """A dense MLP's width; a file whose every layer is MoE may lack it (the experts'
+        width then stands in: no layer uses it)."""
+        key = f"{a}.feed_forward_length"
+        return self.meta(key) if moe is None else self.meta(key, moe.intermediate_size)
 
     # -- weights -----------------------------------------------------------------------
     def tensors(

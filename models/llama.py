@@ -25,7 +25,7 @@ from .moe import MoE, expert_weights
 from .quant_linear import project, split_entries
 from .registry import register
 from .rope import yarn
-from .stack import layer_runs, run_layers, stack_segments
+from .stack import layer_runs, num_stacked, run_layers, stack_segments
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -132,15 +132,19 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, appro
 
 
 class MLP(nnx.Module):
-    """``down(act(gate(x)) * up(x))``; ``act`` names the activation (``_ACTIVATIONS``)."""
+    """``down(act(gate(x)) * up(x))``; ``act`` names the activation (``_ACTIVATIONS``);
+    ``units``: its width (default ``intermediate_size``; a mixture of experts' shared
+    experts have their own)."""
 
     def __init__(
-        self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, act: str = "silu"
-    ) -> None:
+        self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, act: str = "silu",
+        units: int | None = None,
+    ) -> None:  # fmt: skip
         kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.gate_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.up_proj = nnx.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.down_proj = nnx.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        units = units or cfg.intermediate_size
+        self.gate_proj = nnx.Linear(cfg.hidden_size, units, **kw)
+        self.up_proj = nnx.Linear(cfg.hidden_size, units, **kw)
+        self.down_proj = nnx.Linear(units, cfg.hidden_size, **kw)
         self.act = act
 
     def __call__(self, x):
@@ -158,7 +162,12 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MoE(cfg.hidden_size, cfg.moe, dtype, rngs) if moe else MLP(cfg, dtype, rngs)
+        if not moe:
+            self.mlp = MLP(cfg, dtype, rngs)
+        else:  # DeepSeek's shared experts: one MLP of their total width
+            width = cfg.moe.shared_intermediate_size
+            shared = MLP(cfg, dtype, rngs, units=width) if width else None
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, dtype, rngs, shared=shared)
 
     def __call__(self, x, positions, inv_freq, attend_layer, carry):
         a, carry = self.self_attn(self.input_layernorm(x), positions, inv_freq, attend_layer, carry)
@@ -241,8 +250,7 @@ class LlamaModel(nnx.Module):
         if self.lm_head is not None:
             t["lm_head.weight"] = (self.lm_head, "kernel", True, None)
         for start, layer in layer_runs(self.layers, self.layer_starts):
-            n = layer.input_layernorm.weight.get_value().shape[0]
-            for i in range(n):  # i: the index into this run's stacked parameters
+            for i in range(num_stacked(layer)):  # i: the index into this run's stack
                 p = f"model.layers.{start + i}."
                 t[p + "input_layernorm.weight"] = (layer.input_layernorm, "weight", False, i)
                 t[p + "post_attention_layernorm.weight"] = (

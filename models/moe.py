@@ -30,8 +30,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from .quant_linear import project
-
 SCORINGS = ("softmax", "sigmoid")
 # The expert MLP's gate: SiLU(gate) * up, or GPT-OSS's clamped form (gate <= limit,
 # |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1)).
@@ -164,27 +162,17 @@ def sort_by_expert(experts: jax.Array, num_experts: int) -> tuple[jax.Array, jax
     return order, order // experts.shape[1], sizes
 
 
-class SharedExperts(nnx.Module):
-    """The experts every token runs (DeepSeek): one SwiGLU MLP of their total width."""
-
-    def __init__(self, hidden: int, inter: int, dtype: Any, rngs: nnx.Rngs) -> None:
-        kw = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.gate_proj = nnx.Linear(hidden, inter, **kw)
-        self.up_proj = nnx.Linear(hidden, inter, **kw)
-        self.down_proj = nnx.Linear(inter, hidden, **kw)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = project(x, [self.gate_proj, self.up_proj])
-        return self.down_proj(jax.nn.silu(gate) * up)
-
-
 class MoE(nnx.Module):
     """A mixture-of-experts SwiGLU feed-forward: ``router`` ``(E, hidden)`` (Hugging Face's
     layout, kept in the model dtype: never packed), ``gate_up`` ``(E, hidden, 2, I)``,
-    ``down`` ``(E, I, hidden)``, optional ``score_bias`` ``(E,)`` and shared experts.
-    ``tp``: the mesh when the experts are split over devices (set by ``shard_model``)."""
+    ``down`` ``(E, I, hidden)``, optional ``score_bias`` ``(E,)``; ``shared``: the
+    experts every token runs (DeepSeek; the model's own MLP module, with ``gate_proj``,
+    ``up_proj`` and ``down_proj``), or None. ``tp``: the mesh when the experts are split
+    over devices (set by ``shard_model``)."""
 
-    def __init__(self, hidden: int, m: MoEConfig, dtype: Any, rngs: nnx.Rngs) -> None:
+    def __init__(
+        self, hidden: int, m: MoEConfig, dtype: Any, rngs: nnx.Rngs, shared: Any = None
+    ) -> None:
         e, i = m.num_experts, m.intermediate_size
         init = nnx.initializers.lecun_normal()
         self.router = nnx.Param(init(rngs.params(), (hidden, e), dtype).T)
@@ -195,10 +183,9 @@ class MoE(nnx.Module):
         self.router_bias = nnx.Param(jnp.zeros((e,), dtype)) if m.router_bias else None
         self.gate_up_bias = nnx.Param(jnp.zeros((e, 2, i), dtype)) if m.expert_bias else None
         self.down_bias = nnx.Param(jnp.zeros((e, hidden), dtype)) if m.expert_bias else None
-        self.shared = (
-            SharedExperts(hidden, m.shared_intermediate_size, dtype, rngs)
-            if m.shared_intermediate_size else None
-        )  # fmt: skip
+        if (shared is None) != (m.shared_intermediate_size == 0):
+            raise ValueError("moe: shared experts are given exactly when the config has them")
+        self.shared = shared
         self.cfg = m
         self.tp: Any = None
 
@@ -229,11 +216,10 @@ class MoE(nnx.Module):
         axis = mesh.axis_names[0]
         P = jax.sharding.PartitionSpec
         nd = gate_up.ndim
-        rank = jax.lax.axis_index  # the down bias is added once: on the first device
 
         def local(x, token, sizes, pair_w, biases, gu, dn):
-            if biases is not None:
-                first = (rank(axis) == 0).astype(biases[1].dtype)
+            if biases is not None:  # the down bias is added once: on the first device
+                first = (jax.lax.axis_index(axis) == 0).astype(biases[1].dtype)
                 biases = (biases[0], biases[1] * first)
             return jax.lax.psum(_expert_sum(m, x, token, sizes, pair_w, biases, gu, dn), axis)
 

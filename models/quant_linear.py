@@ -17,7 +17,6 @@ per device under ``jax.shard_map`` (inputs: a ``psum`` of the partial products).
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 import jax
@@ -33,7 +32,7 @@ QUANT_IMPLS = ("auto", "kernel", "xla")
 # float32 dot over the dequantized weight above it (prefill; compute bound, where XLA's
 # dot outruns the kernel: 4 x 256-token prefill 464 vs 364 tok/s through the kernel;
 # benchmarks/bench_quant.py, part "prefill"). Decode-sized steps through XLA were slower.
-KERNEL_MAX_ROWS = int(os.environ.get("KVCACHED_QUANT_KERNEL_MAX_ROWS", "32"))
+KERNEL_MAX_ROWS = 32
 
 
 def dequantize(q: jax.Array, scales: jax.Array, mins: jax.Array | None, fmt: QuantFormat,
