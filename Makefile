@@ -47,6 +47,7 @@ bench: install-test
 	# llama.cpp beside it when --llama-python names a Python with llama-cpp-python
 	$(BIN)/python benchmarks/bench_quant.py
 	$(BIN)/python benchmarks/bench_moe.py
+	$(BIN)/python benchmarks/bench_mla.py
 	# Served against llama.cpp's server needs guidellm and llama-cpp-python[server] in
 	# their own venvs: benchmarks/bench_guidellm.py --guidellm G --llama-python P
 

@@ -255,8 +255,11 @@ void attend_one(const KVBuffer& buf, const AttendArgs& a, int64_t s, int64_t t0,
   const KVLayout& L = buf.layout();
   const int64_t d = kD > 0 ? kD : a.head_dim, bs = L.block_size, g = a.groups;
   const size_t row_bytes = L.row_bytes(), isz = dtype_size(L.dtype);
-  const char* k_plane = reinterpret_cast<const char*>(buf.base() + static_cast<size_t>(2 * a.layer) * buf.plane_bytes());
-  const char* v_plane = k_plane + buf.plane_bytes();
+  const char* k_plane =
+      reinterpret_cast<const char*>(buf.base() + static_cast<size_t>(L.planes_per_layer * a.layer) * buf.plane_bytes());
+  // A latent cache (one plane) is its own values: out = softmax(q . c) c over all of c's
+  // dims, the caller keeps the latent part.
+  const char* v_plane = L.planes_per_layer == 2 ? k_plane + buf.plane_bytes() : k_plane;
   const int64_t n = (t1 - t0) * g;
   Rows<kD> rows(n, d, a.scale);
   const int64_t first = a.q_start[s];
@@ -264,6 +267,10 @@ void attend_one(const KVBuffer& buf, const AttendArgs& a, int64_t s, int64_t t0,
     const int64_t off = ((first + t0 + r / g) * a.kv_heads + h) * g + r % g;
     rows.q[r] = a.q + off * d;
     rows.o[r] = a.out + off * d;
+    if (a.sinks != nullptr) {  // the sink as the softmax's first key (value zero)
+      rows.m[r] = a.sinks[h * g + r % g];
+      rows.l[r] = 1.f;
+    }
   }
   // Row r is the query at position p0 + r / g; it sees keys at positions <= that.
   const int64_t p0 = a.kv_lens[s] - a.q_lens[s] + t0;

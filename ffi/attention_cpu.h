@@ -24,6 +24,9 @@ struct AttendArgs {
   const int32_t* q_start;  // (seqs,): flat index of the sequence's first query row
   const int32_t* q_lens;   // (seqs,): its query rows: the positions kv_len - q_len .. kv_len - 1
   float* out;              // (tokens, kv_heads, groups, head_dim), normalised; 0 where no sequence
+  // (kv_heads, groups): a learned logit per query head in the softmax's denominator
+  // (attention sinks: GPT-OSS), a key of value zero every row sees; nullptr: none.
+  const float* sinks = nullptr;
 };
 
 // Validates the ragged layout (query ranges inside the token axis, disjoint, no longer

@@ -105,8 +105,8 @@ ffi::Error UnmapPagesCpu(int32_t device, uint64_t handle, ffi::AnyBuffer ids, ff
 // token orders it after the writes (this step's new K/V included).
 ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t handle, float scale,
                              ffi::AnyBuffer layer_buf, ffi::AnyBuffer window_buf, ffi::AnyBuffer q, ffi::AnyBuffer tables, ffi::AnyBuffer kv_lens,
-                             ffi::AnyBuffer q_start, ffi::AnyBuffer q_lens, ffi::AnyBuffer /*token*/,
-                             ffi::Result<ffi::AnyBuffer> out) {
+                             ffi::AnyBuffer q_start, ffi::AnyBuffer q_lens, ffi::AnyBuffer sinks,
+                             ffi::AnyBuffer /*token*/, ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "paged_attention";
   std::shared_ptr<KVBuffer> buf;
   if (auto e = find_buffer(op, handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
@@ -134,6 +134,11 @@ ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t hand
       return invalid(op, "layer and window must be int32 scalars");
     }
   }
+  if (sinks.element_type() != ffi::DataType::F32 ||
+      (sinks.element_count() != 0 && sinks.element_count() != static_cast<size_t>(qd[1] * qd[2]))) {
+    return invalid(op, "sinks must be float32 with one logit per query head (kv_heads x groups = " +
+                           std::to_string(qd[1] * qd[2]) + ") or empty, got " + dims_text(sinks.dimensions()));
+  }
   // Both checked by attend_host.
   const int64_t layer = *static_cast<const int32_t*>(layer_buf.untyped_data());
   const int64_t window = *static_cast<const int32_t*>(window_buf.untyped_data());
@@ -143,7 +148,8 @@ ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t hand
                static_cast<const int32_t*>(kv_lens.untyped_data()),
                static_cast<const int32_t*>(q_start.untyped_data()),
                static_cast<const int32_t*>(q_lens.untyped_data()),
-               static_cast<float*>(out->untyped_data())};
+               static_cast<float*>(out->untyped_data()),
+               sinks.element_count() ? static_cast<const float*>(sinks.untyped_data()) : nullptr};
   try {
     const std::string err = attend_host(*buf, a, pool_workers(pool), pool_spawn(pool));
     if (!err.empty()) return invalid(op, err);
@@ -168,6 +174,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_paged_attention_cpu, PagedAttentionCpu,
                                   .Arg<ffi::AnyBuffer>()  // kv_lens
                                   .Arg<ffi::AnyBuffer>()  // q_start
                                   .Arg<ffi::AnyBuffer>()  // q_lens
+                                  .Arg<ffi::AnyBuffer>()  // sinks ((kv_heads, groups) or empty)
                                   .Arg<ffi::AnyBuffer>()  // token
                                   .Ret<ffi::AnyBuffer>());  // out
 

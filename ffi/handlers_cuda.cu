@@ -72,14 +72,15 @@ __device__ int slot_error(int64_t s, int64_t layer, const SlotCheck& c) {
 }
 
 // blockIdx.y: the layer (of the written range); planes of consecutive layers are
-// 2 * words_per_plane apart. Slot -1 skips a padded token.
+// planes * words_per_plane apart (planes 1: a latent cache, no V written). Slot -1 skips a
+// padded token.
 // layer_ptr != nullptr (write_kv_async): the first layer is read on the device and
 // checked against num_layers_total (code 5, recorded with the layer); k_plane0 is then
 // the buffer's base.
 template <typename Word>
 __global__ void write_rows(const Word* key, const Word* value, const int32_t* slots, int64_t n,
-                           int64_t words_per_row, int64_t words_per_plane, Word* k_plane0, SlotCheck check,
-                           const int32_t* layer_ptr, int64_t num_layers_total) {
+                           int64_t words_per_row, int64_t words_per_plane, int64_t planes, Word* k_plane0,
+                           SlotCheck check, const int32_t* layer_ptr, int64_t num_layers_total) {
   const int64_t total = n * words_per_row;
   const int64_t j = blockIdx.y;
   int64_t layer = j;  // the page map's layer (only read when layer_ptr is given)
@@ -91,13 +92,13 @@ __global__ void write_rows(const Word* key, const Word* value, const int32_t* sl
       }
       return;
     }
-    k_plane0 += 2 * first * words_per_plane;
+    k_plane0 += planes * first * words_per_plane;
     layer = first + j;
   }
   key += j * total;
   value += j * total;
-  Word* k_plane = k_plane0 + 2 * j * words_per_plane;
-  Word* v_plane = k_plane + words_per_plane;
+  Word* k_plane = k_plane0 + planes * j * words_per_plane;
+  Word* v_plane = planes == 2 ? k_plane + words_per_plane : nullptr;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = i / words_per_row;
@@ -110,7 +111,7 @@ __global__ void write_rows(const Word* key, const Word* value, const int32_t* sl
       continue;
     }
     k_plane[s * words_per_row + w] = key[i];
-    v_plane[s * words_per_row + w] = value[i];
+    if (v_plane != nullptr) v_plane[s * words_per_row + w] = value[i];
   }
 }
 
@@ -122,19 +123,20 @@ cudaError_t launch_write(cudaStream_t stream, const KVBuffer& buf, int64_t layer
   const size_t row = buf.layout().row_bytes();
   if (layer_ptr != nullptr) layer = 0;
   const int64_t total_layers = buf.layout().num_layers;
-  char* k_plane = reinterpret_cast<char*>(buf.base() + static_cast<size_t>(2 * layer) * buf.plane_bytes());
+  const int64_t planes = buf.layout().planes_per_layer;
+  char* k_plane = reinterpret_cast<char*>(buf.base() + static_cast<size_t>(planes * layer) * buf.plane_bytes());
   if (row % 4 == 0) {
     const int64_t wpr = static_cast<int64_t>(row / 4);
     const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
     write_rows<uint32_t><<<grid, 256, 0, stream>>>(
         static_cast<const uint32_t*>(key), static_cast<const uint32_t*>(value), slots, n, wpr,
-        static_cast<int64_t>(buf.plane_bytes() / 4), reinterpret_cast<uint32_t*>(k_plane), check, layer_ptr, total_layers);
+        static_cast<int64_t>(buf.plane_bytes() / 4), planes, reinterpret_cast<uint32_t*>(k_plane), check, layer_ptr, total_layers);
   } else {
     const int64_t wpr = static_cast<int64_t>(row / 2);
     const dim3 grid(grid_for(n * wpr), static_cast<unsigned>(num_layers));
     write_rows<uint16_t><<<grid, 256, 0, stream>>>(
         static_cast<const uint16_t*>(key), static_cast<const uint16_t*>(value), slots, n, wpr,
-        static_cast<int64_t>(buf.plane_bytes() / 2), reinterpret_cast<uint16_t*>(k_plane), check, layer_ptr, total_layers);
+        static_cast<int64_t>(buf.plane_bytes() / 2), planes, reinterpret_cast<uint16_t*>(k_plane), check, layer_ptr, total_layers);
   }
   return cudaGetLastError();
 }

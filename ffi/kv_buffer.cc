@@ -60,6 +60,10 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int d
       layout.block_size <= 0 || layout.num_pages <= 0) {
     throw Error("num_layers, num_kv_heads, head_dim, block_size and num_pages must be positive");
   }
+  if (layout.planes_per_layer != 1 && layout.planes_per_layer != 2) {
+    throw Error("planes_per_layer must be 2 (K and V) or 1 (a latent), got " +
+                std::to_string(layout.planes_per_layer));
+  }
   const size_t bb = layout.checked_block_bytes();
   if (bb == 0) {
     throw Error("block_size * num_kv_heads * head_dim * itemsize overflows 64 bits");
@@ -77,7 +81,7 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int d
   size_t total = 0;
   if (__builtin_mul_overflow(static_cast<size_t>(layout_.num_pages), page_size_, &plane_bytes_) ||
       __builtin_mul_overflow(plane_bytes_, static_cast<size_t>(layout_.num_planes()), &total)) {
-    throw Error("num_pages * page_size * 2 * num_layers overflows 64 bits");
+    throw Error("num_pages * page_size * planes * num_layers overflows 64 bits");
   }
   num_blocks_ = static_cast<int64_t>(plane_bytes_ / bb);
   // The groups: every layer in one, ids dense from 0.
@@ -97,8 +101,10 @@ KVBuffer::KVBuffer(std::shared_ptr<PagePool> pool, const KVLayout& layout, int d
                   std::to_string(layout.num_layers) + ")");
     }
     if (static_cast<size_t>(g) >= group_planes_.size()) group_planes_.resize(static_cast<size_t>(g) + 1);
-    group_planes_[static_cast<size_t>(g)].push_back(2 * l);
-    group_planes_[static_cast<size_t>(g)].push_back(2 * l + 1);
+    for (int64_t x = 0; x < layout.planes_per_layer; ++x) {
+      group_planes_[static_cast<size_t>(g)].push_back(static_cast<size_t>(layout.planes_per_layer) * l +
+                                                      static_cast<size_t>(x));
+    }
   }
   for (size_t g = 0; g < group_planes_.size(); ++g) {
     if (group_planes_[g].empty()) throw Error("KV cache group " + std::to_string(g) + " has no layer");
@@ -477,15 +483,16 @@ void KVBuffer::write_kv_host(int64_t layer, int64_t num_layers, const void* key,
   if (!err.empty()) throw Error(err);
   const size_t row = layout_.row_bytes();
   for (int64_t j = 0; j < num_layers; ++j) {
-    auto* k_plane = reinterpret_cast<char*>(base_ + static_cast<size_t>(2 * (layer + j)) * plane_bytes_);
-    char* v_plane = k_plane + plane_bytes_;
+    auto* k_plane = reinterpret_cast<char*>(
+        base_ + static_cast<size_t>(layout_.planes_per_layer * (layer + j)) * plane_bytes_);
+    char* v_plane = layout_.planes_per_layer == 2 ? k_plane + plane_bytes_ : nullptr;  // 1: no V
     const auto* k = static_cast<const char*>(key) + static_cast<size_t>(j) * n * row;
     const auto* v = static_cast<const char*>(value) + static_cast<size_t>(j) * n * row;
     for (size_t i = 0; i < n; ++i) {
       if (slots[i] < 0) continue;
       const size_t off = static_cast<size_t>(slots[i]) * row;
       std::memcpy(k_plane + off, k + i * row, row);
-      std::memcpy(v_plane + off, v + i * row, row);
+      if (v_plane != nullptr) std::memcpy(v_plane + off, v + i * row, row);
     }
   }
 }

@@ -1,10 +1,12 @@
 // KVBuffer: one tenant's fixed virtual KV range and its page table.
 //
-// Layout (row-major): (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim).
-// Each (layer, K|V) plane is one page-aligned range of num_pages * page_size bytes.
+// Layout (row-major): (num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim),
+// planes = 2 (K and V) for attention, 1 for a latent cache (MLA: one compressed latent per
+// token, its values read from the same plane). Each (layer, plane) is one page-aligned
+// range of num_pages * page_size bytes.
 // Layers are split into KV cache groups (layer_group; one group unless given): each group
 // has its own block-id space over its layers' planes, and KV page p of group g stands for
-// the same offset in the 2 * |g| planes of g's layers: mapping it takes 2 * |g| physical
+// the same offset in the planes * |g| planes of g's layers: mapping it takes planes * |g| physical
 // pages from the pool. Block b of group g is therefore a different memory from block b of
 // another group. Block 0 is every group's null block: never written, it reads zeros, so
 // padded (and a sliding window's freed) block-table entries can point at it.
@@ -49,13 +51,14 @@ struct KVLayout {
   int64_t num_pages;  // KV pages of virtual space
   // Each layer's KV cache group (ids 0..G-1, every id used); empty: one group.
   std::vector<int32_t> layer_group;
+  int64_t planes_per_layer = 2;  // 2: K and V; 1: a latent plane (no separate V)
 
   // Valid once checked_block_bytes() accepted the layout (no product wraps).
   size_t row_bytes() const { return static_cast<size_t>(num_kv_heads * head_dim) * dtype_size(dtype); }
   size_t block_bytes() const { return row_bytes() * static_cast<size_t>(block_size); }
   // block_size * num_kv_heads * head_dim * itemsize, or 0 when the product overflows.
   size_t checked_block_bytes() const;
-  int64_t num_planes() const { return 2 * num_layers; }
+  int64_t num_planes() const { return planes_per_layer * num_layers; }
 };
 
 class KVBuffer {
@@ -96,7 +99,7 @@ class KVBuffer {
   size_t pages_per_kv_page() const { return static_cast<size_t>(layout_.num_planes()); }
   int num_groups() const { return static_cast<int>(group_planes_.size()); }
   size_t group_pages_per_kv_page(int group) const { return group_planes_.at(static_cast<size_t>(group)).size(); }
-  // The planes (2 * layer + K|V) of one group, ascending (group checked by the caller).
+  // The planes (planes_per_layer * layer + plane) of one group, ascending (group checked by the caller).
   const std::vector<size_t>& group_planes(int group) const { return group_planes_.at(static_cast<size_t>(group)); }
   int group_of_layer(int64_t layer) const { return layer_group_[static_cast<size_t>(layer)]; }
   const std::vector<int32_t>& layer_groups() const { return layer_group_; }

@@ -132,17 +132,19 @@ NB_MODULE(_C, m) {
   nb::class_<KVBuffer>(m, "KVBuffer")
       .def(nb::new_([](std::shared_ptr<PagePool> pool, int64_t num_layers, int64_t num_kv_heads,
                        int64_t head_dim, int64_t block_size, int dtype, int64_t num_pages,
-                       int device_ordinal, int local_id, std::vector<int32_t> layer_group) {
+                       int device_ordinal, int local_id, std::vector<int32_t> layer_group,
+                       int64_t planes_per_layer) {
              if (dtype < 0 || dtype > 2) throw Error("unsupported dtype code");
              return std::make_shared<KVBuffer>(
                  std::move(pool),
                  KVLayout{num_layers, num_kv_heads, head_dim, block_size, static_cast<DType>(dtype), num_pages,
-                          std::move(layer_group)},
+                          std::move(layer_group), planes_per_layer},
                  device_ordinal, local_id);
            }),
            nb::arg("pool"), nb::arg("num_layers"), nb::arg("num_kv_heads"), nb::arg("head_dim"),
            nb::arg("block_size"), nb::arg("dtype"), nb::arg("num_pages"), nb::arg("device_ordinal") = -1,
-           nb::arg("local_id") = -1, nb::arg("layer_group") = std::vector<int32_t>{})
+           nb::arg("local_id") = -1, nb::arg("layer_group") = std::vector<int32_t>{},
+           nb::arg("planes_per_layer") = 2)
       .def_prop_ro("local_id", &KVBuffer::local_id)
       .def_prop_ro("device_ordinal", &KVBuffer::device_ordinal)
       .def_prop_ro("base", &KVBuffer::base)
@@ -216,7 +218,7 @@ NB_MODULE(_C, m) {
               delete static_cast<std::shared_ptr<KVBuffer>*>(p);
             });
             const KVLayout& l = self->layout();
-            const size_t shape[6] = {static_cast<size_t>(l.num_layers), 2, static_cast<size_t>(self->num_blocks()),
+            const size_t shape[6] = {static_cast<size_t>(l.num_layers), static_cast<size_t>(l.planes_per_layer), static_cast<size_t>(self->num_blocks()),
                                      static_cast<size_t>(l.block_size), static_cast<size_t>(l.num_kv_heads),
                                      static_cast<size_t>(l.head_dim)};
             PhysicalBackend& be = self->pool().backend();

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from . import registry
+from .mla import MLAConfig, mla_from_hf
 from .moe import MoEConfig, moe_from_hf
 from .rope import ROPE_TYPES
 
@@ -27,6 +28,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
+    o_bias: bool = False  # the output projection's bias (attention_bias: Llama, GPT-OSS)
+    # GPT-OSS: a learned logit per head in the softmax's denominator (attention sinks)
+    attention_sinks: bool = False
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
@@ -43,6 +47,9 @@ class ModelConfig:
     # Mixture-of-experts feed-forward (models/moe.py) on every layer not in its
     # dense_layers; None: dense MLPs of intermediate_size everywhere.
     moe: MoEConfig | None = None
+    # Multi-head latent attention (models/mla.py: DeepSeek-V2/V3): the KV cache holds one
+    # latent per token and layer, so num_kv_heads is 1 and head_dim the latent's width.
+    mla: MLAConfig | None = None
 
     def __post_init__(self) -> None:
         for f in (
@@ -60,6 +67,9 @@ class ModelConfig:
         if any(not 0 <= i < self.num_layers for i in dense):
             raise ValueError(f"model config: moe dense_layers {self.moe.dense_layers} outside "
                              f"the {self.num_layers} layers")  # fmt: skip
+        if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim):
+            raise ValueError("model config: a latent-attention model's cache has 1 KV head of "
+                             f"the latent's width {self.mla.latent_dim}")  # fmt: skip
         if self.num_heads % self.num_kv_heads:
             raise ValueError("model config: num_heads must be a multiple of num_kv_heads")
         if self.sliding_window is not None and self.sliding_window <= 0:
@@ -83,6 +93,16 @@ class ModelConfig:
         if self.layer_types is None:
             return (w,) * self.num_layers
         return tuple(w if t == "sliding_attention" else 0 for t in self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions RoPE rotates per head (MLA: only its rotary part)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def kv_latent(self) -> bool:
+        """Whether the KV cache holds a latent per token (one plane) instead of K and V."""
+        return self.mla is not None
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -122,20 +142,23 @@ class ModelConfig:
         if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
             window = None  # Qwen2 configs carry a window they do not use
         layer_types = cfg.get("layer_types")
+        mla = mla_from_hf(cfg, scaling) if model_type in MLA_TYPES else None
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            num_kv_heads=1 if mla else cfg.get("num_key_value_heads", heads),
+            head_dim=mla.latent_dim if mla else cfg.get("head_dim") or cfg["hidden_size"] // heads,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             rope_theta=float(theta),
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_bias=model_type not in ("qwen2", "mistral") and bool(cfg.get("attention_bias")),
+            attention_sinks=model_type == "gpt_oss",
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
@@ -143,6 +166,7 @@ class ModelConfig:
             sliding_window=int(window) if window else None,
             layer_types=tuple(layer_types) if layer_types and window else None,
             moe=moe_from_hf(cfg, model_type) if model_type in MOE_TYPES else None,
+            mla=mla,
         )
 
     @classmethod
@@ -152,7 +176,8 @@ class ModelConfig:
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
-MOE_TYPES = ("qwen3_moe",)
+MOE_TYPES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 def _gemma3_from_hf(cfg: dict[str, Any]) -> ModelConfig:
@@ -322,4 +347,33 @@ BUILTIN_CONFIGS["tiny-qwen3-moe"] = dataclasses.replace(
     BUILTIN_CONFIGS["tiny-qwen3"], model_type="qwen3_moe", tie_word_embeddings=False,
     moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
                   dense_layers=(0,)),
+)  # fmt: skip
+
+# DeepSeek-V3's shape in small: latent attention (a 24 + 8 latent a token and layer, the
+# query through a q_lora of 48), YaRN with mscale_all_dim, and sigmoid-routed experts in 2
+# groups with a shared one, the first layer dense.
+BUILTIN_CONFIGS["tiny-deepseek-v3"] = ModelConfig(
+    vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
+    num_kv_heads=1, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6,
+    rope_scaling=(("beta_fast", 32), ("beta_slow", 1), ("factor", 4.0), ("mscale", 1.0),
+                  ("mscale_all_dim", 1.0), ("original_max_position_embeddings", 256),
+                  ("rope_type", "yarn")),
+    model_type="deepseek_v3", bos_token_id=256, eos_token_id=257,
+    moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, scoring="sigmoid",
+                  norm_topk_prob=True, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+                  score_bias=True, shared_intermediate_size=64, dense_layers=(0,)),
+    mla=MLAConfig(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                  q_lora_rank=48, softmax_scale=24**-0.5),
+)  # fmt: skip
+
+# GPT-OSS's shape in small: sliding (16 tokens) and full layers alternate, attention sinks
+# and biases on every projection, YaRN, 8 experts (2 a token) with the clamped SwiGLU.
+BUILTIN_CONFIGS["tiny-gpt-oss"] = dataclasses.replace(
+    BUILTIN_CONFIGS["tiny-swa"], model_type="gpt_oss", intermediate_size=64, qkv_bias=True,
+    o_bias=True, attention_sinks=True, rope_theta=150000.0, max_position_embeddings=1024,
+    rope_scaling=(("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 8.0),
+                  ("original_max_position_embeddings", 128), ("rope_type", "yarn"),
+                  ("truncate", False)),
+    moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
+                  activation="swiglu_oai", router_bias=True, expert_bias=True),
 )  # fmt: skip

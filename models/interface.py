@@ -3,8 +3,10 @@
 An engine needs the config fields that shape the KV cache and the step (``vocab_size``,
 ``num_layers``, ``num_kv_heads``, ``head_dim``, ``max_position_embeddings``, ``eos_ids``),
 the parameter ``dtype``, and one pure call: ``model(tokens, positions, attend)`` -> fp32
-logits, where ``attend(layer, q, k, v, carry) -> (out, carry)`` is the paged attention
-the engine supplies (it writes the new K/V into the cache and reads the context).
+logits, where ``attend(layer, q, k, v, carry, sinks=None) -> (out, carry)`` is the paged
+attention the engine supplies (it writes the new K/V into the cache and reads the
+context; ``sinks`` ``(heads,)``: a learned logit per head in the softmax's denominator,
+GPT-OSS's attention sinks).
 ``layer`` is an int32 scalar, traced when the layers run under ``jax.lax.scan`` (they do:
 see ``models.stack``), and ``carry`` the state the attention threads through the layers
 (the engine's ordering token; a dense cache; None). Loaders fill the parameters through
@@ -22,8 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-# attend(layer, q, k, v, carry) -> (attention output (B, T, heads, head_dim), carry)
-Attend = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+# attend(layer, q, k, v, carry, sinks=None) -> (attention output (B, T, heads, head_dim), carry)
+Attend = Callable[..., tuple[jax.Array, Any]]
 
 
 @runtime_checkable

@@ -12,7 +12,6 @@ an int32 scalar and ``carry`` whatever state the attention threads from layer to
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -21,52 +20,12 @@ from flax import nnx
 
 from .config import ModelConfig
 from .interface import Attend
+from .mla import MLAttention, mla_tp_plan, mla_weights
 from .moe import MoE, expert_weights
 from .quant_linear import project, split_entries
 from .registry import register
-from .rope import yarn
+from .rope import apply_rope, rope_attention_factor, rope_inv_freq
 from .stack import layer_runs, num_stacked, run_layers, stack_segments
-
-
-def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    """Inverse RoPE frequencies (head_dim / 2,), llama3 or YaRN scaling applied when
-    configured (:mod:`.rope`)."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    s = cfg.rope_scaling_dict
-    if not s:
-        return inv
-    if s.get("rope_type", s.get("type")) == "yarn":
-        return jnp.asarray(yarn(d, cfg.rope_theta, s, cfg.max_position_embeddings)[0])
-    factor = float(s["factor"])
-    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
-    old_ctx = float(s["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv
-    scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return jnp.where(medium, smoothed, scaled)
-
-
-def rope_attention_factor(cfg: ModelConfig) -> float:
-    """The factor YaRN scales the rotated q and k by (1 for other RoPE kinds)."""
-    s = cfg.rope_scaling_dict
-    if not s or s.get("rope_type", s.get("type")) != "yarn":
-        return 1.0
-    return yarn(cfg.head_dim, cfg.rope_theta, s, cfg.max_position_embeddings)[1]
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates x ``(B, T, H, D)`` by positions ``(B, T)`` (the rotate-half convention)."""
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, D/2)
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
-    half = x.shape[-1] // 2
-    xf = x.astype(jnp.float32)
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
@@ -97,7 +56,9 @@ class Attention(nnx.Module):
         self.q_proj = nnx.Linear(cfg.hidden_size, h * d, use_bias=cfg.qkv_bias, **kw)
         self.k_proj = nnx.Linear(cfg.hidden_size, kvh * d, use_bias=cfg.qkv_bias, **kw)
         self.v_proj = nnx.Linear(cfg.hidden_size, kvh * d, use_bias=cfg.qkv_bias, **kw)
-        self.o_proj = nnx.Linear(h * d, cfg.hidden_size, use_bias=False, **kw)
+        self.o_proj = nnx.Linear(h * d, cfg.hidden_size, use_bias=cfg.o_bias, **kw)
+        # GPT-OSS's attention sinks: a logit per head in the softmax's denominator
+        self.sinks = nnx.Param(jnp.zeros((h,), jnp.float32)) if cfg.attention_sinks else None
         norm = norm or RMSNorm
         self.q_norm = norm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = norm(d, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
@@ -123,7 +84,10 @@ class Attention(nnx.Module):
         if self.q_scale is not None:
             q = q * jnp.asarray(self.q_scale, q.dtype)
         v = v.reshape(b, t, kvh, d)
-        out, carry = attend_layer(q, k, v, carry)
+        if self.sinks is not None:
+            out, carry = attend_layer(q, k, v, carry, sinks=self.sinks[...])
+        else:
+            out, carry = attend_layer(q, k, v, carry)
         return self.o_proj(out.reshape(b, t, h * d).astype(x.dtype)), carry
 
 
@@ -160,7 +124,10 @@ class DecoderLayer(nnx.Module):
         self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs, moe: bool = False
     ) -> None:
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, rngs)
+        if cfg.mla is not None:
+            self.self_attn = MLAttention(cfg, dtype, rngs, RMSNorm)
+        else:
+            self.self_attn = Attention(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         if not moe:
             self.mlp = MLP(cfg, dtype, rngs)
@@ -175,9 +142,12 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), carry
 
 
-@register("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+@register(
+    "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"
+)
 class LlamaModel(nnx.Module):
-    """Decoder-only LM (Llama family, Qwen2/3, Qwen3-MoE): a :class:`~.interface.CausalLM`.
+    """Decoder-only LM (Llama family, Qwen2/3, Qwen3-MoE, DeepSeek-V2/V3 with latent
+    attention: :mod:`.mla`, GPT-OSS with attention sinks): a :class:`~.interface.CausalLM`.
     ``model(tokens, positions, attend)`` returns fp32 logits. ``layers`` is one
     DecoderLayer with stacked parameters (or, when dense and mixture-of-experts layers
     mix, an ``nnx.List`` of one stack per run: ``layer_starts``); ``scan_layers`` False
@@ -221,7 +191,10 @@ class LlamaModel(nnx.Module):
         inv_freq = rope_inv_freq(self.config)
 
         def body(layer, x, i, carry):
-            return layer(x, positions, inv_freq, lambda q, k, v, c: attend(i, q, k, v, c), carry)
+            def attend_layer(q, k, v, c, **kw):
+                return attend(i, q, k, v, c, **kw)
+
+            return layer(x, positions, inv_freq, attend_layer, carry)
 
         x = self.embed_tokens(tokens)
         for start, layers in layer_runs(self.layers, self.layer_starts):
@@ -265,14 +238,18 @@ class LlamaModel(nnx.Module):
         return t
 
 
-def attention_weights(attn: Attention, p: str, i: int) -> dict[str, tuple]:
+def attention_weights(attn: Attention | MLAttention, p: str, i: int) -> dict[str, tuple]:
     """The HF names of one layer's attention weights (prefix ``p``, layer ``i``)."""
+    if isinstance(attn, MLAttention):
+        return mla_weights(attn, p, i)
     t: dict[str, tuple] = {}
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         mod = getattr(attn, name)
         t[p + f"self_attn.{name}.weight"] = (mod, "kernel", True, i)
         if mod.bias is not None:
             t[p + f"self_attn.{name}.bias"] = (mod, "bias", False, i)
+    if attn.sinks is not None:
+        t[p + "self_attn.sinks"] = (attn, "sinks", False, i)
     if attn.q_norm is not None:
         t[p + "self_attn.q_norm.weight"] = (attn.q_norm, "weight", False, i)
         t[p + "self_attn.k_norm.weight"] = (attn.k_norm, "weight", False, i)
@@ -286,7 +263,9 @@ def decoder_tp_plan(model: Any, tp: int) -> list[tuple[object, str, int]]:
     hidden units and, when it divides, the vocabulary. ValueError when heads do not split."""
     cfg = model.config
     runs = layer_runs(model.layers, getattr(model, "layer_starts", (0,)))
-    checks = [("attention heads", cfg.num_heads), ("KV heads", cfg.num_kv_heads)]
+    checks = [("attention heads", cfg.num_heads)]
+    if cfg.mla is None:  # (a latent cache is replicated)
+        checks.append(("KV heads", cfg.num_kv_heads))
     if any(not isinstance(layers.mlp, MoE) for _, layers in runs):
         checks.append(("MLP units (intermediate_size)", cfg.intermediate_size))
     if cfg.moe is not None:
@@ -307,7 +286,11 @@ def decoder_tp_plan(model: Any, tp: int) -> list[tuple[object, str, int]]:
             plan += split_entries(lm_head, "out", tp)
     for _, layers in runs:
         attn, mlp = layers.self_attn, layers.mlp  # stacked
-        outs, ins = [attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj]
+        if isinstance(attn, MLAttention):
+            plan += mla_tp_plan(attn, tp)
+            outs, ins = [], []
+        else:
+            outs, ins = [attn.q_proj, attn.k_proj, attn.v_proj], [attn.o_proj]
         if isinstance(mlp, MoE):  # experts split along their intermediate units
             plan += [(mlp, "gate_up", mlp.gate_up.get_value().ndim - 1),
                      (mlp, "down", mlp.down.get_value().ndim - 2)]  # fmt: skip
@@ -319,6 +302,8 @@ def decoder_tp_plan(model: Any, tp: int) -> list[tuple[object, str, int]]:
         else:
             outs += [mlp.gate_proj, mlp.up_proj]
             ins.append(mlp.down_proj)
+        if not isinstance(attn, MLAttention) and attn.sinks is not None:  # one per head
+            plan.append((attn, "sinks", attn.sinks.get_value().ndim - 1))
         for mod in outs:
             plan += split_entries(mod, "out", tp)  # by output columns (and the bias)
         for mod in ins:

@@ -15,7 +15,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .interface import CausalLM
-from .moe import split_fused_experts
+from .moe import split_fused_experts, split_gpt_oss_experts
 from .quant_format import Packed
 from .quantize import check_quantization, pack_model, packed_targets
 from .registry import abstract_model
@@ -70,6 +70,8 @@ def load_checkpoint(
     tensors = _read_tensors(path)
     with open(os.path.join(path, "config.json")) as f:
         qcfg = json.load(f).get("quantization_config")
+    if qcfg and str(qcfg.get("quant_method", "")).lower() == "mxfp4":
+        qcfg = None  # GPT-OSS's MXFP4 experts: dequantized with the experts (moe.py)
     if qcfg:  # AWQ / GPTQ / compressed-tensors: packed as stored (models/hf_quant.py)
         from .hf_quant import read_quantized
 
@@ -100,6 +102,12 @@ def _assign(
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway
     # Rotary caches some exporters save are derived, not weights.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.model_type == "gpt_oss":  # router / fused interleaved experts (MXFP4 or not)
+        mxfp4 = any(k.endswith("_blocks") for k in tensors)
+        split_gpt_oss_experts(tensors)
+        if mxfp4:
+            log.info("%s: MXFP4 experts dequantized to %s (the packed path holds int8 / "
+                     "int4 only)", path, model.dtype)  # fmt: skip
     split_fused_experts(tensors)  # transformers 5's fused experts: per expert, as on the Hub
     pack_model(model, tensors, quantization, path)
     targets = model.hf_weights()

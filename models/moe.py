@@ -7,7 +7,8 @@ Routing, in each family's form (:func:`route`):
   renormalized (``norm_topk_prob``);
 - ``sigmoid`` (DeepSeek-V3): sigmoid scores; the choice adds a score-correction bias
   (``e_score_correction_bias``, choice only) and is limited to the ``topk_group`` best of
-  ``n_group`` expert groups (a group's score: the sum of its two best); the weights are the
+  ``n_group`` expert groups (a group's score: the sum of its two best; DeepSeek-V2's
+  ``group_limited_greedy``: its best, over softmax scores); the weights are the
   chosen experts' scores, optionally renormalized;
 then scaled by ``routed_scaling_factor``.
 
@@ -31,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2", "max")
 # The expert MLP's gate: SiLU(gate) * up, or GPT-OSS's clamped form (gate <= limit,
 # |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1)).
 ACTIVATIONS = ("silu", "swiglu_oai")
@@ -49,6 +51,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     n_group: int = 1  # group-limited choice: experts in n_group groups,
     topk_group: int = 1  # tokens pick among the topk_group best groups
+    group_score: str = "top2"  # a group's score: the sum of its two best, or "max"
     score_bias: bool = False  # e_score_correction_bias (DeepSeek-V3; choice only)
     shared_intermediate_size: int = 0  # the shared experts' width in all (0: none)
     dense_layers: tuple[int, ...] = ()  # layers with a dense MLP instead
@@ -66,6 +69,9 @@ class MoEConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"moe config: activation {self.activation!r} is not one of "
                              f"{ACTIVATIONS}")  # fmt: skip
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"moe config: group_score {self.group_score!r} is not one of "
+                             f"{GROUP_SCORES}")  # fmt: skip
         if self.scoring not in SCORINGS:
             raise ValueError(f"moe config: scoring {self.scoring!r} is not one of {SCORINGS}")
         if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
@@ -81,13 +87,22 @@ class MoEConfig:
 
 
 def moe_from_hf(cfg: dict[str, Any], model_type: str) -> MoEConfig:
-    """The MoE fields of a Hugging Face config.json (``qwen3_moe``); a field we do not
-    support fails the load naming it."""
+    """The MoE fields of a Hugging Face config.json (``qwen3_moe``, ``deepseek_v2``,
+    ``deepseek_v3``); a field we do not support fails the load naming it."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu" and model_type != "gpt_oss":  # (GPT-OSS names its clamped SwiGLU)
+        raise ValueError(f"{model_type}: hidden_act {act!r} is not supported (silu)")
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(cfg, model_type)
+    if model_type == "gpt_oss":  # top-k of the biased logits, a softmax over those k
+        return MoEConfig(
+            num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+            activation="swiglu_oai", swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            router_bias=True, expert_bias=True,
+        )  # fmt: skip
     if model_type != "qwen3_moe":
         raise ValueError(f"no mixture-of-experts reader for model_type {model_type!r}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"{model_type}: hidden_act {act!r} is not supported (silu)")
     layers = cfg["num_hidden_layers"]
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     only = set(cfg.get("mlp_only_layers") or ())
@@ -102,6 +117,38 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str) -> MoEConfig:
     )
 
 
+def _deepseek_moe(cfg: dict[str, Any], model_type: str) -> MoEConfig:
+    """DeepSeek-V2 (softmax; ``greedy`` or ``group_limited_greedy``) and V3 (sigmoid with
+    the score-correction bias, ``noaux_tc``): routed experts on every layer from
+    ``first_k_dense_replace`` on, ``n_shared_experts`` shared ones beside them."""
+    v3 = model_type == "deepseek_v3"
+    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    if method not in methods:
+        raise ValueError(f"{model_type}: topk_method {method!r} is not supported ({methods})")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if scoring != ("sigmoid" if v3 else "softmax"):
+        raise ValueError(f"{model_type}: scoring_func {scoring!r} is not supported")
+    if int(cfg.get("moe_layer_freq", 1) or 1) != 1:
+        freq = cfg["moe_layer_freq"]
+        raise ValueError(f"{model_type}: moe_layer_freq {freq} is not supported (1)")
+    if not v3 and cfg.get("norm_topk_prob"):  # (transformers' DeepSeek-V2 never renormalizes)
+        raise ValueError(f"{model_type}: norm_topk_prob true is not supported")
+    grouped = v3 or method == "group_limited_greedy"
+    n = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg["num_experts"])
+    width = int(cfg["moe_intermediate_size"])
+    return MoEConfig(
+        num_experts=n, top_k=int(cfg["num_experts_per_tok"]), intermediate_size=width,
+        scoring=scoring, norm_topk_prob=v3 and bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0) or 1.0),
+        n_group=int(cfg.get("n_group") or 1) if grouped else 1,
+        topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
+        group_score="top2" if v3 else "max", score_bias=v3,
+        shared_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),
+        dense_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
+    )  # fmt: skip
+
+
 def route(logits: jax.Array, bias: jax.Array | None, m: MoEConfig) -> tuple[jax.Array, jax.Array]:
     """Router logits ``(N, E)`` -> (weights ``(N, k)`` float32, experts ``(N, k)`` int32),
     as the module's docstring says."""
@@ -114,7 +161,10 @@ def route(logits: jax.Array, bias: jax.Array | None, m: MoEConfig) -> tuple[jax.
     if m.n_group > 1:
         n = choice.shape[0]
         grouped = choice.reshape(n, m.n_group, -1)
-        group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # (N, n_group)
+        if m.group_score == "max":
+            group_score = grouped.max(-1)  # (N, n_group)
+        else:
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)
         _, keep = jax.lax.top_k(group_score, m.topk_group)
         mask = jnp.zeros((n, m.n_group), bool).at[jnp.arange(n)[:, None], keep].set(True)
         choice = jnp.where(mask[:, :, None], grouped, 0.0).reshape(n, -1)
@@ -289,7 +339,17 @@ def split_gpt_oss_experts(tensors: dict[str, Any]) -> dict[str, Any]:
     """GPT-OSS's expert tensors (``mlp.router.{weight,bias}``; ``mlp.experts.gate_up_proj``
     ``(E, hidden, 2I)`` with gate and up interleaved by column, ``down_proj`` ``(E, I,
     hidden)``, and their ``_bias``) as the per-expert tensors :func:`expert_weights`
-    names (in place; returns ``tensors``)."""
+    names (in place; returns ``tensors``). MXFP4 experts (``*_blocks`` / ``*_scales``, as
+    OpenAI's checkpoints hold them) are dequantized first (to float32; the loader casts
+    them to the model dtype)."""
+    from .quant_format import dequantize_mxfp4
+
+    for name in [n for n in tensors if n.endswith("_blocks") and ".mlp.experts." in n]:
+        base = name[: -len("_blocks")]
+        scales = tensors.pop(base + "_scales", None)
+        if scales is None:
+            raise ValueError(f"mxfp4 expert weight {name} has no {base}_scales")
+        tensors[base] = dequantize_mxfp4(tensors.pop(name), scales)
     for name in [n for n in tensors if n.endswith("mlp.router.weight")]:
         base = name[: -len("router.weight")]
         tensors[base + "gate.weight"] = tensors.pop(name)

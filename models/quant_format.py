@@ -264,3 +264,29 @@ def reference_matmul(x: np.ndarray, p: Packed) -> np.ndarray:
         sums = xb.sum(-1) * d  # (rows, blocks)
         y += sums @ np.repeat(p.mins.astype(np.float64), per, axis=1).T
     return y.astype(np.float32)
+
+
+# MXFP4 (OCP microscaling, GPT-OSS's experts): 4-bit e2m1 values, two to a byte (low
+# nibble first), 32 to a block sharing one e8m0 scale (2 ** (byte - 127)).
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)  # fmt: skip
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """MXFP4 ``blocks`` ``(..., rows, G, 16)`` uint8 and ``scales`` ``(..., rows, G)``
+    uint8 as float32 ``(..., G * 32, rows)``: each row's inputs along the second-last axis,
+    the layout transformers' GPT-OSS experts hold (``gate_up_proj`` ``(E, hidden, 2I)``)."""
+    blocks, scales = np.asarray(blocks), np.asarray(scales)
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[-1] != 16:
+        raise ValueError(
+            f"mxfp4: blocks must be uint8 (..., 16) and scales uint8, got "
+            f"{blocks.dtype} {blocks.shape}, {scales.dtype} {scales.shape}"
+        )
+    if blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"mxfp4: blocks {blocks.shape} do not match scales {scales.shape}")
+    out = np.empty((*blocks.shape[:-1], 32), np.float32)
+    out[..., 0::2] = FP4_E2M1[blocks & 0x0F]
+    out[..., 1::2] = FP4_E2M1[blocks >> 4]
+    out = np.ldexp(out, scales.astype(np.int32)[..., None] - 127)
+    out = out.reshape(*blocks.shape[:-2], blocks.shape[-2] * 32)  # (..., rows, inputs)
+    return np.ascontiguousarray(np.swapaxes(out, -1, -2))

@@ -1,5 +1,6 @@
-"""RoPE frequency scalings beyond llama3's (:func:`.llama.rope_inv_freq` dispatches here):
-YaRN (long-context Qwen3 configs, GPT-OSS, DeepSeek-V2/V3), as transformers computes it.
+"""Rotary position embeddings: the rotation (:func:`apply_rope`, rotate-half), a model's
+frequencies (:func:`rope_inv_freq`: plain, llama3 or YaRN scaling) and YaRN (long-context
+Qwen3 configs, GPT-OSS, DeepSeek-V2/V3) as transformers computes it.
 
 YaRN interpolates the low frequencies by ``factor`` and keeps the high ones, with a linear
 ramp between the dimensions that turn ``beta_fast`` and ``beta_slow`` times over the
@@ -12,6 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 ROPE_TYPES = ("default", "llama3", "yarn")  # what config.json may name
@@ -51,3 +54,44 @@ def yarn(dim: int, theta: float, s: dict[str, Any], max_positions: int) -> tuple
     pos = theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
     inv = (1.0 / (factor * pos)) * (1 - keep) + (1.0 / pos) * keep
     return inv.astype(np.float32), float(attention)
+
+
+def rope_inv_freq(cfg: Any) -> jax.Array:
+    """Inverse RoPE frequencies (rotary_dim / 2,) of a model config, llama3 or YaRN
+    scaling applied when configured."""
+    d = cfg.rotary_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    s = cfg.rope_scaling_dict
+    if not s:
+        return inv
+    if s.get("rope_type", s.get("type")) == "yarn":
+        return jnp.asarray(yarn(d, cfg.rope_theta, s, cfg.max_position_embeddings)[0])
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope_attention_factor(cfg: Any) -> float:
+    """The factor YaRN scales the rotated q and k by (1 for other RoPE kinds)."""
+    s = cfg.rope_scaling_dict
+    if not s or s.get("rope_type", s.get("type")) != "yarn":
+        return 1.0
+    return yarn(cfg.rotary_dim, cfg.rope_theta, s, cfg.max_position_embeddings)[1]
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotates x ``(B, T, H, D)`` by positions ``(B, T)`` (the rotate-half convention)."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, D/2)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)

@@ -36,34 +36,47 @@ def visible(key_pos: jax.Array, row_pos: jax.Array, window: jax.Array | int) -> 
     return causal & ((window <= 0) | (key_pos > row_pos - window))
 
 
-def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax attention; ``mask`` ``(B, T, S)`` is True where query t may see key s."""
+def gqa_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array | None = None
+) -> jax.Array:
+    """Softmax attention; ``mask`` ``(B, T, S)`` is True where query t may see key s;
+    ``sinks`` ``(H,)``: a logit per head in the softmax's denominator (attention sinks)."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     qg = q.reshape(b, t, kvh, h // kvh, d)
     s = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
     s = s * (1.0 / jnp.sqrt(jnp.float32(d)))
     s = jnp.where(mask[:, None, None], s, _MASKED)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks is not None:  # a key of value zero every row sees, dropped after the softmax
+        sink = jnp.broadcast_to(_head_sinks(sinks, kvh)[None, :, :, None, None], (*s.shape[:-1], 1))
+        p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    else:
+        p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
     return o.reshape(b, t, h, d).astype(q.dtype)
 
 
+def _head_sinks(sinks: jax.Array, kv_heads: int) -> jax.Array:
+    """Per-head sink logits ``(H,)`` as ``(Hkv, G)`` float32."""
+    return jnp.asarray(sinks, jnp.float32).reshape(kv_heads, -1)
+
+
 def dense_causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, window: jax.Array | int = 0
-) -> jax.Array:
+    q: jax.Array, k: jax.Array, v: jax.Array, window: jax.Array | int = 0,
+    sinks: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
     """No-cache causal attention over the whole sequence (the reference); ``window`` > 0:
-    each query sees its last ``window`` positions."""
+    each query sees its last ``window`` positions; ``sinks``: see :func:`gqa_attention`."""
     t = q.shape[1]
     pos = jnp.arange(t)
     mask = visible(pos[None, :], pos[:, None], window)[None].repeat(q.shape[0], 0)
-    return gqa_attention(q, k, v, mask)
+    return gqa_attention(q, k, v, mask, sinks)
 
 
-def no_cache_attend(layer, q, k, v, carry=None):
+def no_cache_attend(layer, q, k, v, carry=None, sinks=None):
     """A model's ``attend`` without a cache: causal attention over the tokens given
     (references and tests of full-attention models); the carry passes through."""
-    return dense_causal_attention(q, k, v), carry
+    return dense_causal_attention(q, k, v, sinks=sinks), carry
 
 
 def no_cache_attention(config):
@@ -71,8 +84,8 @@ def no_cache_attention(config):
     (any model: sliding-window layers included)."""
     windows = jnp.asarray(config.layer_windows(), jnp.int32)
 
-    def attend(layer, q, k, v, carry=None):
-        return dense_causal_attention(q, k, v, windows[layer]), carry
+    def attend(layer, q, k, v, carry=None, sinks=None):
+        return dense_causal_attention(q, k, v, windows[layer], sinks), carry
 
     return attend
 
@@ -171,22 +184,25 @@ def scatter_items(o: jax.Array, lay: Ragged, heads: int) -> jax.Array:
 
 
 def paged_attention(
-    q: jax.Array, view: jax.Array, layer: jax.Array | int, lay: Ragged, window: jax.Array | int = 0
-) -> jax.Array:
+    q: jax.Array, view: jax.Array, layer: jax.Array | int, lay: Ragged, window: jax.Array | int = 0,
+    sinks: jax.Array | None = None,
+) -> jax.Array:  # fmt: skip
     """Ragged attention in XLA (any platform: the portable fallback). Each item gathers
     its sequence's blocks straight from the view, ``(I, nb, bs, Hkv, D)``. Items of one row
     (decode) multiply and reduce elementwise over the gathered blocks, which XLA fuses
     into reduction loops (a dot would first transpose them); longer items (prefill
     chunks: Q x G rows share each key) feed them to a dense dot. ``window`` > 0: each row
     sees only its last ``window`` positions (masked here: the portable path gathers every
-    block of the table; the host call and the Pallas kernel skip the blocks below)."""
+    block of the table; the host call and the Pallas kernel skip the blocks below). A
+    latent view (one plane: MLA) is read as both keys and values. ``sinks`` ``(H,)``: a
+    logit per head in each row's softmax denominator (attention sinks, GPT-OSS)."""
     t, h, d = q.shape
     nb = lay.tables.shape[1]
     bs, kvh = view.shape[3], view.shape[4]
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
     tables = lay.tables[lay.item_seq]  # (I, nb)
     kc = view[layer, 0, tables]
-    vc = view[layer, 1, tables]
+    vc = kc if view.shape[1] == 1 else view[layer, 1, tables]  # a latent is its own value
     qi = item_queries(q, lay, kvh)  # (I, Q, Hkv, G, D)
     pos = jnp.arange(nb * bs).reshape(nb, bs)
     valid = visible(pos[None, None], lay.item_pos[:, :, None, None], window)  # (I, Q, nb, bs)
@@ -195,17 +211,25 @@ def paged_attention(
         qe = qi[:, 0].astype(f32)[:, None, None]  # (I, 1, 1, Hkv, G, D)
         s = jnp.sum(qe * kc[..., None, :].astype(f32), axis=-1)  # (I, nb, bs, Hkv, G)
         s = jnp.where(valid[:, 0, :, :, None, None], s * scale, _MASKED)
-        m = s.max(axis=(1, 2))
+        m = s.max(axis=(1, 2))  # (I, Hkv, G)
+        if sinks is not None:
+            m = jnp.maximum(m, _head_sinks(sinks, kvh))
         p = jnp.exp(s - m[:, None, None])
         den = p.sum(axis=(1, 2))
+        if sinks is not None:
+            den = den + jnp.exp(_head_sinks(sinks, kvh) - m)
         o = jnp.sum(p[..., None] * vc[..., None, :].astype(f32), axis=(1, 2)) / den[..., None]
         o = o[:, None]  # (I, 1, Hkv, G, D)
     else:
         s = jnp.einsum("iqkgd,inskd->iqkgns", qi, kc, preferred_element_type=f32)
         s = jnp.where(valid[:, :, None, None], s * scale, _MASKED)
-        m = s.max(axis=(4, 5), keepdims=True)
+        m = s.max(axis=(4, 5), keepdims=True)  # (I, Q, Hkv, G, 1, 1)
+        if sinks is not None:
+            m = jnp.maximum(m, _head_sinks(sinks, kvh)[..., None, None])
         p = jnp.exp(s - m)
         den = p.sum(axis=(4, 5))
+        if sinks is not None:
+            den = den + jnp.exp(_head_sinks(sinks, kvh) - m[..., 0, 0])
         o = jnp.einsum("iqkgns,inskd->iqkgd", p.astype(vc.dtype), vc, preferred_element_type=f32)
         o = o / den[..., None]
     return scatter_items(o, lay, h).astype(q.dtype)
@@ -219,6 +243,7 @@ def host_paged_attention(
     layer: jax.Array | int,
     lay: Ragged,
     window: jax.Array | int = 0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`paged_attention` computed by the host backend's custom call
     (:func:`jax_kvcached.ops.paged_attention`): decode rows and prefill chunks alike, the
@@ -230,5 +255,5 @@ def host_paged_attention(
     kvh = view.shape[4]
     qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32)
     o = ops.paged_attention(cache, layer, qg, lay.tables, lay.kv_lens, lay.q_start, lay.q_lens,
-                            token, window)  # fmt: skip
+                            token, window, sinks)  # fmt: skip
     return o.reshape(t, h, d).astype(q.dtype)

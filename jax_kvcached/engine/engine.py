@@ -118,6 +118,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, c.kv_dtype or model.dtype,
             block_size=c.block_size, memory_limit=c.memory_limit,
             memory_guarantee=c.memory_guarantee, layer_groups=layer_groups,
+            latent=bool(getattr(cfg, "kv_latent", False)),
         )  # fmt: skip
         self.windows = windows  # each KV cache group's window (0: full attention)
         self.name = name

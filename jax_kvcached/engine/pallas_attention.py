@@ -99,6 +99,7 @@ def pallas_paged_attention(
     interpret: bool = False,
     slice_layer: bool | None = None,
     window: jax.Array | int = 0,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`jax_kvcached.engine.attention.paged_attention` with the blocks read by the
     Pallas kernel (same arguments and result). ``num_splits`` splits each context across
@@ -107,16 +108,19 @@ def pallas_paged_attention(
     :func:`item_tile` rows keep a program's tiles within a GPU's shared memory.
 
     ``layer`` may be traced (layers under ``jax.lax.scan``): the kernel sees the view as
-    one flat array of blocks, ``(layers x 2 x blocks, bs, Hkv, D)`` (a free reshape), and
-    reads the layer's K and V blocks at the table's ids shifted to that layer's planes.
+    one flat array of blocks, ``(layers x planes x blocks, bs, Hkv, D)`` (a free reshape),
+    and reads the layer's K and V blocks at the table's ids shifted to that layer's planes
+    (a latent view, one plane: MLA's, is read as both).
     ``slice_layer`` (default: when interpreted) first slices the layer out of the view
     instead: an interpreted kernel copies its whole input per program. ``window`` > 0
     (may be traced): sliding-window attention; a program never loads the blocks below
-    its item's window."""
+    its item's window. ``sinks`` ``(H,)`` (attention sinks) join the softmax's
+    denominator where the splits are merged, once per row."""
     t, h, d = q.shape
-    n_layers, nblk, bs, kvh = view.shape[0], view.shape[2], view.shape[3], view.shape[4]
-    if n_layers * 2 * nblk >= 1 << 31:
-        raise ValueError(f"{n_layers} layers x 2 x {nblk} blocks overflow int32 block ids")
+    n_layers, planes, nblk = view.shape[0], view.shape[1], view.shape[2]
+    bs, kvh = view.shape[3], view.shape[4]
+    if n_layers * planes * nblk >= 1 << 31:
+        raise ValueError(f"{n_layers} layers x {planes} x {nblk} blocks overflow int32 block ids")
     g = h // kvh
     n_items, tile = lay.item_rows.shape
     rows = tile * g
@@ -132,8 +136,8 @@ def pallas_paged_attention(
         dep = jnp.minimum(lay.tables.min(), 0)  # 0, but XLA cannot know it
         view = jax.lax.dynamic_slice_in_dim(view, layer + dep, 1, axis=0)
         layer = 0
-    flat = view.reshape(-1, bs, kvh, d)  # (layers x 2 x blocks, bs, Hkv, D)
-    base = (2 * nblk) * jnp.asarray(layer, jnp.int32)  # the layer's K plane in `flat`
+    flat = view.reshape(-1, bs, kvh, d)  # (layers x planes x blocks, bs, Hkv, D)
+    base = (planes * nblk) * jnp.asarray(layer, jnp.int32)  # the layer's K plane in `flat`
     rows_p = max(16, 1 << (rows - 1).bit_length())  # Triton dots want >= 16 rows
     qi = item_queries(q, lay, kvh)  # (I, Q, Hkv, G, D)
     qk = qi.transpose(0, 2, 1, 3, 4).reshape(n_items, kvh, rows, d)
@@ -149,7 +153,7 @@ def pallas_paged_attention(
     tables = jnp.pad(lay.tables[lay.item_seq], ((0, 0), (0, padded - nb)))  # null: never read
     tables = tables + base
     kernel = functools.partial(_kernel, block_size=bs, blocks_per_split=per_split,
-                               blocks_per_step=step, v_offset=nblk,
+                               blocks_per_step=step, v_offset=nblk if planes == 2 else 0,
                                scale=1.0 / float(d) ** 0.5)  # fmt: skip
     planes = (flat.shape[0], bs, None, d)  # one head of every block of every plane
     o, m, den = pl.pallas_call(
@@ -186,9 +190,15 @@ def pallas_paged_attention(
         flat,
     )
     # Merge the splits (log-sum-exp), normalise, back to (I, Q, Hkv, G, D).
-    m_c = m.max(axis=1)
+    m_c = m.max(axis=1)  # (I, Hkv, rows_p)
+    if sinks is not None:  # row r is token r // g, head group r % g
+        sink = jnp.tile(jnp.asarray(sinks, jnp.float32).reshape(kvh, g), (1, tile))
+        sink = jnp.pad(sink, ((0, 0), (0, rows_p - rows)), constant_values=_MASKED)[None]
+        m_c = jnp.maximum(m_c, sink)
     a = jnp.exp(m - m_c[:, None])
     den = (den * a).sum(axis=1)
+    if sinks is not None:
+        den = den + jnp.exp(sink - m_c)
     o = (o * a[..., None]).sum(axis=1) / jnp.maximum(den, 1e-30)[..., None]
     o = o[:, :, :rows].reshape(n_items, kvh, tile, g, d).transpose(0, 2, 1, 3, 4)
     return scatter_items(o, lay, h).astype(q.dtype)

@@ -115,9 +115,10 @@ def make_step(spec: StepSpec) -> Callable:
                         tokens[jnp.clip(q_start, 0, t - 1)])  # fmt: skip
         tokens = tokens.at[q_start].set(fed, mode="drop")  # unused slots: past the axis
         model = nnx.merge(graphdef, state)
+        kv_heads = None if cache.latent else heads  # a latent cache is replicated
         write = per_device(
             lambda i, k, v, slots, token: ops.write_kv_async(cache, i, k, v, slots, token),
-            (None, heads, heads, None, None), None,
+            (None, kv_heads, kv_heads, None, None), None,
         )  # fmt: skip
         attention = per_device(
             lambda q, view, i, lay, token, w: attention_fn(spec.attention, cache, nb, token)(
@@ -127,8 +128,17 @@ def make_step(spec: StepSpec) -> Callable:
              None, None, None, None),
             heads,
         )  # fmt: skip
+        sink_spec = None if heads is None else jax.sharding.PartitionSpec(heads[1])
+        attention_with_sinks = per_device(
+            lambda q, view, i, lay, token, w, s: attention_fn(spec.attention, cache, nb, token)(
+                q, view, i, lay, window=w, sinks=s
+            ),
+            (heads, cache.sharding.spec if spec.on_mesh else None,
+             None, None, None, None, sink_spec),
+            heads,
+        )  # fmt: skip
 
-        def attend(i, q, k, v, chain):
+        def attend(i, q, k, v, chain, sinks=None):
             # This step's K/V first (the reads below see them), then the attention; the
             # token chain orders every layer's calls (the scan's carry). A layer writes
             # and reads through its KV cache group's slots and tables.
@@ -138,7 +148,10 @@ def make_step(spec: StepSpec) -> Callable:
             chain = write(i, k[0].astype(cache.dtype), v[0].astype(cache.dtype), slots, chain)
             after = dataclasses.replace(lay, tables=ops.after(tables, chain))
             window = jnp.asarray(windows)[i] if any(windows) else jnp.int32(0)
-            return attention(q[0], view, i, after, chain, window)[None], chain
+            if sinks is None:
+                return attention(q[0], view, i, after, chain, window)[None], chain
+            out = attention_with_sinks(q[0], view, i, after, chain, window, sinks)
+            return out[None], chain
 
         hidden, chain = model.hidden_states(tokens[None], positions[None], attend, token)
         hidden = hidden[0]  # (t, E)

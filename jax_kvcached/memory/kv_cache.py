@@ -12,7 +12,12 @@ import numpy as np
 
 from jax_kvcached.memory import _C
 from jax_kvcached.memory.errors import KVCacheError
-from jax_kvcached.memory.kv_group import KVCacheGroup, check_layer_groups, kv_planes
+from jax_kvcached.memory.kv_group import (
+    KVCacheGroup,
+    check_layer_groups,
+    kv_planes,
+    latent_planes,
+)
 from jax_kvcached.memory.ledger import Ledger
 from jax_kvcached.memory.shards import ShardedBuffer
 
@@ -46,7 +51,10 @@ class _DLPackExport:
 
 class KVCache:
     """A fixed virtual KV range of shape
-    ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``.
+    ``(num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim)``: ``planes``
+    2 (K and V), or 1 for a latent cache (``latent``: MLA's one compressed latent per token
+    and layer, ``num_kv_heads`` 1, ``head_dim`` the latent's width; attention reads it as
+    both keys and values).
 
     Physical pages are mapped only behind blocks in use. Layers may be split into KV
     cache groups (``layer_groups``: each layer's group id), each with its own block ids
@@ -59,7 +67,9 @@ class KVCache:
     holds ``shard_kv_heads`` of them in its own virtual buffer, the view is one global
     array sharded over the heads, and blocks, pages and the accounting (per device) are
     the same on every device. FFI ops take per-shard operands (call them inside
-    ``jax.shard_map``); each device's call finds its own buffer.
+    ``jax.shard_map``); each device's call finds its own buffer. A latent cache is not
+    split: every device holds the whole latent (its attention heads are split), as vLLM
+    and SGLang keep MLA's cache under tensor parallelism.
     """
 
     def __init__(
@@ -79,8 +89,11 @@ class KVCache:
         kv_axis: str | None = None,
         on_close: Callable[[KVCache], None] | None = None,
         layer_groups: Sequence[int] | None = None,
+        latent: bool = False,
     ) -> None:
         self.ledger = ledger
+        self.latent = bool(latent)
+        self.planes_per_layer = 1 if self.latent else 2
         self.backend = backend  # "host" or "cuda"
         self.devices = tuple(devices)  # every device of the view (all processes)
         self.device = self.devices[0]  # the first (the only one without a mesh)
@@ -95,8 +108,9 @@ class KVCache:
         self.handle: int = _C.register_buffers(list(buffer.shards), f"kv_cache:{name}")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
-        self.shard_kv_heads = num_kv_heads // self.tensor_parallel  # per device (the pool
-        # checked that they split before creating the buffers)
+        # Per device (the pool checked that they split before creating the buffers); a
+        # latent cache is replicated.
+        self.shard_kv_heads = num_kv_heads if self.latent else num_kv_heads // self.tensor_parallel
         self.head_dim = head_dim
         self.dtype = jnp.dtype(dtype)
         self.block_size = block_size
@@ -104,7 +118,8 @@ class KVCache:
         self.blocks_per_page: int = buffer.blocks_per_page
         self.num_blocks: int = buffer.num_blocks
         self.pages_per_kv_page: int = buffer.pages_per_kv_page  # every plane (all groups)
-        self.shape = (num_layers, 2, self.num_blocks, block_size, num_kv_heads, head_dim)
+        self.shape = (num_layers, self.planes_per_layer, self.num_blocks, block_size,
+                      num_kv_heads, head_dim)  # fmt: skip
         self.block_bytes: int = buffer.block_bytes  # per device
         self.page_size: int = buffer.page_size
         self._view: jax.Array | None = None
@@ -117,7 +132,8 @@ class KVCache:
                 g, tuple(i for i, x in enumerate(self.layer_groups) if x == g), name=name,
                 ledger=ledger, buffer=buffer, block_size=block_size, lock=self._lock,
                 check_open=self._check_open,
-                planes=kv_planes(block_size, self.shard_kv_heads, head_dim, self.dtype),
+                planes=(latent_planes(block_size, head_dim, self.dtype) if self.latent else
+                        kv_planes(block_size, self.shard_kv_heads, head_dim, self.dtype)),
             )
             for g in range(max(self.layer_groups) + 1)
         )  # fmt: skip
@@ -125,9 +141,12 @@ class KVCache:
     # -- the view --------------------------------------------------------------------
     @property
     def sharding(self) -> jax.sharding.Sharding:
-        """The view's sharding: the KV-head axis over the mesh, or the one device."""
+        """The view's sharding: the KV-head axis over the mesh (a latent cache:
+        replicated), or the one device."""
         if self.mesh is None:
             return jax.sharding.SingleDeviceSharding(self.device)
+        if self.latent:
+            return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         spec = jax.sharding.PartitionSpec(None, None, None, None, self.kv_axis, None)
         return jax.sharding.NamedSharding(self.mesh, spec)
 
@@ -345,6 +364,6 @@ class KVCache:
         return (
             f"KVCache({self.name!r}, layers={self.num_layers}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, dtype={self.dtype}, block_size={self.block_size}, "
-            f"tp={self.tensor_parallel}, "
+            f"tp={self.tensor_parallel}, {'latent, ' if self.latent else ''}"
             f"blocks={self.num_blocks}, used={self.num_used_blocks})"
         )

@@ -47,6 +47,14 @@ def kv_planes(block_size: int, kv_heads: int, head_dim: int, dtype: Any) -> tupl
     return PlaneSpec("k", shape, np.dtype(dtype)), PlaneSpec("v", shape, np.dtype(dtype))
 
 
+def latent_planes(block_size: int, dim: int, dtype: Any) -> tuple[PlaneSpec, ...]:
+    """The plane of a latent-attention layer (MLA): one compressed latent of ``dim``
+    values per token (``kv_lora_rank + qk_rope_head_dim``), ``(block_size, 1, dim)`` a
+    block; attention reads it as the keys and its first ``kv_lora_rank`` values as the
+    values, so there is no V plane."""
+    return (PlaneSpec("latent", (block_size, 1, dim), np.dtype(dtype)),)
+
+
 class KVCacheGroup:
     """One group's blocks: allocation, freeing (pages unmapped when they empty), queries.
 

@@ -130,7 +130,7 @@ def _ids(x: Any, name: str) -> jax.Array:
 def _heads_error(op: str, cache: KVCache, heads: int) -> str:
     """Why an operand with all the KV heads of a split cache is refused ("" otherwise:
     the shape checks name any other mismatch)."""
-    if cache.tensor_parallel > 1 and heads == cache.num_kv_heads:
+    if cache.shard_kv_heads != cache.num_kv_heads and heads == cache.num_kv_heads:
         return (
             f"{op}: {cache.name!r} is split over {cache.tensor_parallel} devices; call the op "
             f"inside jax.shard_map with each device's {cache.shard_kv_heads} KV heads"
@@ -170,7 +170,8 @@ def write_kv(
     each (one custom call for all layers: cheaper than ``m`` calls).
 
     Every slot must be -1 or lie in a mapped page outside the null block 0; otherwise the
-    call fails with an FFI error (nothing is written).
+    call fails with an FFI error (nothing is written). A latent cache (``cache.latent``,
+    one plane) stores ``key`` only: pass the latent as both ``key`` and ``value``.
 
     The returned token must reach the jitted function's outputs (directly, or through
     later ops / :func:`after`): XLA drops a call whose token is unused. Pass
@@ -315,6 +316,7 @@ def paged_attention(
     q_lens: Any,
     token: jax.Array,
     window: Any = 0,
+    sinks: Any = None,
 ) -> jax.Array:
     """Ragged causal attention over the paged cache: a host-platform custom call,
     multi-threaded, that reads K/V in place (no gathered copy). All float32.
@@ -328,7 +330,10 @@ def paged_attention(
     position p sees only keys above ``p - window`` (sliding-window attention); blocks
     wholly below every row's window are neither read nor checked (a window's freed
     blocks may be the null block). Rows of no sequence come back 0. Returns
-    ``(T, Hkv, G, D)``.
+    ``(T, Hkv, G, D)``. A latent cache is its own values: the result is the softmax-weighted
+    sum of the latents (all ``D`` values; MLA keeps the first ``kv_lora_rank``).
+    ``sinks`` ``(Hkv * G,)`` float32: a learned logit per query head added to the softmax's
+    denominator (attention sinks, GPT-OSS); None: none.
 
     Ranges that leave the token axis or overlap, ``q_lens > kv_lens``, and blocks under
     ``kv_lens`` that are not mapped blocks of this cache fail with an FFI error. Host
@@ -346,11 +351,19 @@ def paged_attention(
     if isinstance(window, bool) or (isinstance(window, numbers.Integral) and window < 0):
         raise ValueError(f"paged_attention: window must be >= 0 (0: none), got {window!r}")
     window = _int32_scalar("paged_attention", "window", window)
+    if sinks is None:
+        sinks = jnp.zeros((0,), jnp.float32)
+    else:
+        sinks = jnp.asarray(sinks)
+        if sinks.size != kvh * g or not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise ValueError(f"paged_attention: sinks must hold one float per query head "
+                             f"({kvh * g}), got {sinks.dtype} {tuple(sinks.shape)}")  # fmt: skip
+        sinks = sinks.reshape(-1).astype(jnp.float32)
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     return jax.ffi.ffi_call("kvcached_paged_attention", out, vmap_method=VMAP_METHOD)(
         layer, window, q, jnp.asarray(block_tables, i32), jnp.asarray(kv_lens, i32),
-        jnp.asarray(q_start, i32), jnp.asarray(q_lens, i32), token,
+        jnp.asarray(q_start, i32), jnp.asarray(q_lens, i32), sinks, token,
         handle=_handle("paged_attention", cache),
         scale=np.float32(1 / np.sqrt(d)),
     )  # fmt: skip

@@ -250,12 +250,15 @@ class Pool:
         memory_limit: int | str | None = None,
         memory_guarantee: int | str = 0,
         layer_groups: Sequence[int] | None = None,
+        latent: bool = False,
     ) -> KVCache:
         """Creates a KV cache whose virtual range can grow to the whole pool budget.
 
         ``memory_limit`` / ``memory_guarantee``: see :meth:`set_memory_limit` and
         :meth:`set_memory_guarantee`. ``layer_groups``: each layer's KV cache group id
         (0..G-1; default: one group), see :class:`~jax_kvcached.memory.kv_group.KVCacheGroup`.
+        ``latent``: one plane per layer instead of K and V (MLA's compressed latent,
+        ``num_kv_heads`` 1 and ``head_dim`` its width), replicated on a mesh.
         """
         if not isinstance(name, str) or not name:
             raise ValueError("a KV cache needs a non-empty string name")
@@ -268,7 +271,10 @@ class Pool:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{what} must be a positive int, got {v!r}")
         code = dtype_code(dtype)
-        tp = self.tensor_parallel
+        if latent and num_kv_heads != 1:
+            raise ValueError(f"a latent KV cache has one KV head (its latent), got {num_kv_heads}")
+        tp = 1 if latent else self.tensor_parallel  # (a latent cache is replicated)
+        planes = 1 if latent else 2
         if num_kv_heads % tp:
             raise ValueError(
                 f"{name!r} has {num_kv_heads} KV heads, which do not split over the "
@@ -292,29 +298,30 @@ class Pool:
             # Virtual pages: as many as the budget could fill with the smallest group's KV
             # pages (each group's planes span the same range).
             groups: tuple[int, ...] | None = None
-            sizes = [2 * num_layers]
+            sizes = [planes * num_layers]
             if layer_groups is not None:
                 groups = check_layer_groups(layer_groups, num_layers)
-                sizes = [2 * groups.count(g) for g in range(max(groups) + 1)]
+                sizes = [planes * groups.count(g) for g in range(max(groups) + 1)]
             group = min(sizes)
             num_pages = self.budget_pages // group
             if self.budget_pages < max(sizes):
                 raise ValueError(
                     f"the pool budget ({self.budget_pages} pages) cannot hold one KV page of "
-                    f"{name!r}, which needs {max(sizes)} pages (one per layer for K and V)"
+                    f"{name!r}, which needs {max(sizes)} pages (one per layer and plane)"
                 )
             heads = num_kv_heads // tp
             shards = []
             for p, d in zip(self._pools, self.local_devices, strict=True):
                 layout = (num_layers, heads, head_dim, block_size, code, num_pages)
                 shards.append(
-                    _C.KVBuffer(p, *layout, ffi_ordinal(d), d.local_hardware_id, list(groups or ()))
+                    _C.KVBuffer(p, *layout, ffi_ordinal(d), d.local_hardware_id,
+                                list(groups or ()), planes)
                 )
             buffer = ShardedBuffer(shards)
             cache = KVCache(
                 self.ledger, name, buffer, num_layers, num_kv_heads, head_dim, dtype,
                 block_size, backend=self.backend, devices=self.devices, mesh=self.mesh,
-                kv_axis=self.kv_axis, on_close=self._forget, layer_groups=groups,
+                kv_axis=self.kv_axis, on_close=self._forget, layer_groups=groups, latent=latent,
             )  # fmt: skip
             self.ledger.register(name, group, lambda: cache.mapped_pages)
             self._caches[name] = cache

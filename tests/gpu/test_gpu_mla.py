@@ -1,0 +1,41 @@
+"""Latent attention on a GPU: the write kernel stores one plane a layer (no V), the
+Pallas kernel and XLA read the latent as keys and values, and an engine over the tiny
+DeepSeek-V3 preset gives the CPU's greedy tokens with either. Skipped only when no GPU is
+present."""
+
+import jax
+import pytest
+
+import jax_kvcached as kv
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+
+
+def _gpus():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU MLA tests need one")
+
+
+def test_the_tiny_deepseek_preset_gives_the_cpus_tokens_on_the_gpu():
+    cfg = BUILTIN_CONFIGS["tiny-deepseek-v3"]
+    prompts = [[256, *range(20, 60)], [256, 9, 8, 7]]
+    outs = {}
+    runs = (("host", "host", jax.devices("cpu")[0]), ("cuda", "pallas", _gpus()[0]),
+            ("cuda", "xla", _gpus()[0]))  # fmt: skip
+    for backend, attention, device in runs:
+        with jax.default_device(device):
+            pool = kv.Pool("64MiB", backend=backend)
+            eng = Engine(build_model(cfg, seed=0), pool, max_batch=2, max_model_len=128,
+                         attention=attention)  # fmt: skip
+            assert eng.cache.latent and eng.cache.pages_per_kv_page == cfg.num_layers
+            got = eng.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+            outs[attention] = [o.token_ids for o in got]
+            eng.close()
+            pool.close()
+    assert outs["pallas"] == outs["host"] == outs["xla"]
