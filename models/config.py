@@ -10,7 +10,7 @@ from typing import Any
 from . import registry
 from .mla import MLAConfig, mla_from_hf
 from .moe import MoEConfig, moe_from_hf
-from .rope import ROPE_TYPES
+from .rope import ROPE_TYPES, yarn_mscale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,7 +350,7 @@ BUILTIN_CONFIGS["tiny-qwen3-moe"] = dataclasses.replace(
 )  # fmt: skip
 
 # DeepSeek-V3's shape in small: latent attention (a 24 + 8 latent a token and layer, the
-# query through a q_lora of 48), YaRN with mscale_all_dim, and sigmoid-routed experts in 2
+# query through a q_lora of 32), YaRN with mscale_all_dim, and sigmoid-routed experts in 2
 # groups with a shared one, the first layer dense.
 BUILTIN_CONFIGS["tiny-deepseek-v3"] = ModelConfig(
     vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
@@ -363,7 +363,16 @@ BUILTIN_CONFIGS["tiny-deepseek-v3"] = ModelConfig(
                   norm_topk_prob=True, routed_scaling_factor=2.5, n_group=2, topk_group=1,
                   score_bias=True, shared_intermediate_size=64, dense_layers=(0,)),
     mla=MLAConfig(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                  q_lora_rank=48, softmax_scale=24**-0.5),
+                  q_lora_rank=32, softmax_scale=24**-0.5 * yarn_mscale(4.0, 1.0) ** 2),
+)  # fmt: skip
+
+# DeepSeek-V2-Lite's form: the query through q_proj (no q_lora), softmax routing over all
+# experts, two shared experts, plain RoPE.
+BUILTIN_CONFIGS["tiny-deepseek-v2-lite"] = dataclasses.replace(
+    BUILTIN_CONFIGS["tiny-deepseek-v3"], model_type="deepseek_v2", rope_scaling=None,
+    moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, routed_scaling_factor=1.0,
+                  shared_intermediate_size=128, dense_layers=(0,)),
+    mla=MLAConfig(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
 )  # fmt: skip
 
 # GPT-OSS's shape in small: sliding (16 tokens) and full layers alternate, attention sinks

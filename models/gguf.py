@@ -8,8 +8,9 @@ with merges, or a SentencePiece one with scores and byte fallback) and the chat 
 llama.cpp stores a ``llama`` model's Q and K projections with their rows permuted for its
 RoPE; they are permuted back so the weights match the Hugging Face layout our models
 use. Gemma files store each RMSNorm weight as ``1 + w``; the 1 is taken back off (our
-Gemma norm adds it). A mixture of experts' stacked expert tensors (``qwen3moe``) become
-each expert's weight, dequantized (experts are not held packed yet).
+Gemma norm adds it). A mixture of experts' stacked expert tensors (``qwen3moe``,
+``deepseek2``, ``gpt-oss``; MXFP4 too) become each expert's weight, dequantized (experts
+are not held packed yet). DeepSeek's and GPT-OSS's own fields: :mod:`.gguf_archs`.
 """
 
 from __future__ import annotations
@@ -21,17 +22,22 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, gemma3_layer_types
+from .gguf_archs import GGUFError, deepseek2_fields, gpt_oss_fields, kv_b_from_split, yarn_scaling
 from .moe import MoEConfig
 from .quant_format import GGUF_EXACT, Packed, from_gguf_blocks, nearest_format, quantize
 
 log = logging.getLogger("jax_kvcached.models")
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
-# GGUF architecture -> our model_type, where the names differ.
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
-# A mixture of experts' stacked expert tensors (E, out, in) -> each expert's HF name.
-_EXPERT_NAMES = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
-                 "ffn_down_exps.weight": "down_proj"}  # fmt: skip
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "deepseek2", "gpt-oss")
+# GGUF architecture -> our model_type, where the names differ (deepseek2: by its gating).
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+# A mixture of experts' stacked expert tensors (E, out, in) -> each expert's HF name
+# (GPT-OSS's biases (E, out) too).
+_EXPERT_NAMES = {
+    f"ffn_{p}_exps.{kind}": f"{p}_proj.{kind}"
+    for p in ("gate", "up", "down")
+    for kind in ("weight", "bias")
+}
 # Architectures whose Q / K rows llama.cpp permuted (its interleaved RoPE).
 _PERMUTED = ("llama",)
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
@@ -51,6 +57,22 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router
+    # DeepSeek (deepseek2): latent attention, shared experts, the score-correction bias
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    # GPT-OSS: sinks, biases, the router's bias; its pre-MLP norm's name
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "ffn_gate_inp.bias": "mlp.gate.bias",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
 }
 # Gemma's block has a norm before and after attention and MLP each.
 _GEMMA_LAYER_NAMES = {
@@ -67,10 +89,6 @@ _GLOBAL_NAMES = {
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # HF names of the weights a model can hold packed: projections and token tables.
 _PACKABLE = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
-
-
-class GGUFError(ValueError):
-    """A GGUF file that cannot be loaded; the message names the file (and tensor)."""
 
 
 def is_gguf(path: str) -> bool:
@@ -108,6 +126,10 @@ class GGUFCheckpoint:
             )
         self._tensors = self._file.tensors
 
+    @property
+    def tensor_names(self) -> set[str]:
+        return set(self._tensors)
+
     # -- metadata ----------------------------------------------------------------------
     def meta(self, key: str, default: Any = ...) -> Any:
         if key not in self._file.metadata:
@@ -120,8 +142,12 @@ class GGUFCheckpoint:
         a = self.architecture
         heads = int(self.meta(f"{a}.attention.head_count"))
         hidden = int(self.meta(f"{a}.embedding_length"))
-        if "rope_freqs.weight" in self._tensors or self.meta(f"{a}.rope.scaling.type", None):
-            raise GGUFError(f"{self.path}: RoPE scaling in GGUF files is not supported yet")
+        scaling = self.meta(f"{a}.rope.scaling.type", None)
+        if "rope_freqs.weight" in self._tensors or scaling not in (None, "none", "yarn") or (
+            scaling == "yarn" and a not in ("deepseek2", "gpt-oss")
+        ):
+            raise GGUFError(f"{self.path}: RoPE scaling {scaling!r} in a {a} GGUF file is not "
+                            "supported (YaRN in deepseek2 and gpt-oss files only)")  # fmt: skip
         tokens = self.meta("tokenizer.ggml.tokens", None)
         vocab = self.meta(f"{a}.vocab_size", None) or (len(tokens) if tokens else None)
         if vocab is None:
@@ -146,23 +172,31 @@ class GGUFCheckpoint:
                 top_k=int(self.meta(f"{a}.expert_used_count")),
                 intermediate_size=experts, norm_topk_prob=True,
             ))  # fmt: skip
+        elif a == "deepseek2":
+            extra = deepseek2_fields(self)
+        elif a == "gpt-oss":
+            extra = gpt_oss_fields(self)
         window = self.meta(f"{a}.attention.sliding_window", None)
         if window and a == "llama":  # Mistral: one window for every layer
             extra = dict(sliding_window=int(window))
+        if scaling == "yarn":
+            extra["rope_scaling"] = yarn_scaling(self, extra.pop("mscale_all_dim", None))
         return ModelConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(self._dense_width(a, extra.get("moe"))),
             num_layers=int(self.meta(f"{a}.block_count")),
             num_heads=heads,
-            num_kv_heads=int(self.meta(f"{a}.attention.head_count_kv", heads)),
-            head_dim=int(self.meta(f"{a}.attention.key_length", hidden // heads)),
+            num_kv_heads=extra.pop("num_kv_heads", None)
+            or int(self.meta(f"{a}.attention.head_count_kv", heads)),
+            head_dim=extra.pop("head_dim", None)
+            or int(self.meta(f"{a}.attention.key_length", hidden // heads)),
             max_position_embeddings=int(self.meta(f"{a}.context_length", 2048)),
             rope_theta=float(self.meta(f"{a}.rope.freq_base", 10000.0)),
             rms_norm_eps=float(self.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings="output.weight" not in self._tensors,
             qkv_bias=a == "qwen2" or "blk.0.attn_q.bias" in self._tensors,
-            model_type=_MODEL_TYPES.get(a, a),
+            model_type=extra.pop("model_type", _MODEL_TYPES.get(a, a)),
             bos_token_id=self.meta("tokenizer.ggml.bos_token_id", None),
             eos_token_id=self.meta("tokenizer.ggml.eos_token_id", None),
             **extra,
@@ -184,13 +218,19 @@ class GGUFCheckpoint:
         out: dict[str, np.ndarray | Packed] = {}
         gemma = self.architecture == "gemma3"
         permuted = self.architecture in _PERMUTED
+        latent_b: dict[str, dict[str, np.ndarray]] = {}  # deepseek2: attn_k_b / attn_v_b
         for name in self._tensors:
             if self._experts(name, dtype, out):
+                continue
+            if name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+                latent_b.setdefault(name.split(".")[1], {})[name.split(".")[2]] = (
+                    self.dequantize(name)
+                )
                 continue
             hf = _hf_name(name, _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES)
             if hf is None:
                 raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
-            if packed and hf.endswith(_PACKABLE):
+            if packed and hf.endswith(_PACKABLE) and not hf.endswith("kv_b_proj.weight"):
                 p = self.packed(name)
                 if p is not None:
                     heads = cfg.num_heads if hf.endswith("q_proj.weight") else cfg.num_kv_heads
@@ -206,6 +246,10 @@ class GGUFCheckpoint:
             elif gemma and hf.endswith("norm.weight"):
                 w = w - 1.0  # stored as 1 + w
             out[hf] = w.astype(dtype, copy=False)
+        for layer, kb in latent_b.items():
+            out[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = kv_b_from_split(
+                self.path, layer, kb
+            ).astype(dtype, copy=False)
         return out
 
     def _experts(self, name: str, dtype: Any, out: dict) -> bool:
@@ -218,15 +262,15 @@ class GGUFCheckpoint:
         from gguf import GGMLQuantizationType as Q
 
         w = self.dequantize(name)
-        if w.ndim != 3:
-            raise GGUFError(f"{self.path}: expert tensor {name!r} is not 3-D: {w.shape}")
+        if w.ndim != (3 if name.endswith(".weight") else 2):
+            raise GGUFError(f"{self.path}: expert tensor {name!r} has shape {w.shape}")
         qtype = Q(self._tensors[name].tensor_type).name
         if qtype not in ("F32", "F16", "BF16"):
             log.info("%s: %s (%s) dequantized: experts are not held packed yet",
                      self.path, name, qtype)  # fmt: skip
         proj = _EXPERT_NAMES[parts[2]]
         for j in range(w.shape[0]):
-            key = f"model.layers.{parts[1]}.mlp.experts.{j}.{proj}.weight"
+            key = f"model.layers.{parts[1]}.mlp.experts.{j}.{proj}"
             out[key] = w[j].astype(dtype, copy=False)
         return True
 
@@ -258,7 +302,7 @@ class GGUFCheckpoint:
         t = self._tensors[name]
         qtype = Q(t.tensor_type)
         supported = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K,
-                     Q.Q5_K, Q.Q6_K)  # fmt: skip
+                     Q.Q5_K, Q.Q6_K, Q.MXFP4)  # fmt: skip
         if qtype not in supported:
             raise GGUFError(
                 f"{self.path}: tensor {name!r} has type {qtype.name}; supported: "

@@ -111,7 +111,11 @@ class MLAttention(nnx.Module):
             self.q_b_proj = nnx.Linear(m.q_lora_rank, h * m.qk_head_dim, **kw)
         self.kv_a_proj_with_mqa = nnx.Linear(e, m.latent_dim, **kw)
         self.kv_a_layernorm = norm(m.kv_lora_rank, cfg.rms_norm_eps, dtype)
-        self.kv_b_proj = nnx.Linear(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), **kw)
+        # kv_b_proj's kernel (r, H * (nope + v)): W_UK and W_UV, read per head (a plain
+        # parameter: attention absorbs it, so it is never a packed projection)
+        width = h * (m.qk_nope_head_dim + m.v_head_dim)
+        init = nnx.initializers.lecun_normal()
+        self.kv_b = nnx.Param(init(rngs.params(), (m.kv_lora_rank, width), dtype))
         self.o_proj = nnx.Linear(h * m.v_head_dim, e, **kw)
         self.mla = m
         self.num_heads = h
@@ -139,7 +143,7 @@ class MLAttention(nnx.Module):
         if self.rope_factor is not None:
             q_rope = q_rope * jnp.asarray(self.rope_factor, q_rope.dtype)
             k_rope = k_rope * jnp.asarray(self.rope_factor, k_rope.dtype)
-        w = self.kv_b_proj.kernel[...].reshape(m.kv_lora_rank, h, -1)  # (r, H, nope + v)
+        w = self.kv_b[...].reshape(m.kv_lora_rank, h, -1)  # (r, H, nope + v)
         w_uk, w_uv = w[..., : m.qk_nope_head_dim], w[..., m.qk_nope_head_dim :]
         f32 = jnp.float32
         q_lat = jnp.einsum("bthn,rhn->bthr", q_nope, w_uk, preferred_element_type=f32)
@@ -154,10 +158,11 @@ class MLAttention(nnx.Module):
 def mla_weights(attn: MLAttention, p: str, i: int) -> dict[str, tuple]:
     """The HF names of one layer's latent attention weights (prefix ``p``, layer ``i``)."""
     t: dict[str, tuple] = {}
-    names = ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+    names = ["kv_a_proj_with_mqa", "o_proj"]
     names += ["q_proj"] if attn.q_proj is not None else ["q_a_proj", "q_b_proj"]
     for name in names:
         t[p + f"self_attn.{name}.weight"] = (getattr(attn, name), "kernel", True, i)
+    t[p + "self_attn.kv_b_proj.weight"] = (attn, "kv_b", True, i)
     t[p + "self_attn.kv_a_layernorm.weight"] = (attn.kv_a_layernorm, "weight", False, i)
     if attn.q_a_layernorm is not None:
         t[p + "self_attn.q_a_layernorm.weight"] = (attn.q_a_layernorm, "weight", False, i)
@@ -168,8 +173,6 @@ def mla_tp_plan(attn: MLAttention, tp: int) -> list[tuple[object, str, int]]:
     """Under tensor parallelism each device computes its heads: the query's last
     projection and ``kv_b_proj`` split by output columns (whole heads), ``o_proj`` by
     input rows; the latent's projection and norms are replicated, as is the cache."""
-    outs = [attn.q_proj if attn.q_proj is not None else attn.q_b_proj, attn.kv_b_proj]
-    plan: list[tuple[object, str, int]] = []
-    for mod in outs:
-        plan += split_entries(mod, "out", tp)
-    return plan + split_entries(attn.o_proj, "in", tp)
+    q = attn.q_proj if attn.q_proj is not None else attn.q_b_proj
+    plan = split_entries(q, "out", tp) + split_entries(attn.o_proj, "in", tp)
+    return plan + [(attn, "kv_b", attn.kv_b.get_value().ndim - 1)]  # whole heads

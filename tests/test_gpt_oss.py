@@ -264,3 +264,103 @@ def test_gpt_oss_under_tensor_parallelism_gives_the_same_tokens():
         eng.close()
         pool.close()
     assert outs[2] == outs[1]
+
+
+def _gpt_oss_gguf(hf, path):
+    """A gpt-oss GGUF of a transformers GPT-OSS in llama.cpp's layout: gate and up split
+    (de-interleaved) and stacked (E, out, in), MXFP4 experts, biases, sinks, YaRN."""
+    import gguf
+
+    c = hf.config
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    a = "gpt-oss"
+    w = gguf.GGUFWriter(str(path), a)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    rope = c.rope_parameters
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_vocab_size(c.vocab_size)
+    w.add_sliding_window(c.sliding_window)
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.intermediate_size)
+    names = {"input_layernorm.weight": "attn_norm.weight",
+             "post_attention_layernorm.weight": "post_attention_norm.weight",
+             "self_attn.sinks": "attn_sinks.weight", "mlp.router.weight": "ffn_gate_inp.weight",
+             "mlp.router.bias": "ffn_gate_inp.bias"}  # fmt: skip
+    for proj, name in (("q", "attn_q"), ("k", "attn_k"), ("v", "attn_v"), ("o", "attn_output")):
+        for kind in ("weight", "bias"):
+            names[f"self_attn.{proj}_proj.{kind}"] = f"{name}.{kind}"
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+
+    def mxfp4(name, x):
+        raw = gguf.quants.quantize(np.ascontiguousarray(x), gguf.GGMLQuantizationType.MXFP4)
+        w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf_name, name in names.items():
+            w.add_tensor(f"blk.{i}.{name}", sd[p + hf_name])
+        gu = sd[p + "mlp.experts.gate_up_proj"].transpose(0, 2, 1)  # (E, 2I, H)
+        mxfp4(f"blk.{i}.ffn_gate_exps.weight", gu[:, ::2])
+        mxfp4(f"blk.{i}.ffn_up_exps.weight", gu[:, 1::2])
+        mxfp4(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"].transpose(0, 2, 1))
+        gub = sd[p + "mlp.experts.gate_up_proj_bias"]
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.bias", np.ascontiguousarray(gub[:, ::2]))
+        w.add_tensor(f"blk.{i}.ffn_up_exps.bias", np.ascontiguousarray(gub[:, 1::2]))
+        w.add_tensor(f"blk.{i}.ffn_down_exps.bias", sd[p + "mlp.experts.down_proj_bias"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(hf_oss, tmp_path, caplog):
+    """llama.cpp's gpt-oss layout with MXFP4 experts: they load dequantized (the log says
+    so) and match transformers' model holding the same dequantized experts."""
+    import logging
+
+    import gguf
+
+    hf, _ = hf_oss
+    path = tmp_path / "oss.gguf"
+    _gpt_oss_gguf(hf, path)
+    ref = transformers.GptOssForCausalLM(_hf_config()).eval()
+    ref.load_state_dict(hf.state_dict())
+    q = gguf.GGMLQuantizationType.MXFP4
+
+    def rounded(x):
+        x = np.ascontiguousarray(x)
+        return gguf.quants.dequantize(gguf.quants.quantize(x, q), q).reshape(x.shape)
+
+    with torch.no_grad():
+        for i in range(hf.config.num_hidden_layers):
+            ex = ref.model.layers[i].mlp.experts
+            gu = ex.gate_up_proj.numpy().transpose(0, 2, 1)
+            out = np.empty_like(gu)
+            out[:, ::2], out[:, 1::2] = rounded(gu[:, ::2]), rounded(gu[:, 1::2])
+            ex.gate_up_proj.copy_(torch.tensor(out.transpose(0, 2, 1)))
+            down = rounded(ex.down_proj.numpy().transpose(0, 2, 1))
+            ex.down_proj.copy_(torch.tensor(down.transpose(0, 2, 1)))
+    with caplog.at_level(logging.INFO, logger="jax_kvcached.models"):
+        cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
+    assert cfg.model_type == "gpt_oss" and cfg.layer_windows() == (8, 0, 8, 0)
+    assert "MXFP4) dequantized" in caplog.text
+    from jax_kvcached.engine.attention import no_cache_attention
+
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    with torch.no_grad():
+        want = ref(torch.tensor([ids])).logits[0].numpy()
+    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
+    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())

@@ -264,3 +264,100 @@ def test_a_deepseek_config_with_what_we_lack_fails_naming_it(tmp_path, field, va
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=field):
         kv.models.ModelConfig.from_dir(str(tmp_path))
+
+
+def _deepseek_gguf(hf, path):
+    """A deepseek2 GGUF of a transformers DeepSeek-V3 in llama.cpp's layout: MQA of one
+    576-wide head, kv_b_proj split into attn_k_b (H, r, nope) and attn_v_b (H, v, r),
+    stacked experts, the routing under its keys; all F32."""
+    import gguf
+
+    c = hf.config
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    a = "deepseek2"
+    w = gguf.GGUFWriter(str(path), a)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    w.add_leading_dense_block_count(c.first_k_dense_replace)
+    w.add_q_lora_rank(c.q_lora_rank)
+    w.add_kv_lora_rank(c.kv_lora_rank)
+    w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim)
+    w.add_value_length(c.kv_lora_rank)
+    w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim)
+    w.add_value_length_mla(c.v_head_dim)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_count(c.n_routed_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_shared_count(c.n_shared_experts)
+    w.add_expert_weights_scale(c.routed_scaling_factor)
+    w.add_expert_weights_norm(True)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_uint32(f"{a}.expert_group_count", c.n_group)
+    w.add_uint32(f"{a}.expert_group_used_count", c.topk_group)
+    w.add_rope_dimension_count(c.qk_rope_head_dim)
+    rope = c.rope_parameters
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    names = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+             "self_attn.q_a_proj.weight": "attn_q_a", "self_attn.q_b_proj.weight": "attn_q_b",
+             "self_attn.q_a_layernorm.weight": "attn_q_a_norm",
+             "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa",
+             "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm",
+             "self_attn.o_proj.weight": "attn_output", "mlp.gate.weight": "ffn_gate_inp",
+             "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
+             "mlp.down_proj.weight": "ffn_down",
+             "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp",
+             "mlp.shared_experts.up_proj.weight": "ffn_up_shexp",
+             "mlp.shared_experts.down_proj.weight": "ffn_down_shexp"}  # fmt: skip
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    h, nope, r = c.num_attention_heads, c.qk_nope_head_dim, c.kv_lora_rank
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf_name, name in names.items():
+            if p + hf_name in sd:
+                w.add_tensor(f"blk.{i}.{name}.weight", sd[p + hf_name])
+        kv_b = sd[p + "self_attn.kv_b_proj.weight"].reshape(h, nope + c.v_head_dim, r)
+        k_b = kv_b[:, :nope].transpose(0, 2, 1)  # (H, r, nope): llama.cpp's absorbed layout
+        w.add_tensor(f"blk.{i}.attn_k_b.weight", np.ascontiguousarray(k_b))
+        w.add_tensor(f"blk.{i}.attn_v_b.weight", np.ascontiguousarray(kv_b[:, nope:]))
+        if p + "mlp.gate.e_score_correction_bias" in sd:
+            w.add_tensor(f"blk.{i}.exp_probs_b.bias", sd[p + "mlp.gate.e_score_correction_bias"])
+            gate_up = sd[p + "mlp.experts.gate_up_proj"]  # transformers 5 in memory: fused
+            inter = gate_up.shape[1] // 2
+            for stacked, name in ((gate_up[:, :inter], "ffn_gate_exps"),
+                                  (gate_up[:, inter:], "ffn_up_exps"),
+                                  (sd[p + "mlp.experts.down_proj"], "ffn_down_exps")):  # fmt: skip
+                w.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(stacked))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_deepseek2_gguf_matches_transformers(tmp_path):
+    """llama.cpp's deepseek2 layout (k_b / v_b split, YaRN's log multiplier, sigmoid
+    gating in groups): within 1e-4 of transformers. (A GGUF keeps mscale_all_dim only:
+    the model's mscale equals it, as in DeepSeek's own configs.)"""
+    cfg = _v3()
+    cfg.rope_parameters = {**ROPE, "mscale": 0.8}
+    hf = _save(transformers.DeepseekV3ForCausalLM, cfg, tmp_path / "hf")
+    path = tmp_path / "v3.gguf"
+    _deepseek_gguf(hf, path)
+    cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
+    assert cfg.model_type == "deepseek_v3" and cfg.mla.q_lora_rank == 48 and cfg.moe.score_bias
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    got = model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0]
+    assert np.abs(np.asarray(got) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())

@@ -63,7 +63,9 @@ def test_hf_folder_matches_transformers(kind, tmp_path):
     assert np.abs(np.asarray(got) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize(
+    "name", ["tiny-qwen3", "tiny-gemma3", "tiny-qwen3-moe", "tiny-deepseek-v2-lite", "tiny-gpt-oss"]
+)
 def test_presets_through_the_engine_match_the_dense_reference(name):
     model = build_model(BUILTIN_CONFIGS[name], seed=0)
     pool = kv.Pool("32MiB", page_size="64KiB", backend="host")

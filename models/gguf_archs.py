@@ -1,0 +1,115 @@
+"""The GGUF architectures whose config does not fit the common reader (:mod:`.gguf`):
+DeepSeek-V2 / V3 (``deepseek2``: latent attention, experts with their gating, shared
+experts, YaRN with DeepSeek's log multiplier) and GPT-OSS (``gpt-oss``: sinks, biases,
+alternating sliding and full layers, MXFP4 experts), as llama.cpp's converter writes
+them; each reader returns the :class:`~.config.ModelConfig` fields it sets.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .mla import MLAConfig
+from .moe import MoEConfig
+from .rope import yarn_mscale
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be loaded; the message names the file (and tensor)."""
+
+
+def yarn_scaling(ck: Any, mscale_all_dim: float | None) -> tuple[tuple[str, Any], ...]:
+    """A file's YaRN scaling as a config.json's ``rope_scaling``. DeepSeek's files keep
+    ``mscale_all_dim`` (as 0.1 x it, the log multiplier) but not ``mscale``: the two
+    are taken equal, as in DeepSeek-V2 / V3's own configs."""
+    a = ck.architecture
+    s: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(ck.meta(f"{a}.rope.scaling.factor")),
+        "original_max_position_embeddings":
+            int(ck.meta(f"{a}.rope.scaling.original_context_length")),
+        "beta_fast": float(ck.meta(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(ck.meta(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+    }  # fmt: skip
+    if mscale_all_dim:
+        s["mscale"] = s["mscale_all_dim"] = mscale_all_dim
+    if a == "gpt-oss":
+        s["truncate"] = False  # (OpenAI's YaRN keeps the ramp's ends unrounded)
+    return tuple(sorted(s.items()))
+
+def deepseek2_fields(ck: Any) -> dict[str, Any]:
+    """DeepSeek-V2 / V3 as llama.cpp writes them: latent attention (the latent's
+    widths under ``key_length`` / ``value_length``, the heads' under ``*_mla``), the
+    experts' gating (1 softmax: V2, 2 sigmoid: V3), shared experts, leading dense
+    layers."""
+    a = "deepseek2"
+    r = int(ck.meta(f"{a}.attention.kv_lora_rank"))
+    rope = int(ck.meta(f"{a}.rope.dimension_count"))
+    att = f"{a}.attention."
+    qk = int(ck.meta(att + "key_length_mla", None) or ck.meta(att + "key_length"))
+    v = int(ck.meta(att + "value_length_mla", None) or ck.meta(att + "value_length"))
+    q_lora = ck.meta(f"{a}.attention.q_lora_rank", None)
+    log_mul = ck.meta(f"{a}.rope.scaling.yarn_log_multiplier", None)
+    mscale_all = float(log_mul) / 0.1 if log_mul else None
+    scale = qk**-0.5
+    if mscale_all and ck.meta(f"{a}.rope.scaling.type", None) == "yarn":
+        m = yarn_mscale(float(ck.meta(f"{a}.rope.scaling.factor")), mscale_all)
+        scale *= m * m
+    gating = int(ck.meta(f"{a}.expert_gating_func", 1))
+    if gating not in (1, 2):
+        raise GGUFError(f"{ck.path}: {a}.expert_gating_func {gating} is not supported "
+                        "(1 softmax, 2 sigmoid)")  # fmt: skip
+    sigmoid = gating == 2
+    width = int(ck.meta(f"{a}.expert_feed_forward_length"))
+    dense = int(ck.meta(f"{a}.leading_dense_block_count", 0))
+    moe = MoEConfig(
+        num_experts=int(ck.meta(f"{a}.expert_count")),
+        top_k=int(ck.meta(f"{a}.expert_used_count")), intermediate_size=width,
+        scoring="sigmoid" if sigmoid else "softmax",
+        norm_topk_prob=bool(ck.meta(f"{a}.expert_weights_norm", False)),
+        routed_scaling_factor=float(ck.meta(f"{a}.expert_weights_scale", 1.0)),
+        n_group=int(ck.meta(f"{a}.expert_group_count", 1) or 1),
+        topk_group=int(ck.meta(f"{a}.expert_group_used_count", 1) or 1),
+        group_score="top2" if sigmoid else "max",
+        score_bias=f"blk.{dense}.exp_probs_b.bias" in ck.tensor_names,
+        shared_intermediate_size=width * int(ck.meta(f"{a}.expert_shared_count", 0)),
+        dense_layers=tuple(range(dense)),
+    )  # fmt: skip
+    mla = MLAConfig(kv_lora_rank=r, qk_nope_head_dim=qk - rope, qk_rope_head_dim=rope,
+                    v_head_dim=v, q_lora_rank=int(q_lora) if q_lora else None,
+                    softmax_scale=scale)  # fmt: skip
+    return dict(mla=mla, moe=moe, num_kv_heads=1, head_dim=mla.latent_dim,
+                mscale_all_dim=mscale_all,
+                model_type="deepseek_v3" if sigmoid else "deepseek_v2")  # fmt: skip
+
+def gpt_oss_fields(ck: Any) -> dict[str, Any]:
+    """GPT-OSS: sinks, biases on every attention projection, sliding (even) and full
+    (odd) layers, experts with biases and the clamped SwiGLU."""
+    a = "gpt-oss"
+    layers = int(ck.meta(f"{a}.block_count"))
+    moe = MoEConfig(
+        num_experts=int(ck.meta(f"{a}.expert_count")),
+        top_k=int(ck.meta(f"{a}.expert_used_count")),
+        intermediate_size=int(ck.meta(f"{a}.expert_feed_forward_length")),
+        norm_topk_prob=True, activation="swiglu_oai", router_bias=True, expert_bias=True,
+    )  # fmt: skip
+    types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                  for i in range(layers))  # fmt: skip
+    return dict(moe=moe, attention_sinks=True, o_bias=True, layer_types=types,
+                sliding_window=int(ck.meta(f"{a}.attention.sliding_window")))  # fmt: skip
+
+
+def kv_b_from_split(path: str, layer: str, parts: dict[str, np.ndarray]) -> np.ndarray:
+    """DeepSeek's ``kv_b_proj`` ``(H * (nope + v), r)`` from llama.cpp's split of it:
+    ``attn_k_b`` ``(H, r, nope)`` (transposed for its absorbed attention) and
+    ``attn_v_b`` ``(H, v, r)``."""
+    k_b, v_b = parts.get("attn_k_b"), parts.get("attn_v_b")
+    if k_b is None or v_b is None or k_b.ndim != 3 or v_b.ndim != 3 or (
+        k_b.shape[:2] != (v_b.shape[0], v_b.shape[2])
+    ):
+        raise GGUFError(f"{path}: blk.{layer}'s attn_k_b / attn_v_b are not a pair "
+                        f"of (H, r, nope) and (H, v, r)")  # fmt: skip
+    per_head = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # (H, nope + v, r)
+    return per_head.reshape(-1, per_head.shape[-1])
