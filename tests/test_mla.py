@@ -361,3 +361,31 @@ def test_a_deepseek2_gguf_matches_transformers(tmp_path):
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     got = model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0]
     assert np.abs(np.asarray(got) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_many_heads_over_one_latent_run_in_chunks_in_the_pallas_kernel():
+    """DeepSeek-V3's 128 heads over one latent: more rows than a program takes, so the
+    kernel (interpreted) runs them in chunks of heads; the result is XLA's. Under
+    ``auto`` a CUDA cache whose width is not a power of two gets XLA's attention."""
+    from jax_kvcached.engine.pallas_attention import item_tile
+    from jax_kvcached.engine.runner import resolve_attention
+
+    pool = _pool()
+    c = pool.create_kv_cache("mla", 1, 1, 32, "float32", block_size=16, latent=True)
+    ids = c.alloc(2)
+    t, h = 20, 128
+    rng = np.random.default_rng(2)
+    lat = jnp.asarray(rng.normal(size=(t, 1, 32)), jnp.float32)
+    token = ops.write_kv(c, 0, lat, lat, c.slot_mapping(ids, np.arange(t)), ops.new_token())
+    q = jnp.asarray(rng.normal(size=(t, h, 32)), jnp.float32)
+    tables = np.zeros((1, 2), np.int32)
+    tables[0] = ids
+    assert item_tile(h) == 1
+    lay = Ragged.of([t], [t], tables, tile=item_tile(h))
+    want = paged_attention(q, c.view + token, 0, lay)
+    got = pallas_paged_attention(q, c.view + token, 0, lay, interpret=True)
+    assert float(jnp.abs(got - want).max()) < 1e-5
+    cuda = dataclasses.make_dataclass("C", ["backend", "head_dim", "name"])
+    assert resolve_attention("auto", cuda("cuda", 576, "m")) == "xla"
+    assert resolve_attention("auto", cuda("cuda", 512, "m")) == "pallas"
+    pool.close()

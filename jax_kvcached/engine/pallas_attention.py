@@ -26,8 +26,18 @@ MAX_F32_KEYS = 128  # keys per kernel step for an f32 cache (an H200's shared me
 
 
 def item_tile(groups: int) -> int:
-    """Query tokens per item for a prefill step: the most whose rows fit a program."""
-    return max(1, 1 << ((MAX_KERNEL_ROWS // groups).bit_length() - 1))
+    """Query tokens per item for a prefill step: the most whose rows fit a program (1 when
+    one token's query heads per KV head fill it: the kernel then takes them in chunks)."""
+    if groups >= MAX_KERNEL_ROWS:
+        return 1
+    return 1 << ((MAX_KERNEL_ROWS // groups).bit_length() - 1)
+
+
+def _head_chunk(groups: int, tile: int) -> int:
+    """The most query heads per KV head a program takes with items of ``tile`` rows: a
+    divisor of ``groups`` (all of them when they fit)."""
+    limit = max(1, MAX_KERNEL_ROWS // tile)
+    return max(c for c in range(1, min(groups, limit) + 1) if groups % c == 0)
 
 
 def _kernel(tables_ref, end_ref, win_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
@@ -115,7 +125,9 @@ def pallas_paged_attention(
     instead: an interpreted kernel copies its whole input per program. ``window`` > 0
     (may be traced): sliding-window attention; a program never loads the blocks below
     its item's window. ``sinks`` ``(H,)`` (attention sinks) join the softmax's
-    denominator where the splits are merged, once per row."""
+    denominator where the splits are merged, once per row. More query heads per KV head
+    than a program's rows (MLA's 128 over one latent) run as chunks of heads, one call
+    each (items of one token)."""
     t, h, d = q.shape
     n_layers, planes, nblk = view.shape[0], view.shape[1], view.shape[2]
     bs, kvh = view.shape[3], view.shape[4]
@@ -124,6 +136,20 @@ def pallas_paged_attention(
     g = h // kvh
     n_items, tile = lay.item_rows.shape
     rows = tile * g
+    if rows > MAX_KERNEL_ROWS and tile == 1:  # many heads to a KV head (MLA: all of them)
+        chunk = _head_chunk(g, tile)
+        qg = q.reshape(t, kvh, g, d)
+        sk = None if sinks is None else jnp.asarray(sinks).reshape(kvh, g)
+        kw = dict(num_splits=num_splits, blocks_per_step=blocks_per_step, interpret=interpret,
+                  slice_layer=slice_layer, window=window)  # fmt: skip
+        outs = [
+            pallas_paged_attention(
+                qg[:, :, c : c + chunk].reshape(t, kvh * chunk, d), view, layer, lay,
+                sinks=None if sk is None else sk[:, c : c + chunk].reshape(-1), **kw,
+            ).reshape(t, kvh, chunk, d)
+            for c in range(0, g, chunk)
+        ]  # fmt: skip
+        return jnp.concatenate(outs, axis=2).reshape(t, h, d)
     if rows > MAX_KERNEL_ROWS:
         raise ValueError(f"items of {tile} tokens x {g} groups exceed {MAX_KERNEL_ROWS} rows")
     if view.dtype == jnp.float32:  # f32 tiles (and f32 dots) take twice the shared memory

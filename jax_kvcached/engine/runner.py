@@ -62,11 +62,20 @@ log = logging.getLogger(__name__)
 
 def resolve_attention(impl: str, cache: KVCache) -> str:
     """Validates an attention choice for ``cache``; ``auto`` becomes the Pallas kernel for
-    a CUDA cache and the host custom call for a host cache."""
+    a CUDA cache and the host custom call for a host cache. The kernel's tiles span the
+    head dim, which Triton wants a power of two: a CUDA cache of another width (MLA's 576
+    latent) gets XLA's attention under ``auto``, and the log says so."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if cache.backend == "cuda" else "host"
+        if cache.backend != "cuda":
+            return "host"
+        d = cache.head_dim
+        if d & (d - 1):
+            log.info("%s: head dim %d is not a power of two (Triton's tiles): XLA's attention "
+                     "instead of the Pallas kernel", cache.name, d)  # fmt: skip
+            return "xla"
+        return "pallas"
     if impl == "host" and cache.backend != "host":
         raise ValueError("attention='host' needs a host-backend cache")
     return impl

@@ -1,7 +1,7 @@
-"""Latent attention on a GPU: the write kernel stores one plane a layer (no V), the
-Pallas kernel and XLA read the latent as keys and values, and an engine over the tiny
-DeepSeek-V3 preset gives the CPU's greedy tokens with either. Skipped only when no GPU is
-present."""
+"""Latent attention and attention sinks on a GPU: the write kernel stores one plane a
+layer (no V), the Pallas kernel and XLA read the latent as keys and values and add GPT-OSS's
+sinks, and engines over the tiny DeepSeek-V3 and GPT-OSS presets give the CPU's greedy
+tokens with either. Skipped only when no GPU is present."""
 
 import jax
 import pytest
@@ -22,8 +22,9 @@ def _gpus():
 pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU MLA tests need one")
 
 
-def test_the_tiny_deepseek_preset_gives_the_cpus_tokens_on_the_gpu():
-    cfg = BUILTIN_CONFIGS["tiny-deepseek-v3"]
+@pytest.mark.parametrize("name", ["tiny-deepseek-v3", "tiny-gpt-oss"])
+def test_the_presets_give_the_cpus_tokens_on_the_gpu(name):
+    cfg = BUILTIN_CONFIGS[name]
     prompts = [[256, *range(20, 60)], [256, 9, 8, 7]]
     outs = {}
     runs = (("host", "host", jax.devices("cpu")[0]), ("cuda", "pallas", _gpus()[0]),
@@ -33,7 +34,8 @@ def test_the_tiny_deepseek_preset_gives_the_cpus_tokens_on_the_gpu():
             pool = kv.Pool("64MiB", backend=backend)
             eng = Engine(build_model(cfg, seed=0), pool, max_batch=2, max_model_len=128,
                          attention=attention)  # fmt: skip
-            assert eng.cache.latent and eng.cache.pages_per_kv_page == cfg.num_layers
+            if cfg.mla is not None:
+                assert eng.cache.latent and eng.cache.pages_per_kv_page == cfg.num_layers
             got = eng.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
             outs[attention] = [o.token_ids for o in got]
             eng.close()
