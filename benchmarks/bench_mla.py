@@ -11,6 +11,8 @@ Two measurements, each read from the pool's mapped bytes (not computed):
 * ``engine``: the ``tiny-deepseek-v3`` preset through the Engine, one ``--tokens``-token
   prompt kept in the prefix cache, against the same preset with MLA replaced by MHA of its
   heads (4 x 24, K and V): mapped bytes after the run.
+* ``decode``: the same two models' greedy decode tokens/s at batch 1 and 32 (what the
+  absorbed form costs or saves on this CPU).
 
 Prints a table and writes ``benchmarks/results/bench_mla.json``.
 """
@@ -83,16 +85,54 @@ def bench_engine(tokens: int) -> dict:
     return out
 
 
+def _tok_s(eng, batch: int, tokens: int = 32) -> float:
+    """Decode tokens/s of ``batch`` sequences (8-token prompts, ``tokens`` new each)."""
+    prompts = [[1 + (i * 7 + j) % 300 for j in range(8)] for i in range(batch)]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    eng.generate(prompts, params)
+    return batch * tokens / (time.perf_counter() - t0)
+
+
+def bench_decode(rounds: int) -> dict:
+    """Greedy decode at batch 1 and 32: the tiny preset's absorbed MLA against the same
+    model with MHA of its heads, alternating, medians of ``rounds``."""
+    import statistics
+
+    mla = BUILTIN_CONFIGS["tiny-deepseek-v3"]
+    mha = dataclasses.replace(mla, mla=None, num_kv_heads=mla.num_heads,
+                              head_dim=mla.mla.qk_head_dim)  # fmt: skip
+    pool = kv.Pool("1GiB", backend="host")
+    engines = {n: Engine(build_model(c, seed=0), pool, name=n, max_batch=32, max_model_len=128)
+               for n, c in (("mla", mla), ("mha", mha))}  # fmt: skip
+    runs: dict = {n: {1: [], 32: []} for n in engines}
+    for eng in engines.values():
+        for b in (1, 32):
+            _tok_s(eng, b, 4)  # compile
+    for _ in range(rounds):
+        for b in (1, 32):
+            for n, eng in engines.items():
+                runs[n][b].append(_tok_s(eng, b))
+    for eng in engines.values():
+        eng.close()
+    pool.close()
+    med = {n: {b: statistics.median(v) for b, v in r.items()} for n, r in runs.items()}
+    return {"tok_s": med, "runs": runs,
+            "mla_over_mha_tok_s": {b: med["mla"][b] / med["mha"][b] for b in (1, 32)}}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--layers", type=int, default=1)
     p.add_argument("--engine-tokens", type=int, default=960)
+    p.add_argument("--rounds", type=int, default=3)
     here = os.path.dirname(os.path.abspath(__file__))
     p.add_argument("--out", default=os.path.join(here, "results", "bench_mla.json"))
     args = p.parse_args()
     result = {"date": time.strftime("%Y-%m-%d"), "pool": bench_pool(args.tokens, args.layers),
-              "engine": bench_engine(args.engine_tokens)}  # fmt: skip
+              "engine": bench_engine(args.engine_tokens),
+              "decode": bench_decode(args.rounds)}  # fmt: skip
     r = result["pool"]
     print(f"DeepSeek-V3 shape, bf16, {args.tokens} tokens, bytes a token (61 layers):")
     print(f"{'cache':28s} {'measured':>12s} {'formula':>12s}")
@@ -106,6 +146,11 @@ def main() -> None:
     print(f"\ntiny-deepseek-v3, {args.engine_tokens}-token prompt through the Engine: "
           f"MLA {e['mla']['mapped_bytes']} B vs MHA {e['mha']['mapped_bytes']} B mapped, "
           f"1/{1 / e['ratio']:.2f} (formula 1/{1 / e['ratio_formula']:.2f})")  # fmt: skip
+    d = result["decode"]
+    print("\ntiny-deepseek-v3 decode (tok/s, median): batch   MLA   MHA   MLA/MHA")
+    for b in (1, 32):
+        print(f"{b:47d} {d['tok_s']['mla'][b]:5.0f} {d['tok_s']['mha'][b]:5.0f} "
+              f"{d['mla_over_mha_tok_s'][b]:6.2f}")  # fmt: skip
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=1)
