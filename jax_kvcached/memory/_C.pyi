@@ -55,6 +55,7 @@ class KVBuffer:
         device_ordinal: int = -1,
         local_id: int = -1,
         layer_group: list[int] = ...,
+        planes_per_layer: int = 2,  # 1: a latent cache (MLA), no V plane
     ) -> None: ...
     @property
     def device_ordinal(self) -> int:
