@@ -158,10 +158,14 @@ def test_deepseek_v3_and_v2_lite_folders_match_transformers(hf_v3, tmp_path):
     assert load_checkpoint(hf_v3[1])[0].moe.score_bias
 
 
-def test_deepseek_engine_greedy_matches_transformers_generate(hf_v3):
+@pytest.mark.parametrize("family", ["v3", "v2-lite"])
+def test_deepseek_engine_greedy_matches_transformers_generate(hf_v3, tmp_path, family):
     """16-token steps, three sequences at once, a prefix hit, then a preemption under a
     small budget: transformers' greedy tokens; the mapped bytes are the latent's."""
-    hf, path = hf_v3
+    if family == "v3":
+        hf, path = hf_v3
+    else:
+        hf, path = _save(transformers.DeepseekV2ForCausalLM, _v2_lite(), tmp_path), str(tmp_path)
     _, model = load_checkpoint(path, dtype=jnp.float32)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 300, n).tolist() for n in (60, 5, 41)]
