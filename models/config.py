@@ -8,9 +8,9 @@ import os
 from typing import Any
 
 from . import registry
-from .mla import MLAConfig, mla_from_hf
-from .moe import MoEConfig, moe_from_hf
-from .rope import ROPE_TYPES, yarn_mscale
+from .mla import MLAConfig, mla_from_hf, softmax_scale
+from .moe import MoEConfig, gpt_oss_moe, moe_from_hf
+from .rope import ROPE_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -352,18 +352,19 @@ BUILTIN_CONFIGS["tiny-qwen3-moe"] = dataclasses.replace(
 # DeepSeek-V3's shape in small: latent attention (a 24 + 8 latent a token and layer, the
 # query through a q_lora of 32), YaRN with mscale_all_dim, and sigmoid-routed experts in 2
 # groups with a shared one, the first layer dense.
+_DEEPSEEK_YARN = (("beta_fast", 32), ("beta_slow", 1), ("factor", 4.0), ("mscale", 1.0),
+                  ("mscale_all_dim", 1.0), ("original_max_position_embeddings", 256),
+                  ("rope_type", "yarn"))  # fmt: skip
 BUILTIN_CONFIGS["tiny-deepseek-v3"] = ModelConfig(
     vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
     num_kv_heads=1, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6,
-    rope_scaling=(("beta_fast", 32), ("beta_slow", 1), ("factor", 4.0), ("mscale", 1.0),
-                  ("mscale_all_dim", 1.0), ("original_max_position_embeddings", 256),
-                  ("rope_type", "yarn")),
+    rope_scaling=_DEEPSEEK_YARN,
     model_type="deepseek_v3", bos_token_id=256, eos_token_id=257,
     moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, scoring="sigmoid",
                   norm_topk_prob=True, routed_scaling_factor=2.5, n_group=2, topk_group=1,
                   score_bias=True, shared_intermediate_size=64, dense_layers=(0,)),
     mla=MLAConfig(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                  q_lora_rank=32, softmax_scale=24**-0.5 * yarn_mscale(4.0, 1.0) ** 2),
+                  q_lora_rank=32, softmax_scale=softmax_scale(24, dict(_DEEPSEEK_YARN))),
 )  # fmt: skip
 
 # DeepSeek-V2-Lite's form: the query through q_proj (no q_lora), softmax routing over all
@@ -383,6 +384,5 @@ BUILTIN_CONFIGS["tiny-gpt-oss"] = dataclasses.replace(
     rope_scaling=(("beta_fast", 32.0), ("beta_slow", 1.0), ("factor", 8.0),
                   ("original_max_position_embeddings", 128), ("rope_type", "yarn"),
                   ("truncate", False)),
-    moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
-                  activation="swiglu_oai", router_bias=True, expert_bias=True),
+    moe=gpt_oss_moe(8, 2, 64),
 )  # fmt: skip

@@ -179,8 +179,8 @@ class GGUFCheckpoint:
         window = self.meta(f"{a}.attention.sliding_window", None)
         if window and a == "llama":  # Mistral: one window for every layer
             extra = dict(sliding_window=int(window))
-        if scaling == "yarn":
-            extra["rope_scaling"] = yarn_scaling(self, extra.pop("mscale_all_dim", None))
+        if scaling == "yarn" and "rope_scaling" not in extra:
+            extra["rope_scaling"] = yarn_scaling(self, None)
         return ModelConfig(
             vocab_size=int(vocab),
             hidden_size=hidden,

@@ -11,9 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .mla import MLAConfig
-from .moe import MoEConfig
-from .rope import yarn_mscale
+from .mla import MLAConfig, softmax_scale
+from .moe import MoEConfig, gpt_oss_moe
 
 
 class GGUFError(ValueError):
@@ -52,11 +51,9 @@ def deepseek2_fields(ck: Any) -> dict[str, Any]:
     v = int(ck.meta(att + "value_length_mla", None) or ck.meta(att + "value_length"))
     q_lora = ck.meta(f"{a}.attention.q_lora_rank", None)
     log_mul = ck.meta(f"{a}.rope.scaling.yarn_log_multiplier", None)
-    mscale_all = float(log_mul) / 0.1 if log_mul else None
-    scale = qk**-0.5
-    if mscale_all and ck.meta(f"{a}.rope.scaling.type", None) == "yarn":
-        m = yarn_mscale(float(ck.meta(f"{a}.rope.scaling.factor")), mscale_all)
-        scale *= m * m
+    yarn = None
+    if ck.meta(f"{a}.rope.scaling.type", None) == "yarn":
+        yarn = yarn_scaling(ck, float(log_mul) / 0.1 if log_mul else None)
     gating = int(ck.meta(f"{a}.expert_gating_func", 1))
     if gating not in (1, 2):
         raise GGUFError(f"{ck.path}: {a}.expert_gating_func {gating} is not supported "
@@ -79,9 +76,8 @@ def deepseek2_fields(ck: Any) -> dict[str, Any]:
     )  # fmt: skip
     mla = MLAConfig(kv_lora_rank=r, qk_nope_head_dim=qk - rope, qk_rope_head_dim=rope,
                     v_head_dim=v, q_lora_rank=int(q_lora) if q_lora else None,
-                    softmax_scale=scale)  # fmt: skip
-    return dict(mla=mla, moe=moe, num_kv_heads=1, head_dim=mla.latent_dim,
-                mscale_all_dim=mscale_all,
+                    softmax_scale=softmax_scale(qk, dict(yarn) if yarn else None))  # fmt: skip
+    return dict(mla=mla, moe=moe, num_kv_heads=1, head_dim=mla.latent_dim, rope_scaling=yarn,
                 model_type="deepseek_v3" if sigmoid else "deepseek_v2")  # fmt: skip
 
 def gpt_oss_fields(ck: Any) -> dict[str, Any]:
@@ -89,12 +85,8 @@ def gpt_oss_fields(ck: Any) -> dict[str, Any]:
     (odd) layers, experts with biases and the clamped SwiGLU."""
     a = "gpt-oss"
     layers = int(ck.meta(f"{a}.block_count"))
-    moe = MoEConfig(
-        num_experts=int(ck.meta(f"{a}.expert_count")),
-        top_k=int(ck.meta(f"{a}.expert_used_count")),
-        intermediate_size=int(ck.meta(f"{a}.expert_feed_forward_length")),
-        norm_topk_prob=True, activation="swiglu_oai", router_bias=True, expert_bias=True,
-    )  # fmt: skip
+    moe = gpt_oss_moe(int(ck.meta(f"{a}.expert_count")), int(ck.meta(f"{a}.expert_used_count")),
+                      int(ck.meta(f"{a}.expert_feed_forward_length")))  # fmt: skip
     types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
                   for i in range(layers))  # fmt: skip
     return dict(moe=moe, attention_sinks=True, o_bias=True, layer_types=types,

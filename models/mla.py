@@ -70,6 +70,17 @@ class MLAConfig:
         return self.softmax_scale or self.qk_head_dim**-0.5
 
 
+def softmax_scale(qk_head_dim: int, rope: dict[str, Any] | None) -> float:
+    """DeepSeek's softmax scale: ``qk_head_dim ** -0.5``, times YaRN's
+    ``mscale(factor, mscale_all_dim)`` squared when ``rope`` (a config's YaRN parameters;
+    None: plain RoPE) has ``mscale_all_dim``."""
+    scale = qk_head_dim**-0.5
+    if rope and rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("mscale_all_dim"):
+        m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
+        scale *= m * m
+    return scale
+
+
 def mla_from_hf(cfg: dict[str, Any], rope: dict[str, Any] | None) -> MLAConfig:
     """The latent attention of a DeepSeek-V2 / V3 config.json; ``rope``: its YaRN
     parameters (None: plain RoPE), whose ``mscale_all_dim`` scales the softmax."""
@@ -77,15 +88,11 @@ def mla_from_hf(cfg: dict[str, Any], rope: dict[str, Any] | None) -> MLAConfig:
         raise ValueError("deepseek: attention_bias is not supported")
     q_lora = cfg.get("q_lora_rank")
     nope, r = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
-    scale = (nope + r) ** -0.5
-    if rope and rope.get("mscale_all_dim"):
-        m = yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"]))
-        scale *= m * m
     interleave = cfg.get("model_type") == "deepseek_v2" or bool(cfg.get("rope_interleave", True))
     return MLAConfig(
         kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=nope, qk_rope_head_dim=r,
         v_head_dim=int(cfg["v_head_dim"]), q_lora_rank=int(q_lora) if q_lora else None,
-        rope_interleave=interleave, softmax_scale=scale,
+        rope_interleave=interleave, softmax_scale=softmax_scale(nope + r, rope),
     )  # fmt: skip
 
 

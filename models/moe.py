@@ -94,13 +94,9 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str) -> MoEConfig:
         raise ValueError(f"{model_type}: hidden_act {act!r} is not supported (silu)")
     if model_type in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_moe(cfg, model_type)
-    if model_type == "gpt_oss":  # top-k of the biased logits, a softmax over those k
-        return MoEConfig(
-            num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
-            intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
-            activation="swiglu_oai", swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-            router_bias=True, expert_bias=True,
-        )  # fmt: skip
+    if model_type == "gpt_oss":
+        return gpt_oss_moe(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
+                           int(cfg["intermediate_size"]), float(cfg.get("swiglu_limit", 7.0)))
     if model_type != "qwen3_moe":
         raise ValueError(f"no mixture-of-experts reader for model_type {model_type!r}")
     layers = cfg["num_hidden_layers"]
@@ -115,6 +111,14 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str) -> MoEConfig:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         dense_layers=dense,
     )
+
+
+def gpt_oss_moe(experts: int, top_k: int, width: int, limit: float = 7.0) -> MoEConfig:
+    """GPT-OSS's experts: top-k of the router's biased logits with a softmax over those k
+    (the renormalized softmax), the clamped SwiGLU, biases on the experts."""
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=width,
+                     norm_topk_prob=True, activation="swiglu_oai", swiglu_limit=limit,
+                     router_bias=True, expert_bias=True)  # fmt: skip
 
 
 def _deepseek_moe(cfg: dict[str, Any], model_type: str) -> MoEConfig:

@@ -120,16 +120,9 @@ def make_step(spec: StepSpec) -> Callable:
             lambda i, k, v, slots, token: ops.write_kv_async(cache, i, k, v, slots, token),
             (None, kv_heads, kv_heads, None, None), None,
         )  # fmt: skip
-        attention = per_device(
-            lambda q, view, i, lay, token, w: attention_fn(spec.attention, cache, nb, token)(
-                q, view, i, lay, window=w
-            ),
-            (heads, cache.sharding.spec if spec.on_mesh else None,
-             None, None, None, None),
-            heads,
-        )  # fmt: skip
+        # sinks (heads,): split with the heads; None (no sinks) is an empty argument
         sink_spec = None if heads is None else jax.sharding.PartitionSpec(heads[1])
-        attention_with_sinks = per_device(
+        attention = per_device(
             lambda q, view, i, lay, token, w, s: attention_fn(spec.attention, cache, nb, token)(
                 q, view, i, lay, window=w, sinks=s
             ),
@@ -148,10 +141,7 @@ def make_step(spec: StepSpec) -> Callable:
             chain = write(i, k[0].astype(cache.dtype), v[0].astype(cache.dtype), slots, chain)
             after = dataclasses.replace(lay, tables=ops.after(tables, chain))
             window = jnp.asarray(windows)[i] if any(windows) else jnp.int32(0)
-            if sinks is None:
-                return attention(q[0], view, i, after, chain, window)[None], chain
-            out = attention_with_sinks(q[0], view, i, after, chain, window, sinks)
-            return out[None], chain
+            return attention(q[0], view, i, after, chain, window, sinks)[None], chain
 
         hidden, chain = model.hidden_states(tokens[None], positions[None], attend, token)
         hidden = hidden[0]  # (t, E)
