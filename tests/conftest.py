@@ -33,6 +33,66 @@ def pool():
     p.close()
 
 
+def dense_greedy(model, prompt, n):
+    """``n`` greedy tokens of ``model`` after ``prompt`` with no KV cache (the reference
+    every layer's window and sinks included)."""
+    import jax.numpy as jnp
+
+    from jax_kvcached.engine.attention import no_cache_attention
+
+    attend = no_cache_attention(model.config)
+    toks = list(prompt)
+    for _ in range(n):
+        logits = model(jnp.asarray([toks]), jnp.arange(len(toks))[None], attend)
+        toks.append(int(jnp.argmax(logits[0, -1])))
+    return toks[len(prompt) :]
+
+
+def hf_greedy(hf, prompt, n):
+    """``n`` greedy tokens of a transformers model's ``generate`` after ``prompt``."""
+    import torch
+
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def check_group_accounting(eng):
+    """Per KV cache group: mapped pages are exactly the pages of its cached blocks;
+    nothing held by a request."""
+    for g, group in enumerate(eng.cache.groups):
+        pc = eng.kv.prefix_caches[g] if eng.kv.prefix_caches else None
+        cached = pc.cached_blocks() if pc else []
+        assert group.num_used_blocks == len(cached), g
+        assert set(group.mapped_page_ids()) == {group.page_of(b) for b in cached}, g
+    assert eng.cache.mapped_pages == sum(g.mapped_pages for g in eng.cache.groups)
+
+
+def gguf_writer(path, arch, c):
+    """A ``gguf.GGUFWriter`` with the keys every test file's architecture shares, from a
+    transformers config ``c``; the caller adds its own keys and tensors, then
+    :func:`gguf_write`."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_vocab_size(c.vocab_size)
+    return w
+
+
+def gguf_write(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def tp_pool(tp, memory="64MiB", **kw):
     """A host pool over the first ``tp`` CPU devices (a plain one-device pool for 1)."""
     if tp == 1:

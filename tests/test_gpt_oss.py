@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tp_pool
+from conftest import check_group_accounting, gguf_write, gguf_writer, hf_greedy, tp_pool
 from flax import nnx
 
 import jax_kvcached as kv
@@ -30,13 +30,9 @@ from jax_kvcached.models.quant_format import FP4_E2M1, dequantize_mxfp4
 
 
 def _check_groups(eng, pool):
-    """Exact accounting per KV cache group once every request finished: each group maps
-    exactly the pages of its cached blocks; after a reset nothing is mapped."""
-    for g, group in enumerate(eng.cache.groups):
-        cached = eng.kv.prefix_caches[g].cached_blocks()
-        assert group.num_used_blocks == len(cached), g
-        assert set(group.mapped_page_ids()) == {group.page_of(b) for b in cached}, g
-    assert eng.cache.mapped_pages == sum(g.mapped_pages for g in eng.cache.groups)
+    """Exact accounting per KV cache group once every request finished; after a reset
+    nothing is mapped."""
+    check_group_accounting(eng)
     eng.reset_prefix_cache()
     assert pool.stats()["mapped_pages"] == 0
 
@@ -205,18 +201,12 @@ def test_gpt_oss_engine_greedy_matches_transformers_generate(hf_oss):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 300, n).tolist() for n in (60, 5, 41)]
 
-    def reference(p, n):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long))  # fmt: skip
-        return out[0, len(p) :].tolist()
-
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    want = [reference(p, 6) for p in prompts]
+    want = [hf_greedy(hf, p, 6) for p in prompts]
     # A follow-up turn: the sliding group kept the window at the first turn's end only
     # (the blocks below it went back), so the hit is the whole first turn.
     prompts.append(prompts[0] + want[0] + [7, 7, 7])
-    want.append(reference(prompts[3], 6))
+    want.append(hf_greedy(hf, prompts[3], 6))
     pool = kv.Pool("32MiB", page_size="64KiB", backend="host", min_reserved_pages=0,
                    max_reserved_pages=0)  # fmt: skip
     eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16)
@@ -274,21 +264,14 @@ def _gpt_oss_gguf(hf, path):
     c = hf.config
     sd = {k: v.numpy() for k, v in hf.state_dict().items()}
     a = "gpt-oss"
-    w = gguf.GGUFWriter(str(path), a)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_head_count(c.num_attention_heads)
+    w = gguf_writer(path, a, c)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     rope = c.rope_parameters
-    w.add_rope_freq_base(rope["rope_theta"])
     w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
     w.add_rope_scaling_factor(rope["factor"])
     w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-    w.add_vocab_size(c.vocab_size)
     w.add_sliding_window(c.sliding_window)
     w.add_expert_count(c.num_local_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
@@ -320,10 +303,7 @@ def _gpt_oss_gguf(hf, path):
         w.add_tensor(f"blk.{i}.ffn_gate_exps.bias", np.ascontiguousarray(gub[:, ::2]))
         w.add_tensor(f"blk.{i}.ffn_up_exps.bias", np.ascontiguousarray(gub[:, 1::2]))
         w.add_tensor(f"blk.{i}.ffn_down_exps.bias", sd[p + "mlp.experts.down_proj_bias"])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_write(w)
 
 
 def test_a_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(hf_oss, tmp_path, caplog):

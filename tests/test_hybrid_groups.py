@@ -6,13 +6,12 @@ group needs."""
 
 import dataclasses
 
-import jax.numpy as jnp
 import pytest
+from conftest import check_group_accounting, dense_greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jax_kvcached as kv
-from jax_kvcached.engine.attention import no_cache_attention
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.kv_groups import kv_cache_groups
 from jax_kvcached.engine.kv_manager import KVManager
@@ -33,26 +32,6 @@ def models():
     small = dataclasses.replace(BUILTIN_CONFIGS["tiny-swa"], sliding_window=5)
     out["window-5"] = build_model(small, seed=1)
     return out
-
-
-def _reference(model, prompt, n):
-    attend = no_cache_attention(model.config)
-    toks = list(prompt)
-    for _ in range(n):
-        ids = jnp.asarray([toks])
-        logits = model(ids, jnp.arange(len(toks))[None], attend)
-        toks.append(int(jnp.argmax(logits[0, -1])))
-    return toks[len(prompt) :]
-
-
-def _check_accounting(eng):
-    """Per group: mapped pages are exactly the pages of its cached blocks; nothing held."""
-    for g, group in enumerate(eng.cache.groups):
-        pc = eng.kv.prefix_caches[g] if eng.kv.prefix_caches else None
-        cached = pc.cached_blocks() if pc else []
-        assert group.num_used_blocks == len(cached), g
-        assert set(group.mapped_page_ids()) == {group.page_of(b) for b in cached}, g
-    assert eng.cache.mapped_pages == sum(g.mapped_pages for g in eng.cache.groups)
 
 
 def _engine(model, free=True, page=PAGE, **kw):
@@ -106,7 +85,7 @@ def test_freeing_on_off_and_the_dense_reference_agree(models, name):
             [o.token_ids for o in eng.generate(PROMPTS, greedy)],
             [o.token_ids for o in eng.generate(PROMPTS, seeded)],
         )
-        _check_accounting(eng)
+        check_group_accounting(eng)
         if free:
             assert worst, "the sliding group was never checked"
             # What stays mapped is the prefix cache's (full prefixes, sliding tails).
@@ -116,7 +95,7 @@ def test_freeing_on_off_and_the_dense_reference_agree(models, name):
         pool.close()
     assert outs[True] == outs[False]
     for prompt, out in zip(PROMPTS, outs[True][0], strict=True):
-        assert out == _reference(model, prompt, 6), name
+        assert out == dense_greedy(model, prompt, 6), name
 
 
 def test_without_prefix_caching_blocks_below_the_window_are_unmapped(models):
@@ -159,7 +138,7 @@ def test_preemption_with_a_sliding_group(models):
     got = [o.token_ids for o in tight.generate(prompts, params)]
     assert tight.scheduler.num_preemptions > 0
     assert got == want
-    _check_accounting(tight)
+    check_group_accounting(tight)
     tight.close()
     pool.close()
 
@@ -193,8 +172,8 @@ def test_a_prefix_hit_restores_the_window_a_sliding_group_needs(models):
     for group in eng.kv.stats()["groups"]:
         assert (group["queries_tokens"], group["hits_tokens"]) == (160, 80), group
     eng.kv.admit = admit
-    _check_accounting(eng)
-    want = _reference(model, follow, 5)  # (before the sleep takes the weights off)
+    check_group_accounting(eng)
+    want = dense_greedy(model, follow, 5)  # (before the sleep takes the weights off)
     # Asleep, the model keeps no KV of any group; awake, it recomputes the same.
     assert eng.sleep()["mapped_pages"] == 0 == eng.cache.mapped_pages
     eng.wake()
@@ -216,7 +195,7 @@ def test_the_host_tier_keeps_each_groups_blocks(monkeypatch):
     base = [256, *range(30, 111)]
     first = eng.generate([base], params)[0].token_ids
     follow = [*base, *first, 5, 6, 7, 8, 9, 10]
-    want = _reference(model, follow, 5)
+    want = dense_greedy(model, follow, 5)
     assert eng.sleep()["mapped_pages"] == 0 == eng.cache.mapped_pages
     eng.wake()
     full_tier, sliding_tier = eng.kv.host_caches
@@ -240,7 +219,7 @@ def test_the_host_tier_keeps_each_groups_blocks(monkeypatch):
     host = eng.stats()["host_cache"]
     assert (host["restores"], host["hits_tokens"], host["restored_blocks"]) == (1, 80, 6)
     assert [g["restored_blocks"] for g in host["groups"]] == [5, 1]
-    _check_accounting(eng)
+    check_group_accounting(eng)
     # Again from the host, but the sliding group's copy back fails: no group hit at all.
     eng.sleep()
     eng.wake()
@@ -251,7 +230,7 @@ def test_the_host_tier_keeps_each_groups_blocks(monkeypatch):
     monkeypatch.setattr(sliding_tier.store, "copy_in", broken)
     assert eng.generate([follow], params)[0].token_ids == want
     assert seen["cached"] == 0 and eng.stats()["host_cache"]["restores"] == 1
-    _check_accounting(eng)
+    check_group_accounting(eng)
     assert eng.reset_prefix_cache() > 0 and eng.cache.mapped_pages == 0
     assert full_tier.num_entries == sliding_tier.num_entries == 0
     eng.close()
@@ -372,6 +351,6 @@ def test_forks_of_a_hybrid_model_share_the_prompt_in_every_group(caching):
     assert [got[r] for r in rids] == singles
     assert eng.fork_fallbacks == 0
     assert all(len(m.refs) == 0 for m in eng.kv.managers)
-    _check_accounting(eng)
+    check_group_accounting(eng)
     eng.close()
     pool.close()

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tp_pool
+from conftest import dense_greedy, gguf_write, gguf_writer, hf_greedy, tp_pool
 from test_engine import assert_only_cached_blocks_hold_pages
 
 import jax_kvcached as kv
@@ -171,14 +171,8 @@ def test_deepseek_engine_greedy_matches_transformers_generate(hf_v3, tmp_path, f
     prompts = [rng.integers(0, 300, n).tolist() for n in (60, 5, 41)]
     prompts.append(prompts[0][:32] + [7, 7, 7])  # shares two blocks with the first
 
-    def reference(p, n):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long))  # fmt: skip
-        return out[0, len(p) :].tolist()
-
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    want = [reference(p, 6) for p in prompts]
+    want = [hf_greedy(hf, p, 6) for p in prompts]
     pool = _pool()
     eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16)
     assert eng.cache.latent and eng.cache.view.shape[1] == 1
@@ -202,15 +196,6 @@ def test_deepseek_engine_greedy_matches_transformers_generate(hf_v3, tmp_path, f
     small.close()
 
 
-def _reference(model, prompt, n):
-    attend = no_cache_attention(model.config)
-    toks = list(prompt)
-    for _ in range(n):
-        logits = model(jnp.asarray([toks]), jnp.arange(len(toks))[None], attend)
-        toks.append(int(jnp.argmax(logits[0, -1])))
-    return toks[len(prompt) :]
-
-
 def test_a_latent_prefix_survives_sleep_through_the_host_tier():
     """The preset's latent blocks go to the host tier on a sleep (one plane a layer in a
     slot), the follow-up turn restores them and gives the reference's tokens."""
@@ -221,7 +206,7 @@ def test_a_latent_prefix_survives_sleep_through_the_host_tier():
     base = [256, *range(30, 80)]
     first = eng.generate([base], params)[0].token_ids
     follow = [*base, *first, 5, 6, 7]
-    want = _reference(model, follow, 5)
+    want = dense_greedy(model, follow, 5)
     assert eng.sleep()["mapped_pages"] == 0 == eng.cache.mapped_pages
     eng.wake()
     (tier,) = eng.kv.host_caches
@@ -279,16 +264,9 @@ def _deepseek_gguf(hf, path):
     c = hf.config
     sd = {k: v.numpy() for k, v in hf.state_dict().items()}
     a = "deepseek2"
-    w = gguf.GGUFWriter(str(path), a)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
+    w = gguf_writer(path, a, c)
     w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(1)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
-    w.add_vocab_size(c.vocab_size)
     w.add_leading_dense_block_count(c.first_k_dense_replace)
     w.add_q_lora_rank(c.q_lora_rank)
     w.add_kv_lora_rank(c.kv_lora_rank)
@@ -343,10 +321,7 @@ def _deepseek_gguf(hf, path):
                                   (gate_up[:, inter:], "ffn_up_exps"),
                                   (sd[p + "mlp.experts.down_proj"], "ffn_down_exps")):  # fmt: skip
                 w.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(stacked))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_write(w)
 
 
 def test_a_deepseek2_gguf_matches_transformers(tmp_path):

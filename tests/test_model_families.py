@@ -5,6 +5,7 @@ forward; the random tiny presets through the engine against a dense reference.""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import dense_greedy
 
 import jax_kvcached as kv
 from jax_kvcached.engine.attention import no_cache_attention
@@ -72,13 +73,8 @@ def test_presets_through_the_engine_match_the_dense_reference(name):
     eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16)
     prompts = [[256, *range(20, 75)], [256, 9, 8, 7]]
     outs = eng.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
-    attend = no_cache_attention(model.config)
     for p, o in zip(prompts, outs, strict=True):
-        toks = list(p)
-        for _ in range(5):
-            logits = model(jnp.asarray([toks]), jnp.arange(len(toks))[None], attend)
-            toks.append(int(jnp.argmax(logits[0, -1])))
-        assert o.token_ids == toks[len(p) :], name
+        assert o.token_ids == dense_greedy(model, p, 5), name
     eng.close()
     pool.close()
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gguf_write, gguf_writer, hf_greedy
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -193,14 +194,8 @@ def test_qwen3_moe_engine_greedy_matches_transformers_generate(hf_moe):
     prompts = [rng.integers(0, 300, n).tolist() for n in (60, 5, 41)]
     prompts.append(prompts[0][:32] + [7, 7, 7])  # shares two blocks with the first
 
-    def reference(p, n):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False,
-                              attention_mask=torch.ones(1, len(p), dtype=torch.long))  # fmt: skip
-        return out[0, len(p) :].tolist()
-
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    want = [reference(p, 6) for p in prompts]
+    want = [hf_greedy(hf, p, 6) for p in prompts]
     pool = kv.Pool("32MiB", page_size="64KiB", backend="host", min_reserved_pages=0,
                    max_reserved_pages=0)  # fmt: skip
     eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16)
@@ -344,20 +339,13 @@ def _gguf_from_hf(hf, path, expert_type=None):
 
     c = hf.config
     sd = {k: v.numpy() for k, v in hf.state_dict().items()}
-    w = gguf.GGUFWriter(str(path), "qwen3moe")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_head_count(c.num_attention_heads)
+    w = gguf_writer(path, "qwen3moe", c)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
     w.add_expert_count(c.num_experts)
     w.add_expert_used_count(c.num_experts_per_tok)
     w.add_expert_feed_forward_length(c.moe_intermediate_size)
-    w.add_vocab_size(c.vocab_size)
     names = {"input_layernorm.weight": "attn_norm.weight",
              "post_attention_layernorm.weight": "ffn_norm.weight",
              "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -384,10 +372,7 @@ def _gguf_from_hf(hf, path, expert_type=None):
             else:
                 raw = gguf.quants.quantize(stacked, expert_type)
                 w.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=expert_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_write(w)
 
 
 def test_a_qwen3moe_gguf_matches_transformers(tmp_path, caplog):
