@@ -18,6 +18,7 @@ from .pretrained import (
     pretrained_path,
     weights_dtype,
 )
+from .qwen3_next import Qwen3NextModel
 from .registry import abstract_model, build_model, model_class, register
 from .sharding import shard_model
 from .tokenizer import ByteTokenizer
@@ -48,6 +49,7 @@ __all__ = [
     "load_pretrained",
     "pretrained_path",
     "LlamaModel",
+    "Qwen3NextModel",
     "ModelConfig",
     "build_model",
     "load_checkpoint",

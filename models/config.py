@@ -8,6 +8,8 @@ import os
 from typing import Any
 
 from . import registry
+from .gated_deltanet import LinearAttentionConfig, linear_from_hf
+from .interface import RECURRENT
 from .mla import MLAConfig, mla_from_hf, softmax_scale
 from .moe import MoEConfig, gpt_oss_moe, moe_from_hf
 from .rope import ROPE_TYPES
@@ -50,6 +52,13 @@ class ModelConfig:
     # Multi-head latent attention (models/mla.py: DeepSeek-V2/V3): the KV cache holds one
     # latent per token and layer, so num_kv_heads is 1 and head_dim the latent's width.
     mla: MLAConfig | None = None
+    # Qwen3-Next: Gated DeltaNet on the layers ``layer_types`` marks "linear_attention"
+    # (models/gated_deltanet.py; recurrent state, no KV cache), RoPE on the first
+    # partial_rotary_factor of each head, and full attention whose output a sigmoid of
+    # a second half of q_proj gates (attn_output_gate).
+    linear: LinearAttentionConfig | None = None
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
 
     def __post_init__(self) -> None:
         for f in (
@@ -85,19 +94,34 @@ class ModelConfig:
                 raise ValueError(f"model config: layer_types {sorted(bad)} not in {LAYER_TYPES}")
             if "sliding_attention" in self.layer_types and not self.sliding_window:
                 raise ValueError("model config: sliding_attention layers need a sliding_window")
+            if ("linear_attention" in self.layer_types) != (self.linear is not None):
+                raise ValueError("model config: linear_attention layers come with a linear "
+                                 "attention config (and only with them)")  # fmt: skip
+        elif self.linear is not None:
+            raise ValueError("model config: a linear attention config needs layer_types")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError("model config: partial_rotary_factor must be in (0, 1]")
 
     def layer_windows(self) -> tuple[int, ...]:
-        """Each layer's attention window (0: full attention), the engine's KV cache
-        groups and attention windows come from."""
+        """Each layer's attention window (0: full attention; ``RECURRENT``: a recurrent
+        layer), the engine's KV cache groups and attention windows come from."""
         w = self.sliding_window or 0
         if self.layer_types is None:
             return (w,) * self.num_layers
-        return tuple(w if t == "sliding_attention" else 0 for t in self.layer_types)
+        kinds = {"sliding_attention": w, "linear_attention": RECURRENT}
+        return tuple(kinds.get(t, 0) for t in self.layer_types)
+
+    @property
+    def state_elems(self) -> int:
+        """Values of one sequence's recurrent state per recurrent layer (0: none)."""
+        return self.linear.state_elems if self.linear is not None else 0
 
     @property
     def rotary_dim(self) -> int:
         """Dimensions RoPE rotates per head (MLA: only its rotary part)."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def kv_latent(self) -> bool:
@@ -143,6 +167,12 @@ class ModelConfig:
             window = None  # Qwen2 configs carry a window they do not use
         layer_types = cfg.get("layer_types")
         mla = mla_from_hf(cfg, scaling) if model_type in MLA_TYPES else None
+        linear = linear_from_hf(cfg) if model_type in LINEAR_TYPES else None
+        partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+        if linear is not None and layer_types is None:
+            every = int(cfg.get("full_attention_interval", 4))
+            layer_types = ["linear_attention" if (i + 1) % every else "full_attention"
+                           for i in range(cfg["num_hidden_layers"])]  # fmt: skip
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -159,14 +189,17 @@ class ModelConfig:
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             o_bias=model_type not in ("qwen2", "mistral") and bool(cfg.get("attention_bias")),
             attention_sinks=model_type == "gpt_oss",
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "qwen3_next"),
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
             sliding_window=int(window) if window else None,
-            layer_types=tuple(layer_types) if layer_types and window else None,
+            layer_types=tuple(layer_types) if layer_types and (window or linear) else None,
             moe=moe_from_hf(cfg, model_type) if model_type in MOE_TYPES else None,
             mla=mla,
+            linear=linear,
+            partial_rotary_factor=float(partial),
+            attn_output_gate=model_type in LINEAR_TYPES,
         )
 
     @classmethod
@@ -175,8 +208,9 @@ class ModelConfig:
             return cls.from_hf(json.load(f))
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
-MOE_TYPES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+MOE_TYPES = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss", "qwen3_next")
+LINEAR_TYPES = ("qwen3_next",)
 MLA_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
@@ -385,4 +419,18 @@ BUILTIN_CONFIGS["tiny-gpt-oss"] = dataclasses.replace(
                   ("original_max_position_embeddings", 128), ("rope_type", "yarn"),
                   ("truncate", False)),
     moe=gpt_oss_moe(8, 2, 64),
+)  # fmt: skip
+
+# Qwen3-Next's shape in small: Gated DeltaNet (2 key heads, 4 value heads of 16) on 3 of
+# every 4 layers, gated full attention with a partial RoPE on the 4th, and experts with
+# a gated shared expert.
+BUILTIN_CONFIGS["tiny-qwen3-next"] = ModelConfig(
+    vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+    num_kv_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=10000.0,
+    rms_norm_eps=1e-6, model_type="qwen3_next", bos_token_id=256, eos_token_id=257,
+    qk_norm=True, partial_rotary_factor=0.25, attn_output_gate=True,
+    layer_types=("linear_attention",) * 3 + ("full_attention",),
+    linear=LinearAttentionConfig(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16),
+    moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
+                  shared_intermediate_size=64, shared_gate=True),
 )  # fmt: skip

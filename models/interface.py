@@ -13,6 +13,13 @@ see ``models.stack``), and ``carry`` the state the attention threads through the
 ``hf_weights()``: Hugging Face tensor name -> (module, attribute, transpose, index), the
 index a layer's row of a stacked parameter, or a tuple into it (one expert's slice of a
 mixture of experts' weight); None: the whole parameter.
+Recurrent layers (Gated DeltaNet, Mamba2) reach their per-sequence state through
+:func:`recurrence_of` ``(attend)``: ``recur(layer, step_fn, init, xs, carry) -> (ys,
+carry)`` runs ``step_fn(state, x) -> (state, y)`` (one sequence, one token) over each
+sequence's tokens in order from its stored state (the engine's state slots:
+``engine.recurrent``), ``init`` one sequence's zero state, ``xs`` / ``ys`` per-token
+pytrees ``(B, T, ...)``. An ``attend`` without a cache has none: each batch row is then
+one sequence from a zero state (:func:`dense_recurrence`).
 Tensor parallelism splits the parameters ``tensor_parallel_plan(tp)`` names along the
 axis it gives (see ``models.sharding``); ``attend`` then receives each device's heads.
 """
@@ -26,6 +33,27 @@ import jax
 
 # attend(layer, q, k, v, carry, sinks=None) -> (attention output (B, T, heads, head_dim), carry)
 Attend = Callable[..., tuple[jax.Array, Any]]
+# recur(layer, step_fn, init, xs, carry) -> (per-token outputs, carry)
+Recur = Callable[..., tuple[Any, Any]]
+# The "window" ``ModelConfig.layer_windows()`` gives a recurrent layer: it carries a
+# state, not K/V per token (the engine gives such layers a state-slot group).
+RECURRENT = -1
+
+
+def dense_recurrence(layer: Any, step_fn: Callable, init: Any, xs: Any, carry: Any) -> tuple:
+    """The recurrence without a cache: each batch row of ``xs`` is one sequence, run
+    from the zero state ``init``."""
+
+    def one(seq):
+        return jax.lax.scan(step_fn, init, seq)[1]
+
+    return jax.vmap(one)(xs), carry
+
+
+def recurrence_of(attend: Attend) -> Recur:
+    """The recurrence an ``attend`` offers (``attend.recur``: the engine's state slots),
+    or :func:`dense_recurrence` for one without a cache."""
+    return getattr(attend, "recur", None) or dense_recurrence
 
 
 @runtime_checkable

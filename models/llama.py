@@ -22,16 +22,11 @@ from .config import ModelConfig
 from .interface import Attend
 from .mla import MLAttention, mla_tp_plan, mla_weights
 from .moe import MoE, expert_weights
+from .norm import rms_normalize
 from .quant_linear import project, split_entries
 from .registry import register
 from .rope import apply_rope, rope_attention_factor, rope_inv_freq
 from .stack import layer_runs, num_stacked, run_layers, stack_segments
-
-
-def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
-    """``x / rms(x)`` over the last axis, in fp32."""
-    xf = x.astype(jnp.float32)
-    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):

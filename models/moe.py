@@ -60,6 +60,8 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     router_bias: bool = False  # GPT-OSS: the router's logits have a bias
     expert_bias: bool = False  # GPT-OSS: gate/up and down have biases per expert
+    # Qwen3-Next: the shared expert's output is scaled by sigmoid(shared_expert_gate(x))
+    shared_gate: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts < 1 or not 1 <= self.top_k <= self.num_experts:
@@ -97,8 +99,10 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str) -> MoEConfig:
     if model_type == "gpt_oss":
         return gpt_oss_moe(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
                            int(cfg["intermediate_size"]), float(cfg.get("swiglu_limit", 7.0)))
-    if model_type != "qwen3_moe":
+    if model_type not in ("qwen3_moe", "qwen3_next"):
         raise ValueError(f"no mixture-of-experts reader for model_type {model_type!r}")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)  # (Qwen3-Next's)
+    shared = shared if model_type == "qwen3_next" else 0
     layers = cfg["num_hidden_layers"]
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     only = set(cfg.get("mlp_only_layers") or ())
@@ -110,6 +114,8 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str) -> MoEConfig:
         intermediate_size=int(cfg["moe_intermediate_size"]),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         dense_layers=dense,
+        shared_intermediate_size=shared,
+        shared_gate=bool(shared),
     )
 
 
@@ -240,6 +246,10 @@ class MoE(nnx.Module):
         if (shared is None) != (m.shared_intermediate_size == 0):
             raise ValueError("moe: shared experts are given exactly when the config has them")
         self.shared = shared
+        self.shared_gate = (
+            nnx.Linear(hidden, 1, use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+            if m.shared_gate else None
+        )  # fmt: skip
         self.cfg = m
         self.tp: Any = None
 
@@ -259,7 +269,11 @@ class MoE(nnx.Module):
         y = self._experts(x2, token, sizes, pair_w, biases, self.gate_up[...], self.down[...])
         out = y.astype(x.dtype).reshape(*lead, hidden)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                gate = jax.nn.sigmoid(self.shared_gate(x).astype(jnp.float32))
+                shared = (shared.astype(jnp.float32) * gate).astype(x.dtype)
+            out = out + shared
         return out
 
     def _experts(self, x, token, sizes, pair_w, biases, gate_up, down) -> jax.Array:
@@ -333,9 +347,13 @@ def expert_weights(moe: MoE, p: str, layer: int) -> dict[str, tuple]:
             t[q + "up_proj.bias"] = (moe, "gate_up_bias", False, (layer, j, 1))
             t[q + "down_proj.bias"] = (moe, "down_bias", False, (layer, j))
     if moe.shared is not None:
+        # Qwen's one gated shared expert, DeepSeek's shared experts
+        where = "shared_expert" if moe.shared_gate is not None else "shared_experts"
         for name in ("gate_proj", "up_proj", "down_proj"):
             mod = getattr(moe.shared, name)
-            t[p + f"mlp.shared_experts.{name}.weight"] = (mod, "kernel", True, layer)
+            t[p + f"mlp.{where}.{name}.weight"] = (mod, "kernel", True, layer)
+    if moe.shared_gate is not None:
+        t[p + "mlp.shared_expert_gate.weight"] = (moe.shared_gate, "kernel", True, layer)
     return t
 
 

@@ -87,7 +87,13 @@ def rope_attention_factor(cfg: Any) -> float:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
-    """Rotates x ``(B, T, H, D)`` by positions ``(B, T)`` (the rotate-half convention)."""
+    """Rotates x ``(B, T, H, D)`` by positions ``(B, T)`` (the rotate-half convention);
+    with fewer frequencies than ``D / 2`` only the first ``2 * len(inv_freq)`` dims
+    rotate (partial rotary: Qwen3-Next)."""
+    rd = 2 * inv_freq.shape[-1]
+    if rd < x.shape[-1]:
+        rot = apply_rope(x[..., :rd], positions, inv_freq)
+        return jnp.concatenate([rot, x[..., rd:]], axis=-1)
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # (B, T, D/2)
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)

@@ -182,6 +182,10 @@ class EngineConfig:
     free_window_blocks: bool = option(
         True, "sliding-window layers give back the blocks below their window", cli=False
     )
+    state_checkpoint_tokens: int = option(
+        512, "tokens between a recurrent model's cached state checkpoints in a prompt "
+        "(besides one at its end)", metavar="N",
+    )  # fmt: skip
     command_buffers: bool | None = option(None, "CUDA graphs (None: on on CUDA)", cli=False)
     fuse_sampling: bool | None = option(None, "sample inside decode steps (None: on CUDA)",
                                         cli=False)  # fmt: skip
@@ -189,7 +193,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.max_batch, bool) or self.max_batch <= 0:
             raise ConfigError("max_batch", f"must be positive, got {self.max_batch!r}")
-        for name in ("max_num_batched_tokens", "max_prefill_tokens", "block_size", "log_every"):
+        for name in ("max_num_batched_tokens", "max_prefill_tokens", "block_size", "log_every",
+                     "state_checkpoint_tokens"):  # fmt: skip
             _positive(name, getattr(self, name))
         check_budgets(self.max_batch, self.max_num_batched_tokens, self.max_prefill_tokens)
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -111,9 +111,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self.chat_template = chat_template
         self.max_model_len = c.max_model_len or cfg.max_position_embeddings
         # KV cache groups: layers of one attention kind and window share a block table.
-        layer_groups, windows = kv_cache_groups(cfg.layer_windows())
-        if not c.free_window_blocks:
-            layer_groups, windows = (0,) * cfg.num_layers, (0,)  # one group, all kept
+        layer_groups, windows = kv_cache_groups(
+            cfg.layer_windows(), merge_windows=not c.free_window_blocks  # (all kept)
+        )
         self.cache: KVCache = pool.create_kv_cache(
             name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, c.kv_dtype or model.dtype,
             block_size=c.block_size, memory_limit=c.memory_limit,
@@ -142,6 +142,8 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
                 max_cached_tokens=(pc.max_cached_tokens if c.max_cached_tokens is None
                                    else c.max_cached_tokens),
                 eviction=c.eviction, host_cache_blocks=host_blocks, windows=windows,
+                slot_blocks=self.runner.slot_blocks,
+                state_interval=c.state_checkpoint_tokens,
             )  # fmt: skip
         except BaseException:
             self.cache.close()  # a model that cannot run here leaves the pool as it was

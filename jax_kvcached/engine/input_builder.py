@@ -47,6 +47,9 @@ class StepInput:
     entries: Entries | None = None
     # Prompt log-probabilities: the token after each new token (-1: none wanted).
     targets: list[int] | None = None
+    # A recurrent group's state slot: (blocks read, blocks written, checkpoint blocks,
+    # tokens before the checkpoint or -1); read from zeros when ``start`` is 0.
+    state: tuple[list[int], list[int], list[int], int] | None = None
 
 
 @dataclasses.dataclass
@@ -79,6 +82,7 @@ class InputBuilder:
       entry_sizes: the widths of the logit-processing token lists.
       fused: whether a step of ``t`` tokens samples inside its program.
       eos_ids: the model's end-of-sequence ids (banned before ``min_tokens``).
+      state_group: the recurrent group's index (None: none); its table is a state slot.
     """
 
     def __init__(
@@ -88,8 +92,10 @@ class InputBuilder:
         entry_sizes: tuple[int, ...],
         fused: Callable[[int], bool],
         eos_ids: Sequence[int],
+        state_group: int | None = None,
     ) -> None:
         self.shapes = shapes
+        self.state_group = state_group
         self.groups = tuple(groups)
         self.entry_sizes = entry_sizes
         self.fused = fused
@@ -106,11 +112,19 @@ class InputBuilder:
             end, known = start + n, len(s.token_ids)
             # (the tables as they are: build() copies them into the packed input at once)
             first, more = s.tables[0], tuple(s.tables[1:])
+            state = None
+            if self.state_group is not None:
+                dst = s.tables[self.state_group]
+                ck, at = [], -1
+                if s.state_ck is not None and start < s.state_ck[1] <= end:
+                    ck, at = s.state_ck[0], s.state_ck[1] - start
+                state = (s.state_src or dst, dst, ck, at)
             if end > known:  # a decode row on the token the in-flight step samples
                 assert n == 1 and start == known and s.last_row >= 0, "one token in flight"
                 row = StepInput([0], start, first, more, src=s.last_row)
             else:
                 row = StepInput(s.token_ids[start:end], start, first, more)
+            row.state = state
             if end == known + s.num_pending:  # it reaches the end of its sequence: it samples
                 row.params, row.sample_step = s.params, s.num_output
                 if s.params.processes_logits:
@@ -156,6 +170,11 @@ class InputBuilder:
         seeds = np.zeros(rows, np.uint32)
         steps = np.zeros(rows, np.int32)
         written: list[set[int]] = [set() for _ in range(ng)]
+        ns = lay.slot_blocks
+        state_blocks = np.zeros((3, max_rows, ns), np.int32)
+        state_rows = np.zeros((2, max_rows), np.int32)
+        state_rows[1] = -1
+        sg = self.state_group
         at = 0
         starts: list[int] = []
         for i, x in enumerate(batch):
@@ -163,8 +182,21 @@ class InputBuilder:
             group_tables = (x.blocks, *x.group_tables)
             if len(group_tables) != ng:
                 raise ValueError(f"a step input needs {ng} block tables (one per KV cache group)")
-            if n == 0 or any(len(b) * bsz < x.start + n for b in group_tables):
+            if n == 0 or any(len(b) * bsz < x.start + n for g, b in enumerate(group_tables)
+                             if g != sg):  # fmt: skip
                 raise ValueError("a step input needs tokens and blocks covering them")
+            if sg is not None:
+                if x.state is None or any(len(b) != ns for b in x.state[:2]):
+                    raise ValueError(f"a step input needs a state slot of {ns} blocks")
+                read, dst, ck, ck_at = x.state
+                state_blocks[0, i], state_blocks[1, i] = read, dst
+                state_rows[0, i] = x.start == 0
+                written[sg].update(dst)
+                if ck_at > 0:
+                    if len(ck) != ns or ck_at > n:
+                        raise ValueError(f"a bad state checkpoint {ck} after {ck_at} tokens")
+                    state_blocks[2, i], state_rows[1, i] = ck, ck_at
+                    written[sg].update(ck)
             if x.src >= max_rows or (x.src >= 0 and n != 1):
                 raise ValueError(f"bad src row {x.src} for a step of {n} tokens")
             used = -(-(x.start + n) // bsz)
@@ -172,6 +204,8 @@ class InputBuilder:
                 tokens[at], positions[at] = x.tokens[0], x.start
                 b, off = divmod(x.start, bsz)
                 for g, blocks in enumerate(group_tables):
+                    if g == sg:
+                        continue
                     tables[g, i, :used] = blocks[:used]
                     slots[g, at] = blocks[b] * bsz + off
                     written[g].add(blocks[b])
@@ -180,6 +214,8 @@ class InputBuilder:
                 pos = np.arange(x.start, x.start + n)
                 positions[at : at + n] = pos
                 for g, blocks in enumerate(group_tables):
+                    if g == sg:
+                        continue
                     tables[g, i, :used] = blocks[:used]
                     blk = np.asarray(blocks, np.int64)[pos // bsz]
                     slots[g, at : at + n] = blk * bsz + pos % bsz
@@ -216,6 +252,7 @@ class InputBuilder:
             q_start=ragged["q_start"], q_lens=ragged["q_lens"], src=src, last=last,
             item_seq=ragged["item_seq"], item_rows=ragged["item_rows"],
             item_pos=ragged["item_pos"], params=params, flags=np.asarray([flags], np.int32),
+            state_blocks=state_blocks, state_rows=state_rows,
         )  # fmt: skip
         return PreparedStep(
             shape=shape, packed=packed, num_rows=len(batch), logit_rows=rows, params=params,

@@ -16,10 +16,11 @@ fork (reference counts, :class:`BlockRefs`) and released (to the group's prefix 
 freed). A new group type (an MLA latent plane, a recurrent state slot) is one new class.
 
 Types: :class:`FullAttentionManager` (every block of the context, a hit is a contiguous
-prefix) and :class:`SlidingWindowManager` (only the blocks of the last ``window``
+prefix), :class:`SlidingWindowManager` (only the blocks of the last ``window``
 positions: blocks wholly below it leave the table, the null block 0 in their place, and
 are freed unless another sequence holds them; a hit needs only the last window's blocks
-before the hit point).
+before the hit point) and :class:`RecurrentStateManager` (a state slot per sequence,
+whatever its length; a hit needs a state checkpoint at the hit point).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.prefix_cache import PrefixCache
 
 
@@ -83,6 +85,9 @@ class KVGroupManager(abc.ABC):
 
     kind = "abstract"
     window = 0  # tokens a query sees back (0: all)
+    # A slot group: a sequence's table is a fixed state slot (not one block per block of
+    # tokens) and a hit is restored from a checkpoint (see RecurrentStateManager).
+    holds_slot = False
 
     def __init__(
         self,
@@ -118,6 +123,19 @@ class KVGroupManager(abc.ABC):
         """Lets go of the blocks of ``table`` no query at ``position`` or later sees."""
 
     # -- shared by every type ------------------------------------------------------------
+    def hit_keys(self, hashes: Sequence[bytes], n: int) -> list[bytes]:
+        """The prefix-cache keys a hit of ``n`` blocks takes from this group."""
+        return list(hashes[self.hit_start(n) : n])
+
+    def new_blocks(self, num_blocks: int, hit: int) -> int:
+        """Blocks to allocate for a sequence of ``num_blocks`` blocks given ``hit`` of
+        them from the cache."""
+        return max(0, self.blocks_needed(num_blocks) - hit)
+
+    def to_grow(self, held: int, num_blocks: int) -> int:
+        """Blocks a table of ``held`` blocks adds for ``num_blocks`` blocks of tokens."""
+        return num_blocks - held
+
     def hit_start(self, n: int) -> int:
         """The first block a hit of ``n`` blocks needs."""
         return self.first_needed_block(n * self.block_size)
@@ -195,14 +213,88 @@ class SlidingWindowManager(KVGroupManager):
         self.release(gone, keep=False)
 
 
+class RecurrentStateManager(KVGroupManager):
+    """Recurrent state (Gated DeltaNet, Mamba2 layers): a sequence holds one state slot
+    of ``slot_blocks`` blocks (the same on every layer of the group) from admission to
+    its end, whatever its length (``engine.recurrent``).
+
+    Prefix caching keeps *checkpoints*: a slot's copy at a block boundary, cached under
+    :meth:`keys` of the hash of the prefix's last block. A sequence takes a checkpoint
+    where a step crosses its :meth:`checkpoint_at` position: the last block boundary of
+    its prompt, or a multiple of ``interval`` tokens before it (so prompts that share
+    only a first part still find one). A hit needs a whole checkpoint at the hit point,
+    searched from the longest down; it is read in place by the sequence's first step
+    (which writes the sequence's own slot), then idle again. Checkpoints are bounded,
+    evicted, spilled to the host tier and counted like any group's cached blocks: at
+    most ``max_cached_tokens / block_size`` idle blocks of the group, i.e. the bytes of
+    that many tokens of K/V on each of the group's layers.
+    """
+
+    kind = "recurrent"
+    holds_slot = True
+
+    def __init__(self, *args: Any, slot_blocks: int, interval: int, **kwargs: Any) -> None:
+        if slot_blocks < 1:
+            raise ValueError(f"a state slot needs at least one block, got {slot_blocks}")
+        super().__init__(*args, **kwargs)
+        self.slot_blocks = slot_blocks
+        # (a multiple of the block size: checkpoints sit on block boundaries)
+        self.interval = max(1, interval // self.block_size) * self.block_size
+
+    def keys(self, h: bytes) -> list[bytes]:
+        """The keys of the checkpoint after the block of hash ``h``, one per block."""
+        return [h + b"/state" + j.to_bytes(4, "little") for j in range(self.slot_blocks)]
+
+    def checkpoint_at(self, num_prompt: int, start: int, end: int) -> int:
+        """The checkpoint position in ``(start, end]`` (0: none): the largest block
+        boundary there that is the prompt's last one (before its last token, which is
+        always recomputed) or a multiple of ``interval``."""
+        last = (num_prompt - 1) // self.block_size * self.block_size
+        if start < last <= end:
+            return last
+        c = min(end, last) // self.interval * self.interval
+        return c if c > start else 0
+
+    def first_needed_block(self, position: int) -> int:
+        return 0
+
+    def hit_length(self, hashes: Sequence[bytes], n: int, has: Callable[[bytes], bool]) -> int:
+        while n > 0 and not all(has(k) for k in self.keys(hashes[n - 1])):
+            n -= 1
+        return n
+
+    def hit_keys(self, hashes: Sequence[bytes], n: int) -> list[bytes]:
+        return self.keys(hashes[n - 1]) if n else []
+
+    def blocks_needed(self, num_blocks: int) -> int:
+        return self.slot_blocks
+
+    def new_blocks(self, num_blocks: int, hit: int) -> int:
+        return self.slot_blocks  # (a checkpoint is read, never the sequence's own slot)
+
+    def to_grow(self, held: int, num_blocks: int) -> int:
+        return self.slot_blocks - held
+
+    def remove_skipped_blocks(self, table: list[int], position: int) -> None:
+        return None  # the slot is the sequence's until it ends
+
+
 def make_manager(
     window: int,
     group: Any,
     block_size: int,
     prefix_cache: PrefixCache | None,
     free: Callable[[list[int]], None],
+    *,
+    slot_blocks: int = 0,
+    interval: int = 0,
 ) -> KVGroupManager:
-    """The manager of a group whose layers attend over ``window`` tokens (0: all)."""
+    """The manager of a group whose layers attend over ``window`` tokens (0: all;
+    ``kv_groups.RECURRENT``: a recurrent group of ``slot_blocks``-block state slots,
+    checkpointed every ``interval`` tokens)."""
+    if window == RECURRENT:
+        return RecurrentStateManager(group, block_size, prefix_cache, free,
+                                     slot_blocks=slot_blocks, interval=interval)  # fmt: skip
     if window:
         return SlidingWindowManager(group, block_size, prefix_cache, free, window=window)
     return FullAttentionManager(group, block_size, prefix_cache, free)

@@ -31,6 +31,7 @@ blocks in every group (the managers' reference counts); the host tier is
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -40,10 +41,13 @@ from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.host_cache import HostCache
 from jax_kvcached.engine.host_tier import HostTier
 from jax_kvcached.engine.kv_group_managers import KVGroupManager, make_manager
+from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.prefix_cache import PrefixCache, hash_blocks
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.memory.errors import PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
 
 
 class KVManager:
@@ -59,7 +63,11 @@ class KVManager:
         needs prefix caching). A group's block is its layers' share, so the tier's host
         bytes are those of this many blocks of every layer.
       windows: each KV cache group's sliding window in tokens (0: full attention; default
-        all full). A sliding group gives back the blocks below its window.
+        all full; ``kv_groups.RECURRENT``: a recurrent-state group). A sliding group gives
+        back the blocks below its window.
+      slot_blocks: blocks of a recurrent group's state slot (``recurrent.slot_blocks``).
+      state_interval: tokens between a recurrent group's prompt checkpoints (besides
+        the one at the prompt's end).
     """
 
     def __init__(
@@ -72,13 +80,15 @@ class KVManager:
         eviction: str | EvictionPolicy = "lru",
         host_cache_blocks: int = 0,
         windows: Seq[int] | None = None,
+        slot_blocks: int = 0,
+        state_interval: int = 512,
     ) -> None:
         if host_cache_blocks < 0:
             raise ValueError(f"host_cache_blocks must be >= 0, got {host_cache_blocks}")
         self.cache = cache
         self.groups = cache.groups
         self.windows = tuple(int(w) for w in (windows or (0,) * len(self.groups)))
-        if len(self.windows) != len(self.groups) or min(self.windows) < 0:
+        if len(self.windows) != len(self.groups) or min(self.windows) < RECURRENT:
             raise ValueError(
                 f"windows must give each of the {len(self.groups)} KV cache groups a window "
                 f">= 0 (0: full attention), got {windows!r}"
@@ -109,9 +119,14 @@ class KVManager:
         self.managers: list[KVGroupManager] = [
             make_manager(w, g, self.block_size,
                          self.prefix_caches[g.index] if self.prefix_caches else None,
-                         lambda blocks, g=g: self._free(blocks, g.index))  # fmt: skip
+                         lambda blocks, g=g: self._free(blocks, g.index),
+                         slot_blocks=slot_blocks, interval=state_interval)  # fmt: skip
             for g, w in zip(self.groups, self.windows, strict=True)
         ]
+        # Sequences resumed after a preemption: from a state checkpoint, or recomputed
+        # from position 0 (a recurrent group's state is not kept when preempted).
+        self.state_restores = 0
+        self.state_recomputes = 0
         # The host tier (None without one).
         self.host_tier: HostTier | None = None
         if host_cache_blocks and self.caching:
@@ -173,48 +188,64 @@ class KVManager:
                 break
             n = m
         on_device = [
-            sum(pc.block_of(h) is not None for h in hashes[mgr.hit_start(n) : n])
+            sum(pc.block_of(k) is not None for k in mgr.hit_keys(hashes, n))
             for mgr, pc in zip(self.managers, self.prefix_caches, strict=True)
         ]
         return n, on_device
 
-    def _take(self, hashes: list[bytes], n: int) -> tuple[list[list[int]], int]:
+    def _take(self, hashes: list[bytes], n: int) -> tuple[list[list[int]], int, list[int]]:
         """Each group's table for a hit of ``n`` blocks (see :meth:`_hit`), its blocks
         held (the null block below what a group needs): device ones matched, host ones
-        restored into new blocks and cached. When memory or a copy fails a restore, the
-        hit shrinks to the longest prefix every group still holds (the rest is
-        recomputed). Returns the tables and the hit."""
+        restored into new blocks and cached. A slot group's table starts empty and its
+        checkpoint's blocks are held as the source its first step reads. When memory or
+        a copy fails a restore, the hit shrinks to the longest prefix every group still
+        holds (a slot group: its checkpoint whole, or none). Returns the tables, the hit
+        and the checkpoint's blocks (empty: none)."""
+        keys = [mgr.hit_keys(hashes, n) if mgr.holds_slot else hashes
+                for mgr in self.managers]  # fmt: skip
         found = [
-            pc.match_each(hashes, n, skip=mgr.hit_start(n))
-            for mgr, pc in zip(self.managers, self.prefix_caches, strict=True)
-        ]
+            pc.match_each(k, len(k)) if mgr.holds_slot
+            else pc.match_each(hashes, n, skip=mgr.hit_start(n))
+            for mgr, pc, k in zip(self.managers, self.prefix_caches, keys, strict=True)
+        ]  # fmt: skip
         tier = self.host_tier
         if tier is not None:
             restored_at: set[int] = set()
-            for mgr, f in zip(self.managers, found, strict=True):
-                g = mgr.index
-                missing = [i for i in range(mgr.hit_start(n), n) if f[i] is None]
+            for mgr, f, k in zip(self.managers, found, keys, strict=True):
+                g, lo = mgr.index, 0 if mgr.holds_slot else mgr.hit_start(n)
+                missing = [i for i in range(lo, len(f)) if f[i] is None]
                 if not missing:
                     continue
-                blocks = tier.restore(g, [hashes[i] for i in missing],
-                                      lambda k, g=g: self._alloc_fenced(k, g),
+                blocks = tier.restore(g, [k[i] for i in missing],
+                                      lambda c, g=g: self._alloc_fenced(c, g),
                                       lambda got, g=g: self._free(got, g))  # fmt: skip
                 for i, b in zip(missing, blocks, strict=False):
                     f[i] = b
-                    tier.cache_restored(g, hashes[i], b, i)
-                    restored_at.add(i)
+                    tier.cache_restored(g, k[i], b, i)
+                    if not mgr.holds_slot:
+                        restored_at.add(i)
+
+            def whole(mgr: KVGroupManager, f: list, m: int) -> bool:
+                if mgr.holds_slot:
+                    return m == 0 or (m == n and None not in f)
+                return None not in f[mgr.hit_start(m) : m]
+
             m = n
-            while m > 0 and any(
-                None in f[mgr.hit_start(m) : m]
-                for mgr, f in zip(self.managers, found, strict=True)
+            while m > 0 and not all(
+                whole(mgr, f, m) for mgr, f in zip(self.managers, found, strict=True)
             ):  # a restore fell short: (blocks below start(m) <= start(n) were never taken)
                 m -= 1
-            for g, f in enumerate(found):
-                self.prefix_caches[g].release([b for b in f[m:n] if b is not None])
-                del f[m:]
+            for mgr, f in zip(self.managers, found, strict=True):
+                lo = 0 if mgr.holds_slot and m < n else (len(f) if mgr.holds_slot else m)
+                self.prefix_caches[mgr.index].release([b for b in f[lo:] if b is not None])
+                del f[lo:]
             tier.counted(len([i for i in restored_at if i < m]), self.block_size)
             n = m
-        return [[b or 0 for b in f] for f in found], n
+        tables = [[] if mgr.holds_slot else [b or 0 for b in f]
+                  for mgr, f in zip(self.managers, found, strict=True)]  # fmt: skip
+        sources = [b for mgr, f in zip(self.managers, found, strict=True) if mgr.holds_slot
+                   for b in f]  # fmt: skip
+        return tables, n, sources
 
     def _alloc_fenced(self, n: int, group: int) -> list[int] | None:
         """:meth:`_alloc`, then waits until no dispatched step still reads the blocks
@@ -291,8 +322,7 @@ class KVManager:
         """Blocks each group must still allocate to admit ``seq`` (what its manager
         holds at once of the blocks of its tokens and one more, less the hit's)."""
         total = self.blocks_for(min(seq.num_tokens + 1, self.max_model_len))
-        return [max(0, m.blocks_needed(total) - h) for m, h in zip(self.managers, hit,
-                                                                   strict=True)]  # fmt: skip
+        return [m.new_blocks(total, h) for m, h in zip(self.managers, hit, strict=True)]
 
     # -- the scheduler's calls -------------------------------------------------------------
     def admit(self, seq: Sequence) -> int | None:
@@ -340,11 +370,19 @@ class KVManager:
                 return None  # other tenants hold the memory: wait
         seq.tables = [[] for _ in range(ng)]
         seq.inserted = [0] * ng
+        seq.state_src, seq.state_ck = [], None
         if self.caching:
-            seq.tables, prefix = self._take(hashes, prefix)
+            seq.tables, prefix, seq.state_src = self._take(hashes, prefix)
             seq.inserted = [prefix] * ng
             seq.num_computed = prefix * bs
             seq.cached_tokens = seq.num_computed
+        if seq.preemptions and any(m.holds_slot for m in self.managers):
+            restored = seq.num_computed > 0
+            self.state_restores += restored
+            self.state_recomputes += not restored
+            log.info("request %s resumes after a preemption: %s", seq.request_id,
+                     f"state restored at token {seq.num_computed}" if restored
+                     else "recomputed from token 0")  # fmt: skip
         return seq.num_computed
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -354,22 +392,58 @@ class KVManager:
         other tenants for theirs. False: no memory without preempting."""
         for mgr, table in zip(self.managers, seq.tables, strict=True):
             mgr.remove_skipped_blocks(table, seq.num_computed)
-            need = self.blocks_for(num_tokens) - len(table)
+            need = mgr.to_grow(len(table), self.blocks_for(num_tokens))
             if need <= 0:
                 continue
             blocks = self._alloc(need, mgr.index)
             if blocks is None:
                 return False
             table.extend(blocks)
+        self._plan_checkpoint(seq, num_tokens)
         return True
+
+    def _plan_checkpoint(self, seq: Sequence, num_tokens: int) -> None:
+        """A slot group's checkpoint for the step up to ``num_tokens`` (see
+        ``RecurrentStateManager.checkpoint_at``): blocks for it when the step crosses a
+        checkpoint position not cached yet. Best effort: none when memory is short."""
+        if not self.caching or seq.params.prompt_logprobs:
+            return
+        for mgr in self.managers:
+            if not mgr.holds_slot:
+                continue
+            c = mgr.checkpoint_at(seq.num_prompt, seq.num_computed, num_tokens)
+            if seq.state_ck is not None:
+                if seq.state_ck[1] == c:
+                    return  # (planned by an earlier try of this step)
+                self._free(seq.state_ck[0], mgr.index)
+                seq.state_ck = None
+            if not c:
+                return
+            h = self._hashes(seq, c // self.block_size)[-1]
+            if self._has(mgr.index, mgr.keys(h)[0]):
+                return  # cached already
+            blocks = self._alloc(mgr.slot_blocks, mgr.index)
+            if blocks is not None:
+                seq.state_ck = (blocks, c)
 
     def release(self, seq: Sequence) -> None:
         """Lets go of seq's blocks: cached ones stay cached (idle), the rest are freed;
         blocks another forked sequence still holds stay with it."""
         for mgr, table in zip(self.managers, seq.tables, strict=True):
             mgr.release(table)
+            if mgr.holds_slot:
+                self._release_state(seq, mgr.index)
         seq.tables = [[] for _ in seq.tables]
         seq.inserted = [0] * len(seq.tables)
+
+    def _release_state(self, seq: Sequence, group: int) -> None:
+        """Lets go of a sequence's checkpoint source and unwritten checkpoint."""
+        if seq.state_src:
+            self.prefix_caches[group].release(seq.state_src)
+            seq.state_src = []
+        if seq.state_ck is not None:
+            self._free(seq.state_ck[0], group)
+            seq.state_ck = None
 
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int, int]] | None:
         """Gives ``child`` (the same prompt, not started) ``parent``'s prompt KV in every
@@ -380,6 +454,8 @@ class KVManager:
         the child's first step (copy-on-write of that partial block); None when no
         memory can be had for it now (nothing changed)."""
         n, bs = parent.num_prompt, self.block_size
+        if any(m.holds_slot for m in self.managers):
+            return None  # (a state is not shared: the child runs on its own, from a hit)
         if parent.num_computed < n or child.token_ids != parent.prompt or child.blocks:
             raise ValueError("fork needs a parent whose prompt is computed and a fresh child")
         full = (n - 1) // bs  # blocks of computed prompt tokens only
@@ -407,6 +483,9 @@ class KVManager:
         """Records a step's progress; full blocks of known tokens join the prefix cache
         (a block holding a still-pending token joins when it arrives: call again)."""
         seq.num_computed = num_computed
+        for mgr in self.managers:
+            if mgr.holds_slot:
+                self._state_computed(seq, mgr.index)
         if not self.caching:
             return  # block hashes are only needed to share blocks
         full = min(num_computed, len(seq.token_ids)) // self.block_size
@@ -414,6 +493,9 @@ class KVManager:
             return
         hashes = self._hashes(seq, full)
         for g, (pc, table) in enumerate(zip(self.prefix_caches, seq.tables, strict=True)):
+            if self.managers[g].holds_slot:
+                seq.inserted[g] = full
+                continue
             for i in range(seq.inserted[g], full):
                 if not table[i]:  # a sliding group's block already gone below the window
                     continue
@@ -421,6 +503,29 @@ class KVManager:
                 if inserted and self.host_tier is not None:
                     self.host_tier.wrote(g, table[i], self._fence)  # the newest step wrote it
             seq.inserted[g] = full
+
+    def _state_computed(self, seq: Sequence, group: int) -> None:
+        """After a step of ``seq`` was dispatched: the checkpoint it read goes back to
+        the cache (idle; a free waits for the step), and the checkpoint it wrote joins
+        the cache."""
+        pc = self.prefix_caches[group] if self.prefix_caches else None
+        if seq.state_src:
+            pc.release(seq.state_src)
+            seq.state_src = []
+        if seq.state_ck is None or seq.state_ck[1] > seq.num_computed:
+            return
+        blocks, c = seq.state_ck
+        seq.state_ck = None
+        mgr = self.managers[group]
+        keys = mgr.keys(self._hashes(seq, c // self.block_size)[-1])
+        if not all(pc.block_of(k) is None for k in keys):
+            self._free(blocks, group)  # (another sequence cached it first)
+            return
+        for j, (k, b) in enumerate(zip(keys, blocks, strict=True)):
+            pc.insert(k, b, j)
+            if self.host_tier is not None:
+                self.host_tier.wrote(group, b, self._fence)
+        pc.release(blocks)
 
     def _evict_pages(self, pages: int) -> int:
         """Evicts idle cached blocks, page-aware, group by group, until ``pages``
@@ -491,10 +596,11 @@ class KVManager:
         """Per KV cache group: its layers, window, mapped memory, blocks in use and
         cached (per device)."""
         out = []
-        for g, w in zip(self.groups, self.windows, strict=True):
+        for g, w, mgr in zip(self.groups, self.windows, self.managers, strict=True):
             pc = self.prefix_caches[g.index] if self.prefix_caches else None
             out.append({
-                "layers": len(g.layers), "window": w, "mapped_bytes": g.mapped_bytes,
+                "layers": len(g.layers), "window": w, "kind": mgr.kind,
+                "mapped_bytes": g.mapped_bytes,
                 "used_blocks": g.num_used_blocks,
                 "cached_blocks": pc.num_cached_blocks if pc else 0,
             })  # fmt: skip

@@ -43,8 +43,10 @@ from jax_kvcached.engine import executables
 from jax_kvcached.engine.compile_events import compile_events, thread_cache_hits
 from jax_kvcached.engine.config import ATTENTION_IMPLS
 from jax_kvcached.engine.input_builder import InputBuilder, PreparedStep, StepInput
+from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.launches import Launches, count_launches
 from jax_kvcached.engine.logit_inputs import entry_sizes
+from jax_kvcached.engine.recurrent import slot_blocks
 from jax_kvcached.engine.sampler_programs import sampler_programs
 from jax_kvcached.engine.sampling import NUM_CANDIDATES
 from jax_kvcached.engine.sleep import Offloaded
@@ -182,11 +184,21 @@ class ModelRunner:
         # caller inside jax.default_device(...) all hit the same executables.
         self._context = functools.partial(jax.default_device, cache.device)
         max_len = max_model_len or cfg.max_position_embeddings
+        # A recurrent group (its layers' state slots: recurrent.py), or None.
+        rec = [i for i, w in enumerate(cfg.layer_windows()) if w == RECURRENT]
+        self.state_group = cache.layer_groups[rec[0]] if rec else None
+        self.slot_blocks = slot_blocks(cache, cfg.state_elems) if rec else 0
+        if rec and (self.mesh is not None or cache.latent):
+            raise ValueError(
+                f"{cfg.model_type}: recurrent-state layers run on one device with a K/V "
+                "cache (tensor parallelism over them is not supported yet)"
+            )
         self.shapes = StepShapes(
             cache.backend, self.attention, max_batch=max_batch,
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
             max_blocks=-(-max_len // cache.block_size), block_size=cache.block_size,
             groups=cache.num_groups, query_per_kv=cfg.num_heads // cfg.num_kv_heads,
+            slot_blocks=self.slot_blocks,
         )  # fmt: skip
         shapes = self.shapes
         self.max_blocks, self.max_batch = shapes.max_blocks, max_batch
@@ -206,7 +218,7 @@ class ModelRunner:
             fuse=cache.backend == "cuda" if fuse_sampling is None else fuse_sampling,
         )  # fmt: skip
         self.builder = InputBuilder(shapes, cache.groups, self.entry_sizes, spec.fused,
-                                    cfg.eos_ids)  # fmt: skip
+                                    cfg.eos_ids, self.state_group)  # fmt: skip
         self.step_spec = spec
         self._jitted = jax.jit(make_step(spec), static_argnums=(4, 5))
         self.compiler_options = compiler_options(cache.backend, command_buffers)

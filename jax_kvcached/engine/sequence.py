@@ -37,6 +37,11 @@ class Sequence:
     hashes: list[bytes] = dataclasses.field(default_factory=list)
     inserted: list[int] = dataclasses.field(default_factory=lambda: [0])
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    # A recurrent group's state (engine.recurrent): the checkpoint blocks its first step
+    # reads (a prefix hit; empty: its own slot, or zeros from position 0), and the
+    # checkpoint its next step writes: (blocks, position) or None.
+    state_src: list[int] = dataclasses.field(default_factory=list)
+    state_ck: tuple[list[int], int] | None = None
     last_row: int = -1  # row of the newest dispatched step that samples for it
     error: Exception | None = None  # why it was rejected (finish_reason "error")
     # Per generated token: its log-probability and the top alternatives [(id, logprob)]

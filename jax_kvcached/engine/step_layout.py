@@ -27,7 +27,14 @@ name                    shape           what
 ``item_pos``            (I, Q)          their positions (-1: none)
 ``params``              (5, R)          sampling parameters of the logit rows
 ``flags``               (1,)            :data:`SAMPLE` / :data:`LOGPROBS`
+``state_blocks``        (3, S, nS)      a recurrent group's state slots per sequence slot:
+                                        read from, written to, checkpointed to (0: none)
+``state_rows``          (2, S)          starts from a zero state (1/0); the step's tokens
+                                        before its checkpoint (-1: none)
 ======================  ==============  ===================================================
+
+``nS`` is the blocks of one state slot (0 without a recurrent group:
+:mod:`jax_kvcached.engine.recurrent`).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ NUM_PARAMS = 5  # sampling parameters per row (see sampler_programs.sample_rows)
 
 SEGMENTS = ("tokens", "positions", "slots", "targets", "token_slot", "tables", "kv_lens",
             "q_start", "q_lens", "src", "last", "item_seq", "item_rows", "item_pos", "params",
-            "flags")  # fmt: skip
+            "flags", "state_blocks", "state_rows")  # fmt: skip
 
 
 def logit_rows(t: int, max_rows: int) -> int:
@@ -65,6 +72,7 @@ class StepLayout:
     items: int  # I (0: the host attention call, which takes no items)
     tile: int  # Q
     groups: int = 1  # G
+    slot_blocks: int = 0  # nS: blocks of a recurrent state slot (0: no recurrent group)
 
     @property
     def rows(self) -> int:
@@ -80,6 +88,7 @@ class StepLayout:
             "q_lens": (s,), "src": (s,), "last": (s,), "item_seq": (self.items,),
             "item_rows": (self.items, self.tile), "item_pos": (self.items, self.tile),
             "params": (NUM_PARAMS, self.rows), "flags": (1,),
+            "state_blocks": (3, s, self.slot_blocks), "state_rows": (2, s),
         }  # fmt: skip
 
     @functools.cached_property

@@ -34,6 +34,7 @@ import numpy as np
 from flax import nnx
 
 from jax_kvcached.engine.attention import Ragged, host_paged_attention, paged_attention
+from jax_kvcached.engine.recurrent import recurrence
 from jax_kvcached.engine.sampler_programs import sampler_programs
 from jax_kvcached.engine.sampling import MAX_LOGPROBS
 from jax_kvcached.engine.step_layout import LOGPROBS, SAMPLE, StepLayout
@@ -143,6 +144,13 @@ def make_step(spec: StepSpec) -> Callable:
             window = jnp.asarray(windows)[i] if any(windows) else jnp.int32(0)
             return attention(q[0], view, i, after, chain, window, sinks)[None], chain
 
+        def recur(i, step_fn, init, xs, chain):
+            # A recurrent layer's state slots (recurrent.py; never on a mesh).
+            return recurrence(cache, view, i, step_fn, init, xs, chain,
+                              blocks=a["state_blocks"], rows=a["state_rows"], q_start=q_start,
+                              q_lens=a["q_lens"])  # fmt: skip
+
+        attend.recur = recur
         hidden, chain = model.hidden_states(tokens[None], positions[None], attend, token)
         hidden = hidden[0]  # (t, E)
         logits = model.logits(hidden[jnp.clip(last[:rows], 0, t - 1)])  # (rows, vocab)

@@ -78,6 +78,7 @@ class StepShapes:
       block_size: tokens per block.
       groups: KV cache groups (block tables per sequence).
       query_per_kv: query heads per KV head (the Pallas kernel's tile).
+      slot_blocks: blocks of a recurrent group's state slot (0: none).
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class StepShapes:
         block_size: int,
         groups: int = 1,
         query_per_kv: int = 1,
+        slot_blocks: int = 0,
     ) -> None:
         budget = max_num_batched_tokens or default_token_budget(backend)
         # A budget given caps every step unless max_prefill_tokens says otherwise.
@@ -102,6 +104,7 @@ class StepShapes:
         self.attention = attention
         self.block_size = block_size
         self.groups = groups
+        self.slot_blocks = slot_blocks
         self.query_per_kv = query_per_kv
         self.max_batch = max_batch
         self.max_blocks = max_blocks
@@ -151,7 +154,7 @@ class StepShapes:
             t, nb = shape
             items, tile = self.items(t)
             lay = self._layouts[shape] = StepLayout(t, self.max_rows, nb, items, tile,
-                                                    self.groups)  # fmt: skip
+                                                    self.groups, self.slot_blocks)  # fmt: skip
         return lay
 
     def all(self) -> list[tuple[int, int]]:

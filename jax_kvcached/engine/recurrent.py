@@ -1,0 +1,154 @@
+"""Recurrent state in the paged KV cache: the state slots of a recurrent group, read and
+written inside the step program.
+
+A recurrent layer (Gated DeltaNet, Mamba2) carries a fixed-size state per sequence (its
+conv window and its state matrix) instead of K/V per token. Its layers form one KV cache
+group (``kv_groups.RECURRENT``) whose blocks hold state, not tokens: a sequence's *slot*
+is :func:`slot_blocks` blocks of that group, the same blocks on each of the group's
+layers, and the state is laid out flat over the slot's K and V planes (block order, then
+rows). Pages are mapped as slots are allocated and given back as they are freed, in the
+cache's one budget; a *checkpoint* is a slot's copy at a block boundary, cached like a
+block under a key of the prefix's hash (``kv_group_managers.RecurrentStateManager``).
+
+:func:`recurrence` is what the engine's ``attend`` offers a model as ``attend.recur``
+(the seam: ``models.interface.Recur``). Per step and layer it
+
+1. reads every sequence slot's state (from its slot, from a restored checkpoint, or
+   zeros for a sequence starting at position 0), ordered after the previous writes;
+2. runs the model's per-token ``step_fn`` over each sequence's tokens of the step in
+   order: all sequences at once, one position at a time, so a decode step is one update
+   and a prefill chunk of n tokens n of them;
+3. writes the final state back to the slot and, where the step crosses the sequence's
+   checkpoint position, the state there to the checkpoint's blocks (one write call).
+
+Invariant: a slot is written only by the step that owns its sequence, and its reads are
+ordered after the writes of the step before (the token chain), so no read sees a
+half-written state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_kvcached.memory import ops
+from jax_kvcached.memory.kv_cache import KVCache
+
+
+def slot_blocks(cache: KVCache, state_elems: int) -> int:
+    """Blocks of a state slot holding ``state_elems`` values per layer (in the cache's
+    dtype, over the K and V planes of each block)."""
+    if state_elems <= 0:
+        raise ValueError(f"a recurrent state needs a positive size, got {state_elems}")
+    per_block = (
+        cache.planes_per_layer * cache.block_size * cache.shard_kv_heads * cache.head_dim
+    )
+    return -(-state_elems // per_block)
+
+
+def state_elems(init: Any) -> int:
+    """Values of one sequence's state (a pytree of arrays without a batch axis)."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(init))
+
+
+def _flatten(tree: Any, rows: int) -> jax.Array:
+    return jnp.concatenate(
+        [x.reshape(rows, -1).astype(jnp.float32) for x in jax.tree.leaves(tree)], axis=1
+    )
+
+
+def _unflatten(flat: jax.Array, init: Any) -> Any:
+    leaves, treedef = jax.tree.flatten(init)
+    out, at = [], 0
+    for x in leaves:
+        n = int(np.prod(x.shape))
+        out.append(flat[:, at : at + n].reshape(flat.shape[0], *x.shape).astype(x.dtype))
+        at += n
+    return jax.tree.unflatten(treedef, out)
+
+
+def recurrence(
+    cache: KVCache,
+    view: jax.Array,
+    layer: Any,
+    step_fn: Callable[[Any, Any], tuple[Any, Any]],
+    init: Any,
+    xs: Any,
+    chain: jax.Array,
+    *,
+    blocks: jax.Array,
+    rows: jax.Array,
+    q_start: jax.Array,
+    q_lens: jax.Array,
+) -> tuple[Any, jax.Array]:
+    """Runs ``step_fn(state, x) -> (state, y)`` (one sequence, one token) over each
+    sequence's tokens of the step from its stored state (see the module docstring).
+
+    Args:
+      view: the cache's view ``(layers, planes, blocks, block_size, heads, head_dim)``.
+      layer: the layer (an int or a traced int32).
+      init: one sequence's zero state (a pytree; its shapes and dtypes are the state's).
+      xs: per-token inputs, a pytree of ``(1, t, ...)`` arrays on the step's flat axis.
+      chain: the token ordering the cache's reads and writes.
+      blocks: ``(3, S, nS)`` each sequence slot's state blocks to read, to write and to
+        checkpoint to (0: none).
+      rows: ``(2, S)``: starts from zeros; the step's tokens before its checkpoint (-1).
+      q_start, q_lens: ``(S,)`` each sequence slot's tokens on the flat axis.
+
+    Returns the per-token outputs ``(1, t, ...)`` and the chain after the write.
+    """
+    if cache.planes_per_layer != 2:
+        raise ValueError("recurrent state needs a K/V cache (not a latent one)")
+    num_seqs, nslot = blocks.shape[1], blocks.shape[2]
+    bs, heads, dim = cache.block_size, cache.shard_kv_heads, cache.head_dim
+    cap = 2 * nslot * bs * heads * dim
+    total = state_elems(init)
+    if total > cap:
+        raise ValueError(f"a state of {total} values does not fit a slot of {nslot} blocks")
+    t = jax.tree.leaves(xs)[0].shape[1]
+    # 1. read: (planes, S, nS, bs, H, D) -> (S, cap), zeros where the sequence starts
+    src = ops.after(blocks[0], chain)
+    got = view[layer][:, src]
+    flat = jnp.moveaxis(got, 0, 1).reshape(num_seqs, cap)[:, :total].astype(jnp.float32)
+    flat = jnp.where(rows[0][:, None] > 0, 0.0, flat)
+    state = _unflatten(flat, init)
+    # 2. the tokens in order, every sequence at once
+    tokens = jax.tree.map(lambda a: a[0], xs)  # (t, ...)
+    y_shape = jax.eval_shape(step_fn, init, jax.tree.map(lambda a: a[0], tokens))[1]
+    ys = jax.tree.map(lambda s: jnp.zeros((t, *s.shape), s.dtype), y_shape)
+    ck_at = rows[1]
+
+    def body(j, carry):
+        state, snap, ys = carry
+        valid = j < q_lens
+        tok = jnp.clip(q_start + j, 0, t - 1)
+        x = jax.tree.map(lambda a: a[tok], tokens)
+        new, y = jax.vmap(step_fn)(state, x)
+
+        def pick(cond, a, b):
+            return jnp.where(cond.reshape(-1, *([1] * (a.ndim - 1))), a, b)
+
+        state = jax.tree.map(lambda a, b: pick(valid, a, b), new, state)
+        snap = jax.tree.map(lambda a, b: pick(valid & (j + 1 == ck_at), a, b), new, snap)
+        at = jnp.where(valid, tok, t)  # (past the axis: dropped)
+        ys = jax.tree.map(lambda acc, v: acc.at[at].set(v.astype(acc.dtype), mode="drop"), ys, y)
+        return state, snap, ys
+
+    state, snap, ys = jax.lax.fori_loop(0, jnp.max(q_lens), body, (state, state, ys))
+    # 3. write the slots and the checkpoints in one call
+    both = jnp.concatenate([_flatten(state, num_seqs), _flatten(snap, num_seqs)], axis=0)
+    both = jnp.pad(both, ((0, 0), (0, cap - total))).astype(cache.dtype)
+    both = both.reshape(2 * num_seqs, 2, nslot * bs, heads, dim)
+    ck = jnp.where(ck_at[:, None] > 0, blocks[2], 0)
+    table = jnp.concatenate([blocks[1], ck], axis=0)  # (2S, nS)
+    slots = jnp.where(
+        table[:, :, None] > 0, table[:, :, None] * bs + jnp.arange(bs, dtype=jnp.int32), -1
+    ).reshape(-1)
+    k = both[:, 0].reshape(-1, heads, dim)
+    v = both[:, 1].reshape(-1, heads, dim)
+    chain = ops.write_kv_async(cache, layer, k, v, slots, chain)
+    return jax.tree.map(lambda a: a[None], ys), chain

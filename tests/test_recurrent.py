@@ -1,0 +1,195 @@
+"""Recurrent state in the paged KV cache (Qwen3-Next's Gated DeltaNet): a state slot per
+sequence in a recurrent KV cache group, checkpoints of it cached at block boundaries
+(restored on a prefix hit, spilled to the host tier, kept over a sleep), and exact
+accounting. Compared with transformers: logits, and greedy tokens through the engine
+with 16-token steps, several sequences, prefix hits, a preemption and a sleep."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import check_group_accounting, dense_greedy, hf_greedy, tp_pool
+
+import jax_kvcached as kv
+from jax_kvcached.engine.attention import no_cache_attention
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.kv_groups import RECURRENT, kv_cache_groups
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.models import BUILTIN_CONFIGS, ModelConfig, build_model
+from jax_kvcached.models.loader import load_checkpoint
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+PAGE = 16384
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def _pool(pages=2048):
+    return kv.Pool(pages * PAGE, page_size=PAGE, backend="host", min_reserved_pages=0,
+                   max_reserved_pages=0)  # fmt: skip
+
+
+def _next_config(**kw):
+    base = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        max_position_embeddings=512, initializer_range=0.2, attn_implementation="eager",
+        mlp_only_layers=[1],
+    )  # fmt: skip
+    return transformers.Qwen3NextConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def hf_next(tmp_path_factory):
+    """A random Qwen3-Next (3 Gated DeltaNet layers, 1 gated attention layer, experts
+    with a gated shared expert, one dense layer) saved as a Hugging Face folder."""
+    path = tmp_path_factory.mktemp("qwen3_next")
+    torch.manual_seed(0)
+    hf = transformers.Qwen3NextForCausalLM(_next_config()).eval()
+    with torch.no_grad():  # the (1 + w) norms start at 0: make them count
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") and "linear_attn" not in name:
+                p.normal_(0, 0.2)
+    hf.save_pretrained(path)
+    return hf, str(path)
+
+
+def test_a_qwen3_next_folder_matches_transformers(hf_next):
+    hf, path = hf_next
+    cfg, model = load_checkpoint(path, dtype=jnp.float32)
+    assert cfg.layer_windows() == (RECURRENT, RECURRENT, RECURRENT, 0)
+    assert cfg.rotary_dim == 4 and cfg.moe.shared_gate and cfg.moe.dense_layers == (1,)
+    assert cfg.state_elems == 3 * (2 * 16 + 32) + 4 * 8 * 8  # conv window + S
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
+    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def _state_group(eng):
+    (g,) = [g for g, w in enumerate(eng.windows) if w == RECURRENT]
+    return eng.cache.groups[g], eng.kv.prefix_caches[g], eng.kv.managers[g]
+
+
+def test_engine_greedy_matches_generate_with_state_checkpoints(hf_next):
+    """16-token steps, three sequences at once: transformers' tokens. A prompt sharing
+    the first 40 tokens restores the state checkpointed at token 32 (the interval) and
+    prefills only the rest; the same prompt again restores the checkpoint at its last
+    block boundary. Mapped state bytes: live sequences x slot plus cached checkpoints."""
+    hf, path = hf_next
+    _, model = load_checkpoint(path, dtype=jnp.float32)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (60, 5, 41)]
+    shared = prompts[0][:40] + [7, 7, 7]
+    want = [hf_greedy(hf, p, 6) for p in [*prompts, shared]]
+    pool = _pool()
+    eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16,
+                 state_checkpoint_tokens=32)  # fmt: skip
+    group, pc, mgr = _state_group(eng)
+    assert mgr.slot_blocks == 1 and len(group.layers) == 3
+    ids = [eng.add_request(p, PARAMS) for p in prompts]
+    done, most = {}, 0
+    while eng.has_work:
+        done.update({s.request_id: s.output for s in eng.step()})
+        # after every step: a slot per live sequence (1 block: 1408 floats <= 2 x 16 x
+        # 2 x 16) and the cached checkpoints, nothing else, rounded to pages
+        slots = [b for s in eng.scheduler.running for b in s.tables[group.index]]
+        most = max(most, len(eng.scheduler.running))
+        assert group.num_used_blocks == len(slots) + pc.num_cached_blocks
+        held = {group.page_of(b) for b in [*slots, *pc.cached_blocks()]}
+        assert set(group.mapped_page_ids()) == held
+        assert group.mapped_bytes == len(held) * 3 * 2 * PAGE  # 3 layers, K and V planes
+    assert most == 3
+    assert [done[i] for i in ids] == want[:3]
+    # checkpoints: prompt 0 at 32 and 48 (its last boundary), prompt 2 at 32
+    assert pc.num_cached_blocks == 3 == group.num_used_blocks
+    out = eng.generate([shared, prompts[0]], PARAMS)
+    assert [o.token_ids for o in out] == [want[3], want[0]]
+    assert [o.cached_tokens for o in out] == [32, 48]
+    check_group_accounting(eng)
+    assert eng.kv.reset_prefix_cache() > 0 and pool.stats()["mapped_pages"] == 0
+    eng.close()
+    pool.close()
+
+
+def test_preemption_recomputes_or_restores_the_state_and_keeps_the_tokens():
+    """Three sequences under a budget that cannot hold them all: preempted ones come back
+    (from a checkpoint when one is cached, else recomputed from token 0; the engine
+    counts and logs which) with the tokens of an unpressured run."""
+    model = build_model(BUILTIN_CONFIGS["tiny-qwen3-next"], seed=0)
+    prompts = [[256, *range(1, 50)], [256, *range(60, 90)], [256, *range(100, 140)]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    outs = {}
+    for pages in (2048, 10):  # 10: 2 pages of 4 attention blocks, 1 of 4 state blocks
+        pool = _pool(pages)
+        eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16,
+                     state_checkpoint_tokens=16)  # fmt: skip
+        outs[pages] = [o.token_ids for o in eng.generate(prompts, params)]
+        if pages == 10:
+            assert eng.scheduler.num_preemptions > 0
+            kvm = eng.kv
+            assert kvm.state_restores + kvm.state_recomputes == eng.scheduler.num_preemptions
+        check_group_accounting(eng)
+        eng.close()
+        pool.close()
+    assert outs[10] == outs[2048]
+
+
+@pytest.fixture(scope="module")
+def follow_up():
+    """The preset, a first turn, its follow-up turn and the follow-up's reference tokens."""
+    model = build_model(BUILTIN_CONFIGS["tiny-qwen3-next"], seed=0)
+    base = [256, *range(30, 80)]
+    follow = [*base, *dense_greedy(model, base, 6), 5, 6, 7]
+    return model, base, follow, dense_greedy(model, follow, 6)
+
+
+@pytest.mark.parametrize("how", ["evicted", "sleep"])
+def test_a_state_checkpoint_comes_back_from_the_host_tier(how, follow_up):
+    """A follow-up turn after its checkpoint left the device (evicted to the host tier,
+    or spilled by a sleep) restores it from there: the reference's tokens."""
+    model, base, follow, want = follow_up
+    pool = _pool()
+    eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, host_cache_tokens=512)
+    assert eng.generate([base], PARAMS)[0].token_ids == follow[len(base) : -3]
+    group, pc, _ = _state_group(eng)
+    assert pc.num_cached_blocks == 1  # the checkpoint at 48 (its prompt's last boundary)
+    if how == "evicted":
+        assert pc.evict(pc.num_cached_blocks) == 1 and group.num_used_blocks == 0
+    else:
+        assert eng.sleep()["mapped_pages"] == 0 == eng.cache.mapped_pages
+        eng.wake()
+    out = eng.generate([follow], PARAMS)[0]
+    assert out.token_ids == want and out.cached_tokens == 48
+    tiers = eng.kv.host_caches
+    assert tiers[_group_index(eng)].restored_blocks >= 1
+    check_group_accounting(eng)
+    eng.close()
+    pool.close()
+
+
+def _group_index(eng):
+    return [w for w in eng.windows].index(RECURRENT)
+
+
+def test_recurrent_groups_and_bad_configs_fail_naming_the_field():
+    assert kv_cache_groups((RECURRENT, 0, RECURRENT, 16)) == ((2, 0, 2, 1), (0, 16, RECURRENT))
+    assert kv_cache_groups((RECURRENT, 16), merge_windows=True) == ((1, 0), (0, RECURRENT))
+    base = BUILTIN_CONFIGS["tiny-qwen3-next"]
+    with pytest.raises(ValueError, match="layer_types.*mamba"):
+        dataclasses.replace(base, layer_types=("mamba",) * 3 + ("full_attention",))
+    with pytest.raises(ValueError, match="linear_num_value_heads 3"):
+        ModelConfig.from_hf({**_next_config(linear_num_value_heads=3).to_dict()})
+    with pytest.raises(ValueError, match="linear attention config"):
+        dataclasses.replace(base, linear=None)
+    pool = tp_pool(2, min_reserved_pages=0, max_reserved_pages=0)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        Engine(build_model(base, seed=0), pool, max_batch=2)
+    assert pool.stats()["mapped_pages"] == 0
+    pool.close()
