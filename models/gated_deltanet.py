@@ -90,24 +90,77 @@ def delta_rule_step(lin: LinearAttentionConfig, conv_w: jax.Array):
     """The per-token update of one sequence: ``step(state, x) -> (state, o)`` with state
     ``{"conv": (conv_kernel - 1, conv_dim), "ssm": (v heads, head_k_dim, head_v_dim)}``
     and x ``{"qkv": (conv_dim,), "g": (v heads,), "beta": (v heads,)}`` (float32)."""
-    r = lin.num_v_heads // lin.num_k_heads
     w = conv_w.astype(jnp.float32).T  # (conv_kernel, conv_dim)
 
     def step(state, x):
         window = jnp.concatenate([state["conv"], x["qkv"][None]], axis=0)
-        y = jax.nn.silu(jnp.sum(window * w, axis=0))
-        kd = lin.key_dim
-        q = _l2norm(y[:kd].reshape(lin.num_k_heads, lin.head_k_dim))
-        k = _l2norm(y[kd : 2 * kd].reshape(lin.num_k_heads, lin.head_k_dim))
-        v = y[2 * kd :].reshape(lin.num_v_heads, lin.head_v_dim)
-        q = jnp.repeat(q, r, axis=0) * lin.head_k_dim**-0.5
-        k = jnp.repeat(k, r, axis=0)
+        q, k, v = (a[0] for a in _conv_qkv(lin, w, window))
         s = state["ssm"] * jnp.exp(x["g"])[:, None, None]
         delta = (v - jnp.einsum("hkv,hk->hv", s, k)) * x["beta"][:, None]
         s = s + k[:, :, None] * delta[:, None, :]
         return {"conv": window[1:], "ssm": s}, jnp.einsum("hkv,hk->hv", s, q)
 
     return step
+
+
+CHUNK = 64  # tokens of the chunked form's one update (a prefill chunk: n / CHUNK of them)
+
+
+def _conv_qkv(lin: LinearAttentionConfig, w: jax.Array, window: jax.Array):
+    """The conv (taps ``w`` ``(conv_kernel, conv_dim)``) and SiLU over a window of
+    ``conv_kernel - 1 + n`` inputs: ``n`` tokens' normalized q (scaled), k (repeated to
+    the value heads) and v."""
+    n = window.shape[0] - (lin.conv_kernel - 1)
+    y = sum(window[j : j + n] * w[j] for j in range(lin.conv_kernel))
+    y = jax.nn.silu(y)
+    kd, r = lin.key_dim, lin.num_v_heads // lin.num_k_heads
+    q = _l2norm(y[:, :kd].reshape(n, lin.num_k_heads, lin.head_k_dim))
+    k = _l2norm(y[:, kd : 2 * kd].reshape(n, lin.num_k_heads, lin.head_k_dim))
+    v = y[:, 2 * kd :].reshape(n, lin.num_v_heads, lin.head_v_dim)
+    q = jnp.repeat(q, r, axis=1) * lin.head_k_dim**-0.5
+    return q, jnp.repeat(k, r, axis=1), v
+
+
+def delta_rule_chunk(lin: LinearAttentionConfig, conv_w: jax.Array):
+    """The chunked form of :func:`delta_rule_step` (FLA's, as transformers'
+    ``torch_chunk_gated_delta_rule`` writes it): ``chunk(state, xs, n) -> (state, o)``
+    over ``C`` tokens of which the first ``n`` count; the others decay nothing and write
+    nothing (``g``, ``beta`` 0). Within the chunk the delta rule's writes are one
+    triangular solve (the WY form): ``T = (I + tril(beta k k^T * decay, -1))^-1``."""
+    w = conv_w.astype(jnp.float32).T
+
+    def chunk(state, x, n):
+        c = x["qkv"].shape[0]
+        valid = jnp.arange(c) < n
+        window = jnp.concatenate([state["conv"], x["qkv"]], axis=0)
+        conv = jax.lax.dynamic_slice_in_dim(window, n, lin.conv_kernel - 1, axis=0)
+        q, k, v = _conv_qkv(lin, w, window)  # (C, H, dk) (C, H, dk) (C, H, dv)
+        g = jnp.where(valid[:, None], x["g"], 0.0).T  # (H, C)
+        beta = jnp.where(valid[:, None], x["beta"], 0.0).T
+        q, k, v = (jnp.moveaxis(a, 0, 1) for a in (q, k, v))  # (H, C, .)
+        gc = jnp.cumsum(g, axis=-1)
+        lower = jnp.tril(jnp.ones((c, c), bool))
+        diff = gc[:, :, None] - gc[:, None, :]
+        decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # (H, C, C)
+        kb = k * beta[..., None]
+        m = jnp.einsum("hid,hjd->hij", kb, k) * decay * (1 - jnp.eye(c))
+        eye = jnp.broadcast_to(jnp.eye(c), m.shape)
+        solve = jax.vmap(lambda a, b: jax.scipy.linalg.solve_triangular(
+            a, b, lower=True, unit_diagonal=True))  # fmt: skip
+        value = solve(eye + m, v * beta[..., None])
+        kcd = solve(eye + m, kb * jnp.exp(gc)[..., None])
+        s = state["ssm"]  # (H, dk, dv)
+        v_new = value - jnp.einsum("hid,hdv->hiv", kcd, s)
+        attn = jnp.einsum("hid,hjd->hij", q, k) * decay
+        o = jnp.einsum("hid,hdv->hiv", q * jnp.exp(gc)[..., None], s)
+        o = o + jnp.einsum("hij,hjv->hiv", attn, v_new)
+        last = gc[:, -1]
+        s = s * jnp.exp(last)[:, None, None] + jnp.einsum(
+            "hjd,hjv->hdv", k * jnp.exp(last[:, None] - gc)[..., None], v_new
+        )
+        return {"conv": conv, "ssm": s}, jnp.moveaxis(o, 0, 1)
+
+    return chunk
 
 
 class GatedDeltaNet(nnx.Module):
@@ -149,8 +202,10 @@ class GatedDeltaNet(nnx.Module):
             "conv": jnp.zeros((lin.conv_kernel - 1, lin.conv_dim), jnp.float32),
             "ssm": jnp.zeros((lin.num_v_heads, dk, dv), jnp.float32),
         }
-        step = delta_rule_step(lin, self.conv1d[...][:, 0, :])
-        o, carry = recur_layer(step, init, {"qkv": qkv, "g": g, "beta": beta}, carry)
+        w = self.conv1d[...][:, 0, :]
+        xs = {"qkv": qkv, "g": g, "beta": beta}
+        chunk = (CHUNK, delta_rule_chunk(lin, w))
+        o, carry = recur_layer(delta_rule_step(lin, w), init, xs, carry, chunk=chunk)
         # the gated RMSNorm: rmsnorm(o) * w (in the model dtype) * silu(z)
         o = self.norm[...] * rms_normalize(o, self.eps).astype(x.dtype)
         z = z.reshape(b, t, lin.num_v_heads, dv).astype(jnp.float32)

@@ -14,12 +14,14 @@ see ``models.stack``), and ``carry`` the state the attention threads through the
 index a layer's row of a stacked parameter, or a tuple into it (one expert's slice of a
 mixture of experts' weight); None: the whole parameter.
 Recurrent layers (Gated DeltaNet, Mamba2) reach their per-sequence state through
-:func:`recurrence_of` ``(attend)``: ``recur(layer, step_fn, init, xs, carry) -> (ys,
-carry)`` runs ``step_fn(state, x) -> (state, y)`` (one sequence, one token) over each
-sequence's tokens in order from its stored state (the engine's state slots:
+:func:`recurrence_of` ``(attend)``: ``recur(layer, step_fn, init, xs, carry, chunk=None)
+-> (ys, carry)`` runs ``step_fn(state, x) -> (state, y)`` (one sequence, one token) over
+each sequence's tokens in order from its stored state (the engine's state slots:
 ``engine.recurrent``), ``init`` one sequence's zero state, ``xs`` / ``ys`` per-token
-pytrees ``(B, T, ...)``. An ``attend`` without a cache has none: each batch row is then
-one sequence from a zero state (:func:`dense_recurrence`).
+pytrees ``(B, T, ...)``; ``chunk`` ``(C, chunk_fn)``: the same update ``C`` tokens at a
+time, ``chunk_fn(state, xs, n) -> (state, ys)`` with the first ``n`` of ``xs`` counting
+(the engine runs prefill chunks with it). An ``attend`` without a cache has none: each
+batch row is then one sequence from a zero state (:func:`dense_recurrence`).
 Tensor parallelism splits the parameters ``tensor_parallel_plan(tp)`` names along the
 axis it gives (see ``models.sharding``); ``attend`` then receives each device's heads.
 """
@@ -40,9 +42,11 @@ Recur = Callable[..., tuple[Any, Any]]
 RECURRENT = -1
 
 
-def dense_recurrence(layer: Any, step_fn: Callable, init: Any, xs: Any, carry: Any) -> tuple:
+def dense_recurrence(
+    layer: Any, step_fn: Callable, init: Any, xs: Any, carry: Any, chunk: Any = None
+) -> tuple:
     """The recurrence without a cache: each batch row of ``xs`` is one sequence, run
-    from the zero state ``init``."""
+    from the zero state ``init``, token by token (the reference: ``chunk`` unused)."""
 
     def one(seq):
         return jax.lax.scan(step_fn, init, seq)[1]

@@ -131,8 +131,8 @@ class Qwen3NextModel(nnx.Module):
             def attend_layer(q, k, v, c, **kw):
                 return attend(i, q, k, v, c, **kw)
 
-            def recur_layer(step, init, xs, c):
-                return recur(i, step, init, xs, c)
+            def recur_layer(step, init, xs, c, **kw):
+                return recur(i, step, init, xs, c, **kw)
 
             return layer(x, positions, inv_freq, attend_layer, recur_layer, carry)
 

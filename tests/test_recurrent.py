@@ -6,10 +6,12 @@ with 16-token steps, several sequences, prefix hits, a preemption and a sleep.""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import check_group_accounting, dense_greedy, hf_greedy, tp_pool
+from flax import nnx
 
 import jax_kvcached as kv
 from jax_kvcached.engine.attention import no_cache_attention
@@ -17,6 +19,11 @@ from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.kv_groups import RECURRENT, kv_cache_groups
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, ModelConfig, build_model
+from jax_kvcached.models.gated_deltanet import (
+    LinearAttentionConfig,
+    delta_rule_chunk,
+    delta_rule_step,
+)
 from jax_kvcached.models.loader import load_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -141,13 +148,32 @@ def test_preemption_recomputes_or_restores_the_state_and_keeps_the_tokens():
     assert outs[10] == outs[2048]
 
 
+def padded_greedy(model, prompt, n, length=128):
+    """``n`` greedy tokens with no cache, as ``conftest.dense_greedy``, the tokens padded
+    to ``length`` (causal: the padding changes no earlier logit) so one program serves
+    every step."""
+    graphdef, state = nnx.split(model)
+    attend = no_cache_attention(model.config)
+
+    @jax.jit
+    def logits_at(state, toks, i):
+        return nnx.merge(graphdef, state)(toks[None], jnp.arange(length)[None], attend)[0, i]
+
+    toks = np.zeros(length, np.int32)
+    toks[: len(prompt)] = prompt
+    for i in range(len(prompt) - 1, len(prompt) + n - 1):
+        toks[i + 1] = int(jnp.argmax(logits_at(state, toks, i)))
+    return toks[len(prompt) : len(prompt) + n].tolist()
+
+
 @pytest.fixture(scope="module")
 def follow_up():
     """The preset, a first turn, its follow-up turn and the follow-up's reference tokens."""
     model = build_model(BUILTIN_CONFIGS["tiny-qwen3-next"], seed=0)
     base = [256, *range(30, 80)]
-    follow = [*base, *dense_greedy(model, base, 6), 5, 6, 7]
-    return model, base, follow, dense_greedy(model, follow, 6)
+    follow = [*base, *padded_greedy(model, base, 6), 5, 6, 7]
+    assert padded_greedy(model, base, 1) == dense_greedy(model, base, 1)
+    return model, base, follow, padded_greedy(model, follow, 6)
 
 
 @pytest.mark.parametrize("how", ["evicted", "sleep"])
@@ -193,3 +219,31 @@ def test_recurrent_groups_and_bad_configs_fail_naming_the_field():
         Engine(build_model(base, seed=0), pool, max_batch=2)
     assert pool.stats()["mapped_pages"] == 0
     pool.close()
+
+
+def test_the_chunked_delta_rule_equals_the_per_token_update():
+    """The chunked form (prefill) against the per-token rule (decode), from a non-zero
+    state, over chunks with a partial last one: outputs, S and the conv window."""
+    lin = LinearAttentionConfig(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.normal(size=(lin.conv_dim, 4)) * 0.5, jnp.float32)
+    t, c = 40, 16
+    xs = {
+        "qkv": jnp.asarray(rng.normal(size=(t, lin.conv_dim)), jnp.float32),
+        "g": -jnp.asarray(rng.uniform(0, 2, size=(t, 4)), jnp.float32),
+        "beta": jnp.asarray(rng.uniform(0, 1, size=(t, 4)), jnp.float32),
+    }
+    init = {"conv": jnp.asarray(rng.normal(size=(3, lin.conv_dim)), jnp.float32),
+            "ssm": jnp.asarray(rng.normal(size=(4, 8, 8)), jnp.float32)}  # fmt: skip
+    want_state, want = jax.lax.scan(delta_rule_step(lin, w), init, xs)
+    chunk = jax.jit(delta_rule_chunk(lin, w))
+    state, got = init, []
+    for a in range(0, t, c):
+        n = min(c, t - a)
+        x = {k: jnp.pad(v[a : a + n], [(0, c - n)] + [(0, 0)] * (v.ndim - 1))
+             for k, v in xs.items()}  # fmt: skip
+        state, y = chunk(state, x, n)
+        got.append(y[:n])
+    assert np.abs(np.concatenate(got) - want).max() < 1e-5
+    for key in ("ssm", "conv"):
+        assert np.abs(state[key] - want_state[key]).max() < 1e-5

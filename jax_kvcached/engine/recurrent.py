@@ -71,6 +71,64 @@ def _unflatten(flat: jax.Array, init: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
+def _pick(cond: jax.Array, a: Any, b: Any) -> Any:
+    """``a`` where the per-sequence ``cond`` ``(S,)`` holds, else ``b`` (pytrees)."""
+    return jax.tree.map(
+        lambda x, y: jnp.where(cond.reshape(-1, *([1] * (x.ndim - 1))), x, y), a, b
+    )
+
+
+def _by_token(step_fn, state, ys, tokens, q_start, q_lens, ck_at):
+    """Every sequence's tokens one position at a time (a decode step: one update)."""
+    t = jax.tree.leaves(tokens)[0].shape[0]
+
+    def body(j, carry):
+        state, snap, ys = carry
+        valid = j < q_lens
+        tok = jnp.clip(q_start + j, 0, t - 1)
+        new, y = jax.vmap(step_fn)(state, jax.tree.map(lambda a: a[tok], tokens))
+        state = _pick(valid, new, state)
+        snap = _pick(valid & (j + 1 == ck_at), new, snap)
+        at = jnp.where(valid, tok, t)  # (past the axis: dropped)
+        ys = jax.tree.map(lambda acc, v: acc.at[at].set(v.astype(acc.dtype), mode="drop"), ys, y)
+        return state, snap, ys
+
+    return jax.lax.fori_loop(0, jnp.max(q_lens), body, (state, state, ys))
+
+
+def _by_chunk(chunk_fn, size, state, ys, tokens, q_start, q_lens, ck_at):
+    """Every sequence's tokens ``size`` at a time from its own cursor; a chunk ends at
+    the sequence's checkpoint position, so the state there is a chunk's end."""
+    t = jax.tree.leaves(tokens)[0].shape[0]
+    offs = jnp.arange(size, dtype=jnp.int32)
+
+    def cond(carry):
+        return jnp.any(carry[0] < q_lens)
+
+    def body(carry):
+        cursor, state, snap, ys = carry
+        left = q_lens - cursor
+        to_ck = jnp.where(ck_at > cursor, ck_at - cursor, size)
+        n = jnp.clip(jnp.minimum(jnp.minimum(left, to_ck), size), 0, size)
+        tok = jnp.clip(q_start[:, None] + cursor[:, None] + offs, 0, t - 1)  # (S, C)
+        new, y = jax.vmap(chunk_fn)(state, jax.tree.map(lambda a: a[tok], tokens), n)
+        state = _pick(n > 0, new, state)
+        cursor = cursor + n
+        snap = _pick((n > 0) & (cursor == ck_at), new, snap)
+        at = jnp.where(offs < n[:, None], tok, t)  # (past the axis: dropped)
+        ys = jax.tree.map(
+            lambda acc, v: acc.at[at.reshape(-1)].set(
+                v.reshape(-1, *v.shape[2:]).astype(acc.dtype), mode="drop"
+            ),
+            ys, y,
+        )  # fmt: skip
+        return cursor, state, snap, ys
+
+    cursor = jnp.zeros_like(q_lens)
+    _, state, snap, ys = jax.lax.while_loop(cond, body, (cursor, state, state, ys))
+    return state, snap, ys
+
+
 def recurrence(
     cache: KVCache,
     view: jax.Array,
@@ -84,6 +142,7 @@ def recurrence(
     rows: jax.Array,
     q_start: jax.Array,
     q_lens: jax.Array,
+    chunk: tuple[int, Callable] | None = None,
 ) -> tuple[Any, jax.Array]:
     """Runs ``step_fn(state, x) -> (state, y)`` (one sequence, one token) over each
     sequence's tokens of the step from its stored state (see the module docstring).
@@ -98,6 +157,11 @@ def recurrence(
         checkpoint to (0: none).
       rows: ``(2, S)``: starts from zeros; the step's tokens before its checkpoint (-1).
       q_start, q_lens: ``(S,)`` each sequence slot's tokens on the flat axis.
+      chunk: ``(C, chunk_fn)``, ``chunk_fn(state, xs, n) -> (state, ys)`` the same
+        update over one sequence's next ``C`` tokens of which the first ``n`` count
+        (``xs`` / ``ys`` ``(C, ...)``): steps where a sequence has several tokens run
+        ``C`` at a time (a prefill chunk of n tokens: ``n / C`` updates), decode steps
+        by token. None: always by token.
 
     Returns the per-token outputs ``(1, t, ...)`` and the chain after the write.
     """
@@ -120,30 +184,22 @@ def recurrence(
     tokens = jax.tree.map(lambda a: a[0], xs)  # (t, ...)
     y_shape = jax.eval_shape(step_fn, init, jax.tree.map(lambda a: a[0], tokens))[1]
     ys = jax.tree.map(lambda s: jnp.zeros((t, *s.shape), s.dtype), y_shape)
-    ck_at = rows[1]
-
-    def body(j, carry):
-        state, snap, ys = carry
-        valid = j < q_lens
-        tok = jnp.clip(q_start + j, 0, t - 1)
-        x = jax.tree.map(lambda a: a[tok], tokens)
-        new, y = jax.vmap(step_fn)(state, x)
-
-        def pick(cond, a, b):
-            return jnp.where(cond.reshape(-1, *([1] * (a.ndim - 1))), a, b)
-
-        state = jax.tree.map(lambda a, b: pick(valid, a, b), new, state)
-        snap = jax.tree.map(lambda a, b: pick(valid & (j + 1 == ck_at), a, b), new, snap)
-        at = jnp.where(valid, tok, t)  # (past the axis: dropped)
-        ys = jax.tree.map(lambda acc, v: acc.at[at].set(v.astype(acc.dtype), mode="drop"), ys, y)
-        return state, snap, ys
-
-    state, snap, ys = jax.lax.fori_loop(0, jnp.max(q_lens), body, (state, state, ys))
+    args = (state, ys, tokens, q_start, q_lens, rows[1])
+    if chunk is None:
+        state, snap, ys = _by_token(step_fn, *args)
+    else:  # a chunked scan where a sequence has several tokens; a decode step by token
+        size, chunk_fn = chunk
+        state, snap, ys = jax.lax.cond(
+            jnp.max(q_lens) <= 1,
+            lambda *a: _by_token(step_fn, *a),
+            lambda *a: _by_chunk(chunk_fn, size, *a),
+            *args,
+        )
     # 3. write the slots and the checkpoints in one call
     both = jnp.concatenate([_flatten(state, num_seqs), _flatten(snap, num_seqs)], axis=0)
     both = jnp.pad(both, ((0, 0), (0, cap - total))).astype(cache.dtype)
     both = both.reshape(2 * num_seqs, 2, nslot * bs, heads, dim)
-    ck = jnp.where(ck_at[:, None] > 0, blocks[2], 0)
+    ck = jnp.where(rows[1][:, None] > 0, blocks[2], 0)
     table = jnp.concatenate([blocks[1], ck], axis=0)  # (2S, nS)
     slots = jnp.where(
         table[:, :, None] > 0, table[:, :, None] * bs + jnp.arange(bs, dtype=jnp.int32), -1

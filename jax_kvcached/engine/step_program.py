@@ -144,11 +144,11 @@ def make_step(spec: StepSpec) -> Callable:
             window = jnp.asarray(windows)[i] if any(windows) else jnp.int32(0)
             return attention(q[0], view, i, after, chain, window, sinks)[None], chain
 
-        def recur(i, step_fn, init, xs, chain):
+        def recur(i, step_fn, init, xs, chain, chunk=None):
             # A recurrent layer's state slots (recurrent.py; never on a mesh).
             return recurrence(cache, view, i, step_fn, init, xs, chain,
                               blocks=a["state_blocks"], rows=a["state_rows"], q_start=q_start,
-                              q_lens=a["q_lens"])  # fmt: skip
+                              q_lens=a["q_lens"], chunk=chunk)  # fmt: skip
 
         attend.recur = recur
         hidden, chain = model.hidden_states(tokens[None], positions[None], attend, token)
