@@ -6,6 +6,7 @@ from .config import BUILTIN_CONFIGS, ModelConfig
 from .download import ModelNotDownloaded, fetch, model_cache_dir
 from .gemma3 import Gemma3Model
 from .gguf import GGUFCheckpoint, GGUFError
+from .granite_hybrid import GraniteHybridModel
 from .interface import Attend, CausalLM
 from .llama import LlamaModel
 from .loader import find_chat_template, load_checkpoint, load_tokenizer
@@ -48,6 +49,7 @@ __all__ = [
     "find_chat_template",
     "load_pretrained",
     "pretrained_path",
+    "GraniteHybridModel",
     "LlamaModel",
     "Qwen3NextModel",
     "ModelConfig",

@@ -10,6 +10,7 @@ from typing import Any
 from . import registry
 from .gated_deltanet import LinearAttentionConfig, linear_from_hf
 from .interface import RECURRENT
+from .mamba2 import Mamba2Config, mamba2_from_hf
 from .mla import MLAConfig, mla_from_hf, softmax_scale
 from .moe import MoEConfig, gpt_oss_moe, moe_from_hf
 from .rope import ROPE_TYPES
@@ -56,9 +57,16 @@ class ModelConfig:
     # (models/gated_deltanet.py; recurrent state, no KV cache), RoPE on the first
     # partial_rotary_factor of each head, and full attention whose output a sigmoid of
     # a second half of q_proj gates (attn_output_gate).
-    linear: LinearAttentionConfig | None = None
+    # Granite 4.0-H: Mamba2 on the "linear_attention" layers instead (models/mamba2.py).
+    linear: LinearAttentionConfig | Mamba2Config | None = None
     partial_rotary_factor: float = 1.0
     attn_output_gate: bool = False
+    # Granite's scalars: embeddings x embedding_multiplier, each sublayer's output x
+    # residual_multiplier, logits / logits_scaling; rope False: no positional rotation.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    rope: bool = True
 
     def __post_init__(self) -> None:
         for f in (
@@ -145,6 +153,8 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         if model_type in ("gemma3_text", "gemma3"):
             return _gemma3_from_hf(cfg.get("text_config") or cfg)
+        if model_type == "granitemoehybrid":
+            return _granite_hybrid_from_hf(cfg)
         if model_type not in registry.supported():
             raise ValueError(
                 f"unsupported model_type {model_type!r} ({', '.join(registry.supported())})"
@@ -206,6 +216,49 @@ class ModelConfig:
     def from_dir(cls, path: str) -> ModelConfig:
         with open(os.path.join(path, "config.json")) as f:
             return cls.from_hf(json.load(f))
+
+
+def _granite_hybrid_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Granite 4.0-H: Mamba2 and attention layers (``layer_types`` "mamba" / "attention",
+    or transformers' "linear_attention" / "full_attention"), experts beside a shared MLP
+    (or the shared MLP alone), Granite's multipliers."""
+    names = {"mamba": "linear_attention", "attention": "full_attention"}
+    types = tuple(names.get(t, t) for t in cfg.get("layer_types") or cfg["layers_block_type"])
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"granitemoehybrid: hidden_act {cfg['hidden_act']!r} is not supported")
+    pos = cfg.get("position_embedding_type") or "nope"
+    if pos not in ("rope", "nope"):
+        raise ValueError(f"granitemoehybrid: position_embedding_type {pos!r} is not supported")
+    if cfg.get("attention_bias"):
+        raise ValueError("granitemoehybrid: attention_bias is not supported")
+    rope_params = dict(cfg.get("rope_parameters") or {})
+    experts = int(cfg.get("num_local_experts") or 0)
+    shared = int(cfg["shared_intermediate_size"])
+    moe = None
+    if experts:
+        moe = MoEConfig(num_experts=experts, top_k=int(cfg["num_experts_per_tok"]),
+                        intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True,
+                        shared_intermediate_size=shared)  # fmt: skip
+    heads = int(cfg["num_attention_heads"])
+    eos = cfg.get("eos_token_id")
+    return ModelConfig(
+        vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+        intermediate_size=shared, num_layers=cfg["num_hidden_layers"], num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rope_theta=float(rope_params.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        model_type="granitemoehybrid", bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=tuple(eos) if isinstance(eos, list) else eos, layer_types=types,
+        # the score scale attention_multiplier: as Gemma's query_pre_attn_scalar ** -0.5
+        query_pre_attn_scalar=float(cfg.get("attention_multiplier", 1.0)) ** -2,
+        moe=moe, linear=mamba2_from_hf(cfg),
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)), rope=pos == "rope",
+    )  # fmt: skip
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
@@ -433,4 +486,19 @@ BUILTIN_CONFIGS["tiny-qwen3-next"] = ModelConfig(
     linear=LinearAttentionConfig(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16),
     moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
                   shared_intermediate_size=64, shared_gate=True),
+)  # fmt: skip
+
+# Granite 4.0-H's shape in small: Mamba2 (8 heads of 16 in 2 groups, a 16-wide state) on
+# 3 of 4 layers, attention without RoPE on the other, 4 experts beside a shared MLP and
+# Granite's multipliers.
+BUILTIN_CONFIGS["tiny-granite-4.0-h"] = ModelConfig(
+    vocab_size=320, hidden_size=64, intermediate_size=96, num_layers=4, num_heads=4,
+    num_kv_heads=2, head_dim=16, max_position_embeddings=4096, rms_norm_eps=1e-6,
+    model_type="granitemoehybrid", bos_token_id=256, eos_token_id=257,
+    layer_types=("linear_attention",) * 2 + ("full_attention", "linear_attention"),
+    query_pre_attn_scalar=16.0, embedding_multiplier=4.0, residual_multiplier=0.5,
+    logits_scaling=2.0, rope=False,
+    linear=Mamba2Config(num_heads=8, head_dim=16, num_groups=2, d_state=16),
+    moe=MoEConfig(num_experts=4, top_k=2, intermediate_size=32, norm_topk_prob=True,
+                  shared_intermediate_size=96),
 )  # fmt: skip

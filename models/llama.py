@@ -71,8 +71,9 @@ class Attention(nnx.Module):
         k = k.reshape(b, t, kvh, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        if inv_freq is not None:  # (None: no positional rotation, Granite 4.0-H's "nope")
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
         if self.rope_factor is not None:
             q = q * jnp.asarray(self.rope_factor, q.dtype)
             k = k * jnp.asarray(self.rope_factor, k.dtype)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
+from .granite_hybrid import split_granite_tensors
 from .interface import CausalLM
 from .moe import split_fused_experts, split_gpt_oss_experts
 from .quant_format import Packed
@@ -108,6 +109,8 @@ def _assign(
         if mxfp4:
             log.info("%s: MXFP4 experts dequantized to %s (the packed path holds int8 / "
                      "int4 only)", path, model.dtype)  # fmt: skip
+    if cfg.model_type == "granitemoehybrid":  # fused experts and shared MLP
+        split_granite_tensors(tensors)
     split_fused_experts(tensors)  # transformers 5's fused experts: per expert, as on the Hub
     pack_model(model, tensors, quantization, path)
     targets = model.hf_weights()

@@ -1,8 +1,9 @@
-"""Recurrent state in the paged KV cache (Qwen3-Next's Gated DeltaNet): a state slot per
-sequence in a recurrent KV cache group, checkpoints of it cached at block boundaries
-(restored on a prefix hit, spilled to the host tier, kept over a sleep), and exact
-accounting. Compared with transformers: logits, and greedy tokens through the engine
-with 16-token steps, several sequences, prefix hits, a preemption and a sleep."""
+"""Recurrent state in the paged KV cache (Qwen3-Next's Gated DeltaNet, Granite 4.0-H's
+Mamba2): a state slot per sequence in a recurrent KV cache group, checkpoints of it cached
+at block boundaries (restored on a prefix hit, spilled to the host tier, kept over a
+sleep), and exact accounting. Compared with transformers: logits, and greedy tokens
+through the engine with 16-token steps, several sequences, prefix hits, a preemption and
+a sleep; the chunked forms (prefill) against the per-token updates (decode)."""
 
 import dataclasses
 
@@ -25,6 +26,7 @@ from jax_kvcached.models.gated_deltanet import (
     delta_rule_step,
 )
 from jax_kvcached.models.loader import load_checkpoint
+from jax_kvcached.models.mamba2 import Mamba2Config, mamba2_chunk, mamba2_step
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -77,6 +79,70 @@ def test_a_qwen3_next_folder_matches_transformers(hf_next):
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def _granite_config():
+    return transformers.GraniteMoeHybridConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, shared_intermediate_size=48,
+        num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["mamba", "mamba", "attention", "mamba"], mamba_n_heads=8,
+        mamba_n_groups=2, mamba_d_state=16, mamba_d_head=16, mamba_expand=2, mamba_d_conv=4,
+        embedding_multiplier=3.0, logits_scaling=2.0, residual_multiplier=0.5,
+        attention_multiplier=0.1, position_embedding_type="nope", max_position_embeddings=512,
+        initializer_range=0.1, attn_implementation="eager",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hf_granite(tmp_path_factory):
+    """A random Granite 4.0-H (3 Mamba2 layers in 2 groups, 1 attention layer without
+    RoPE, 4 experts beside a shared MLP, Granite's multipliers) as a folder."""
+    path = tmp_path_factory.mktemp("granite")
+    torch.manual_seed(0)
+    hf = transformers.GraniteMoeHybridForCausalLM(_granite_config()).eval()
+    with torch.no_grad():  # (norms, D, dt_bias and the conv bias start constant)
+        for name, p in hf.named_parameters():
+            if name.split(".")[-1] in ("D", "dt_bias", "bias") or "norm" in name:
+                p.normal_(1.0, 0.3)
+    hf.save_pretrained(path)
+    return hf, str(path)
+
+
+def test_a_granite_4_h_folder_matches_transformers(hf_granite):
+    hf, path = hf_granite
+    cfg, model = load_checkpoint(path, dtype=jnp.float32)
+    assert cfg.layer_windows() == (RECURRENT, RECURRENT, 0, RECURRENT) and not cfg.rope
+    assert cfg.state_elems == 3 * (128 + 2 * 2 * 16) + 8 * 16 * 16  # conv window + S
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
+    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
+def test_granite_engine_greedy_matches_generate_with_three_block_slots(hf_granite):
+    """A Mamba2 state of 2624 values a layer takes 3 blocks a slot (1024 values each):
+    transformers' tokens for three sequences at once and a prefix hit restoring the
+    checkpoint at token 32; exact accounting per group."""
+    hf, path = hf_granite
+    _, model = load_checkpoint(path, dtype=jnp.float32)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 300, n).tolist() for n in (60, 5, 41)]
+    prompts.append(prompts[0][:40] + [7, 7, 7])
+    want = [hf_greedy(hf, p, 6) for p in prompts]
+    pool = _pool()
+    eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16,
+                 state_checkpoint_tokens=32)  # fmt: skip
+    group, pc, mgr = _state_group(eng)
+    assert mgr.slot_blocks == 3
+    assert [o.token_ids for o in eng.generate(prompts[:3], PARAMS)] == want[:3]
+    assert pc.num_cached_blocks == 3 * 3  # checkpoints at 32 and 48 of the first, 32 of the third
+    hit = eng.generate([prompts[3]], PARAMS)[0]
+    assert hit.token_ids == want[3] and hit.cached_tokens == 32
+    check_group_accounting(eng)
+    eng.close()
+    pool.close()
 
 
 def _state_group(eng):
@@ -221,22 +287,37 @@ def test_recurrent_groups_and_bad_configs_fail_naming_the_field():
     pool.close()
 
 
-def test_the_chunked_delta_rule_equals_the_per_token_update():
-    """The chunked form (prefill) against the per-token rule (decode), from a non-zero
-    state, over chunks with a partial last one: outputs, S and the conv window."""
+def _delta_rule_case(rng):
     lin = LinearAttentionConfig(num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8)
-    rng = np.random.default_rng(0)
     w = jnp.asarray(rng.normal(size=(lin.conv_dim, 4)) * 0.5, jnp.float32)
+    xs = {"qkv": rng.normal(size=(40, lin.conv_dim)), "g": -rng.uniform(0, 2, size=(40, 4)),
+          "beta": rng.uniform(0, 1, size=(40, 4))}  # fmt: skip
+    init = {"conv": rng.normal(size=(3, lin.conv_dim)), "ssm": rng.normal(size=(4, 8, 8))}
+    return delta_rule_step(lin, w), delta_rule_chunk(lin, w), xs, init
+
+
+def _mamba2_case(rng):
+    m = Mamba2Config(num_heads=8, head_dim=4, num_groups=2, d_state=8)
+    w = jnp.asarray(rng.normal(size=(4, m.conv_dim)) * 0.5, jnp.float32)
+    b = jnp.asarray(rng.normal(size=(m.conv_dim,)) * 0.1, jnp.float32)
+    a = -jnp.asarray(rng.uniform(0.5, 4, size=(8,)), jnp.float32)
+    d = jnp.asarray(rng.normal(size=(8,)), jnp.float32)
+    xs = {"xbc": rng.normal(size=(40, m.conv_dim)), "dt": rng.uniform(0, 0.5, size=(40, 8))}
+    init = {"conv": rng.normal(size=(3, m.conv_dim)), "ssm": rng.normal(size=(8, 4, 8))}
+    return mamba2_step(m, w, b, a, d), mamba2_chunk(m, w, b, a, d), xs, init
+
+
+@pytest.mark.parametrize("case", [_delta_rule_case, _mamba2_case])
+def test_the_chunked_forms_equal_the_per_token_updates(case):
+    """The chunked form (prefill) against the per-token update (decode), from a non-zero
+    state, over chunks with a partial last one: outputs, the state and the conv window
+    (Gated DeltaNet's WY form; Mamba2's SSD)."""
+    step, chunk, xs, init = case(np.random.default_rng(0))
+    xs = {k: jnp.asarray(v, jnp.float32) for k, v in xs.items()}
+    init = {k: jnp.asarray(v, jnp.float32) for k, v in init.items()}
+    want_state, want = jax.lax.scan(step, init, xs)
+    chunk = jax.jit(chunk)
     t, c = 40, 16
-    xs = {
-        "qkv": jnp.asarray(rng.normal(size=(t, lin.conv_dim)), jnp.float32),
-        "g": -jnp.asarray(rng.uniform(0, 2, size=(t, 4)), jnp.float32),
-        "beta": jnp.asarray(rng.uniform(0, 1, size=(t, 4)), jnp.float32),
-    }
-    init = {"conv": jnp.asarray(rng.normal(size=(3, lin.conv_dim)), jnp.float32),
-            "ssm": jnp.asarray(rng.normal(size=(4, 8, 8)), jnp.float32)}  # fmt: skip
-    want_state, want = jax.lax.scan(delta_rule_step(lin, w), init, xs)
-    chunk = jax.jit(delta_rule_chunk(lin, w))
     state, got = init, []
     for a in range(0, t, c):
         n = min(c, t - a)
@@ -244,6 +325,7 @@ def test_the_chunked_delta_rule_equals_the_per_token_update():
              for k, v in xs.items()}  # fmt: skip
         state, y = chunk(state, x, n)
         got.append(y[:n])
-    assert np.abs(np.concatenate(got) - want).max() < 1e-5
+    assert np.abs(np.concatenate(got) - want).max() < 1e-5 * max(1.0, np.abs(want).max())
     for key in ("ssm", "conv"):
-        assert np.abs(state[key] - want_state[key]).max() < 1e-5
+        scale = max(1.0, np.abs(want_state[key]).max())
+        assert np.abs(state[key] - want_state[key]).max() < 1e-5 * scale
