@@ -22,15 +22,25 @@ from typing import Any
 import numpy as np
 
 from .config import ModelConfig, gemma3_layer_types
-from .gguf_archs import GGUFError, deepseek2_fields, gpt_oss_fields, kv_b_from_split, yarn_scaling
+from .gguf_archs import (
+    GGUFError,
+    deepseek2_fields,
+    gpt_oss_fields,
+    kv_b_from_split,
+    qkvz_from_split,
+    qwen3next_fields,
+    qwen3next_weight,
+    yarn_scaling,
+)
 from .moe import MoEConfig
 from .quant_format import GGUF_EXACT, Packed, from_gguf_blocks, nearest_format, quantize
 
 log = logging.getLogger("jax_kvcached.models")
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "deepseek2", "gpt-oss")
+_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "deepseek2", "gpt-oss",
+                  "qwen3next")  # fmt: skip
 # GGUF architecture -> our model_type, where the names differ (deepseek2: by its gating).
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "qwen3next": "qwen3_next"}
 # A mixture of experts' stacked expert tensors (E, out, in) -> each expert's HF name
 # (GPT-OSS's biases (E, out) too).
 _EXPERT_NAMES = {
@@ -80,6 +90,21 @@ _GEMMA_LAYER_NAMES = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+# Qwen3-Next: Gated DeltaNet's tensors under ssm_*, one gated shared expert (its HF
+# name singular); attn_qkv / attn_gate are merged into in_proj_qkvz apart.
+_QWEN3NEXT_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -176,6 +201,8 @@ class GGUFCheckpoint:
             extra = deepseek2_fields(self)
         elif a == "gpt-oss":
             extra = gpt_oss_fields(self)
+        elif a == "qwen3next":
+            extra = qwen3next_fields(self)
         window = self.meta(f"{a}.attention.sliding_window", None)
         if window and a == "llama":  # Mistral: one window for every layer
             extra = dict(sliding_window=int(window))
@@ -219,18 +246,27 @@ class GGUFCheckpoint:
         gemma = self.architecture == "gemma3"
         permuted = self.architecture in _PERMUTED
         latent_b: dict[str, dict[str, np.ndarray]] = {}  # deepseek2: attn_k_b / attn_v_b
+        qwen3next = self.architecture == "qwen3next"
+        qkvz: dict[str, dict[str, np.ndarray]] = {}  # qwen3next: attn_qkv / attn_gate
+        names = (_GEMMA_LAYER_NAMES if gemma else _QWEN3NEXT_LAYER_NAMES if qwen3next
+                 else _LAYER_NAMES)  # fmt: skip
         for name in self._tensors:
             if self._experts(name, dtype, out):
+                continue
+            if qwen3next and name.endswith(("attn_qkv.weight", "attn_gate.weight")):
+                layer, kind = name.split(".")[1:3]
+                qkvz.setdefault(layer, {})[kind] = self.dequantize(name)
                 continue
             if name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
                 latent_b.setdefault(name.split(".")[1], {})[name.split(".")[2]] = (
                     self.dequantize(name)
                 )
                 continue
-            hf = _hf_name(name, _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES)
+            hf = _hf_name(name, names)
             if hf is None:
                 raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
-            if packed and hf.endswith(_PACKABLE) and not hf.endswith("kv_b_proj.weight"):
+            plain = hf.endswith("kv_b_proj.weight") or ".linear_attn." in hf  # (never packed)
+            if packed and hf.endswith(_PACKABLE) and not plain:
                 p = self.packed(name)
                 if p is not None:
                     heads = cfg.num_heads if hf.endswith("q_proj.weight") else cfg.num_kv_heads
@@ -245,7 +281,13 @@ class GGUFCheckpoint:
                 w = _unpermute(w, cfg.num_kv_heads)
             elif gemma and hf.endswith("norm.weight"):
                 w = w - 1.0  # stored as 1 + w
+            elif qwen3next:
+                w = qwen3next_weight(hf, w)
             out[hf] = w.astype(dtype, copy=False)
+        for layer, parts in qkvz.items():
+            out[f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"] = qkvz_from_split(
+                self.path, layer, parts, cfg.linear.num_k_heads
+            ).astype(dtype, copy=False)
         for layer, kb in latent_b.items():
             out[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = kv_b_from_split(
                 self.path, layer, kb

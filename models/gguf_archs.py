@@ -105,3 +105,68 @@ def kv_b_from_split(path: str, layer: str, parts: dict[str, np.ndarray]) -> np.n
                         f"of (H, r, nope) and (H, v, r)")  # fmt: skip
     per_head = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)  # (H, nope + v, r)
     return per_head.reshape(-1, per_head.shape[-1])
+
+
+def qwen3next_fields(ck: Any) -> dict[str, Any]:
+    """Qwen3-Next as llama.cpp writes it: Gated DeltaNet's shape under ``ssm.*``
+    (``state_size`` the key head width, ``group_count`` the key heads,
+    ``time_step_rank`` the value heads, ``inner_size`` their total width), a full
+    attention layer every ``full_attention_interval``, the partial RoPE's width, experts
+    beside one gated shared expert."""
+    from .gated_deltanet import LinearAttentionConfig
+
+    a = "qwen3next"
+    layers = int(ck.meta(f"{a}.block_count"))
+    every = int(ck.meta(f"{a}.full_attention_interval", 4))
+    nv = int(ck.meta(f"{a}.ssm.time_step_rank"))
+    linear = LinearAttentionConfig(
+        num_k_heads=int(ck.meta(f"{a}.ssm.group_count")), num_v_heads=nv,
+        head_k_dim=int(ck.meta(f"{a}.ssm.state_size")),
+        head_v_dim=int(ck.meta(f"{a}.ssm.inner_size")) // nv,
+        conv_kernel=int(ck.meta(f"{a}.ssm.conv_kernel")),
+    )  # fmt: skip
+    head_dim = int(ck.meta(f"{a}.attention.key_length"))
+    rope = int(ck.meta(f"{a}.rope.dimension_count", head_dim // 4))
+    experts = int(ck.meta(f"{a}.expert_count", 0))
+    moe = None
+    if experts:
+        routed = ck.tensor_names  # (layers without a router: dense MLPs, mlp_only_layers)
+        dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in routed)
+        shared = int(ck.meta(f"{a}.expert_shared_feed_forward_length", 0))
+        moe = MoEConfig(num_experts=experts, top_k=int(ck.meta(f"{a}.expert_used_count")),
+                        intermediate_size=int(ck.meta(f"{a}.expert_feed_forward_length")),
+                        norm_topk_prob=bool(ck.meta(f"{a}.expert_weights_norm", True)),
+                        shared_intermediate_size=shared, shared_gate=bool(shared),
+                        dense_layers=dense)  # fmt: skip
+    return dict(
+        model_type="qwen3_next", head_dim=head_dim, qk_norm=True, linear=linear, moe=moe,
+        layer_types=tuple("linear_attention" if (i + 1) % every else "full_attention"
+                          for i in range(layers)),
+        partial_rotary_factor=rope / head_dim, attn_output_gate=True,
+    )  # fmt: skip
+
+
+def qwen3next_weight(hf: str, w: np.ndarray) -> np.ndarray:
+    """A qwen3next tensor back in Hugging Face's form: llama.cpp stores the (1 + w) norms
+    as 1 + w (Gated DeltaNet's own norm as is), ``A`` = -exp(A_log), the conv squeezed."""
+    if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+        return w - 1.0
+    if hf.endswith("linear_attn.A_log"):
+        return np.log(-w)
+    if hf.endswith("linear_attn.conv1d.weight"):
+        return w.reshape(w.shape[0], 1, w.shape[-1])
+    return w
+
+
+def qkvz_from_split(path: str, layer: str, parts: dict[str, np.ndarray], nk: int) -> np.ndarray:
+    """Gated DeltaNet's ``in_proj_qkvz`` (rows grouped by key head: q, k, v, z of each)
+    from llama.cpp's ``attn_qkv`` (all q rows, all k rows, all v rows) and ``attn_gate``
+    (z)."""
+    if set(parts) != {"attn_qkv", "attn_gate"}:
+        raise GGUFError(f"{path}: layer {layer} needs attn_qkv and attn_gate, has {sorted(parts)}")
+    qkv, z = parts["attn_qkv"], parts["attn_gate"]
+    vd = z.shape[0]
+    kd = (qkv.shape[0] - vd) // 2
+    q, k, v = qkv[:kd], qkv[kd : 2 * kd], qkv[2 * kd :]
+    groups = [x.reshape(nk, -1, x.shape[-1]) for x in (q, k, v, z)]
+    return np.concatenate(groups, axis=1).reshape(-1, qkv.shape[-1])

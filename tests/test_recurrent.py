@@ -11,7 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_group_accounting, dense_greedy, hf_greedy, tp_pool
+from conftest import (
+    check_group_accounting,
+    dense_greedy,
+    gguf_write,
+    gguf_writer,
+    hf_greedy,
+    tp_pool,
+)
 from flax import nnx
 
 import jax_kvcached as kv
@@ -143,6 +150,89 @@ def test_granite_engine_greedy_matches_generate_with_three_block_slots(hf_granit
     check_group_accounting(eng)
     eng.close()
     pool.close()
+
+
+def _qwen3next_gguf(hf, path):
+    """A qwen3next GGUF of a transformers Qwen3-Next as llama.cpp's converter writes it:
+    the (1 + w) norms stored as 1 + w, A as -exp(A_log), the conv squeezed, in_proj_qkvz
+    split into attn_qkv (all q, all k, all v) and attn_gate, experts stacked; all F32."""
+    c = hf.config
+    sd = {k: v.numpy() for k, v in hf.state_dict().items()}
+    w = gguf_writer(path, "qwen3next", c)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(c.linear_conv_kernel_dim)
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    w.add_full_attention_interval(4)
+    w.add_rope_dimension_count(int(c.head_dim * 0.25))
+    names = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight":
+             "post_attention_norm", "self_attn.q_proj.weight": "attn_q",
+             "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
+             "self_attn.o_proj.weight": "attn_output", "self_attn.q_norm.weight": "attn_q_norm",
+             "self_attn.k_norm.weight": "attn_k_norm", "mlp.gate.weight": "ffn_gate_inp",
+             "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
+             "mlp.down_proj.weight": "ffn_down", "mlp.shared_expert_gate.weight":
+             "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj.weight": "ffn_up_shexp",
+             "mlp.shared_expert.down_proj.weight": "ffn_down_shexp",
+             "linear_attn.in_proj_ba.weight": "ssm_ba", "linear_attn.norm.weight": "ssm_norm",
+             "linear_attn.out_proj.weight": "ssm_out"}  # fmt: skip
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"] + 1)
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    nk, dk = c.linear_num_key_heads, c.linear_key_head_dim
+    vz = c.linear_num_value_heads // nk * c.linear_value_head_dim
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf_name, name in names.items():
+            if p + hf_name in sd:
+                x = sd[p + hf_name]
+                folded = hf_name.endswith("norm.weight") and not hf_name.startswith("linear_attn")
+                w.add_tensor(f"blk.{i}.{name}.weight", x + 1 if folded else x)
+        experts = [k for k in sd if k.startswith(p + "mlp.experts.")]
+        if experts:
+            gu = sd[p + "mlp.experts.gate_up_proj"]  # (E, 2I, H): transformers 5's layout
+            half = gu.shape[1] // 2
+            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gu[:, :half]))
+            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gu[:, half:]))
+            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", sd[p + "mlp.experts.down_proj"])
+        if p + "linear_attn.A_log" not in sd:
+            continue
+        q = p + "linear_attn."
+        qkvz = sd[q + "in_proj_qkvz.weight"].reshape(nk, 2 * dk + 2 * vz, -1)
+        parts = np.split(qkvz, [dk, 2 * dk, 2 * dk + vz], axis=1)
+        flat = [x.reshape(-1, qkvz.shape[-1]) for x in parts]
+        w.add_tensor(f"blk.{i}.attn_qkv.weight", np.concatenate(flat[:3]))
+        w.add_tensor(f"blk.{i}.attn_gate.weight", np.ascontiguousarray(flat[3]))
+        conv = np.ascontiguousarray(sd[q + "conv1d.weight"][:, 0])  # (squeezed)
+        w.add_tensor(f"blk.{i}.ssm_conv1d.weight", conv)
+        w.add_tensor(f"blk.{i}.ssm_a", -np.exp(sd[q + "A_log"]))
+        w.add_tensor(f"blk.{i}.ssm_dt.bias", sd[q + "dt_bias"])
+    gguf_write(w)
+
+
+def test_a_qwen3next_gguf_matches_transformers(hf_next, tmp_path):
+    """llama.cpp's qwen3next layout (folded norms, A, the split qkvz, stacked experts, a
+    dense layer without a router): within 1e-4 of transformers."""
+    hf, _ = hf_next
+    path = tmp_path / "next.gguf"
+    _qwen3next_gguf(hf, path)
+    cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
+    assert cfg.model_type == "qwen3_next" and cfg.moe.dense_layers == (1,) and cfg.rotary_dim == 4
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
+    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
 
 
 def _state_group(eng):
