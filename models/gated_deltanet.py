@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .interface import Recur
+from .interface import Recur, chunk_size
 from .norm import rms_normalize
 
 
@@ -103,7 +103,6 @@ def delta_rule_step(lin: LinearAttentionConfig, conv_w: jax.Array):
     return step
 
 
-CHUNK = 64  # tokens of the chunked form's one update (a prefill chunk: n / CHUNK of them)
 
 
 def _conv_qkv(lin: LinearAttentionConfig, w: jax.Array, window: jax.Array):
@@ -121,12 +120,28 @@ def _conv_qkv(lin: LinearAttentionConfig, w: jax.Array, window: jax.Array):
     return q, jnp.repeat(k, r, axis=1), v
 
 
+def unit_lower_inverse(m: jax.Array) -> jax.Array:
+    """``(I + m)^-1`` for strictly lower-triangular ``m`` ``(..., C, C)``: ``m`` is
+    nilpotent, so the inverse is ``(I - m)(I + m^2)(I + m^4)...`` up to ``m^C``: log2(C)
+    squarings and products, matmuls only (no triangular solve)."""
+    c = m.shape[-1]
+    eye = jnp.eye(c, dtype=m.dtype)
+    out, p = eye - m, m
+    k = 2
+    while k < c:
+        p = p @ p
+        out = out @ (eye + p)
+        k *= 2
+    return out
+
+
 def delta_rule_chunk(lin: LinearAttentionConfig, conv_w: jax.Array):
     """The chunked form of :func:`delta_rule_step` (FLA's, as transformers'
     ``torch_chunk_gated_delta_rule`` writes it): ``chunk(state, xs, n) -> (state, o)``
     over ``C`` tokens of which the first ``n`` count; the others decay nothing and write
     nothing (``g``, ``beta`` 0). Within the chunk the delta rule's writes are one
-    triangular solve (the WY form): ``T = (I + tril(beta k k^T * decay, -1))^-1``."""
+    triangular inverse (the WY form): ``T = (I + tril(beta k k^T * decay, -1))^-1``
+    (:func:`unit_lower_inverse`)."""
     w = conv_w.astype(jnp.float32).T
 
     def chunk(state, x, n):
@@ -144,11 +159,9 @@ def delta_rule_chunk(lin: LinearAttentionConfig, conv_w: jax.Array):
         decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # (H, C, C)
         kb = k * beta[..., None]
         m = jnp.einsum("hid,hjd->hij", kb, k) * decay * (1 - jnp.eye(c))
-        eye = jnp.broadcast_to(jnp.eye(c), m.shape)
-        solve = jax.vmap(lambda a, b: jax.scipy.linalg.solve_triangular(
-            a, b, lower=True, unit_diagonal=True))  # fmt: skip
-        value = solve(eye + m, v * beta[..., None])
-        kcd = solve(eye + m, kb * jnp.exp(gc)[..., None])
+        t = unit_lower_inverse(m)
+        value = jnp.einsum("hij,hjv->hiv", t, v * beta[..., None])
+        kcd = jnp.einsum("hij,hjd->hid", t, kb * jnp.exp(gc)[..., None])
         s = state["ssm"]  # (H, dk, dv)
         v_new = value - jnp.einsum("hid,hdv->hiv", kcd, s)
         attn = jnp.einsum("hid,hjd->hij", q, k) * decay
@@ -204,7 +217,7 @@ class GatedDeltaNet(nnx.Module):
         }
         w = self.conv1d[...][:, 0, :]
         xs = {"qkv": qkv, "g": g, "beta": beta}
-        chunk = (CHUNK, delta_rule_chunk(lin, w))
+        chunk = (chunk_size(), delta_rule_chunk(lin, w))
         o, carry = recur_layer(delta_rule_step(lin, w), init, xs, carry, chunk=chunk)
         # the gated RMSNorm: rmsnorm(o) * w (in the model dtype) * silu(z)
         o = self.norm[...] * rms_normalize(o, self.eps).astype(x.dtype)

@@ -42,6 +42,12 @@ Recur = Callable[..., tuple[Any, Any]]
 RECURRENT = -1
 
 
+def chunk_size() -> int:
+    """Tokens of a recurrent layer's chunked update: 64 on an accelerator (its matmuls'
+    tile), 16 on a CPU (measured: 77 us a position for 32 sequences at 16, 323 at 64)."""
+    return 16 if jax.default_backend() == "cpu" else 64
+
+
 def dense_recurrence(
     layer: Any, step_fn: Callable, init: Any, xs: Any, carry: Any, chunk: Any = None
 ) -> tuple:

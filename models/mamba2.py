@@ -24,10 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .interface import Recur
+from .interface import Recur, chunk_size
 from .norm import rms_normalize
-
-CHUNK = 64  # tokens of the chunked form's one update
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +189,7 @@ class Mamba2Mixer(nnx.Module):
             "conv": jnp.zeros((m.d_conv - 1, m.conv_dim), jnp.float32),
             "ssm": jnp.zeros((m.num_heads, m.head_dim, m.d_state), jnp.float32),
         }
-        chunk = (CHUNK, mamba2_chunk(m, w, b, a, d))
+        chunk = (chunk_size(), mamba2_chunk(m, w, b, a, d))
         y, carry = recur_layer(mamba2_step(m, w, b, a, d), init, {"xbc": xbc, "dt": dt}, carry,
                                chunk=chunk)  # fmt: skip
         # the gated norm (gate first): rmsnorm over each group of y * silu(z), times w

@@ -95,15 +95,14 @@ class Qwen3NextModel(nnx.Module):
     (:func:`~.stack.stack_segments`)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> None:
-        if cfg.linear is None or cfg.layer_types is None:
-            raise ValueError("qwen3_next: a config with linear attention layers is needed")
         self.config = cfg
         self.dtype = jnp.dtype(dtype)
         kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, **kw)
+        types = cfg.layer_types or ("full_attention",) * cfg.num_layers  # (all attention)
         kinds = [
             (t == "linear_attention", cfg.moe is not None and cfg.moe.is_moe(i))
-            for i, t in enumerate(cfg.layer_types)
+            for i, t in enumerate(types)
         ]
         self.layers, self.layer_starts = stack_segments(
             lambda kind: Qwen3NextLayer(cfg, dtype, rngs, kind), kinds

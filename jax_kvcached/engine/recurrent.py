@@ -28,6 +28,7 @@ half-written state.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,19 @@ def _pick(cond: jax.Array, a: Any, b: Any) -> Any:
     return jax.tree.map(
         lambda x, y: jnp.where(cond.reshape(-1, *([1] * (x.ndim - 1))), x, y), a, b
     )
+
+
+def _one_token(step_fn, state, ys, tokens, q_start, q_lens, ck_at):
+    """A decode step: each sequence's one token (if any) in one update."""
+    t = jax.tree.leaves(tokens)[0].shape[0]
+    valid = q_lens > 0
+    tok = jnp.clip(q_start, 0, t - 1)
+    new, y = jax.vmap(step_fn)(state, jax.tree.map(lambda a: a[tok], tokens))
+    state = _pick(valid, new, state)
+    snap = _pick(valid & (ck_at == 1), new, state)
+    at = jnp.where(valid, tok, t)  # (past the axis: dropped)
+    ys = jax.tree.map(lambda acc, v: acc.at[at].set(v.astype(acc.dtype), mode="drop"), ys, y)
+    return state, snap, ys
 
 
 def _by_token(step_fn, state, ys, tokens, q_start, q_lens, ck_at):
@@ -174,10 +188,10 @@ def recurrence(
     if total > cap:
         raise ValueError(f"a state of {total} values does not fit a slot of {nslot} blocks")
     t = jax.tree.leaves(xs)[0].shape[1]
-    # 1. read: (planes, S, nS, bs, H, D) -> (S, cap), zeros where the sequence starts
+    # 1. read: -> (S, cap) plane by plane, zeros where the sequence starts
     src = ops.after(blocks[0], chain)
-    got = view[layer][:, src]
-    flat = jnp.moveaxis(got, 0, 1).reshape(num_seqs, cap)[:, :total].astype(jnp.float32)
+    got = view[layer, :, src]  # (S, nS, planes, bs, H, D): one gather, no copy of a layer
+    flat = jnp.moveaxis(got, 2, 1).reshape(num_seqs, cap)[:, :total].astype(jnp.float32)
     flat = jnp.where(rows[0][:, None] > 0, 0.0, flat)
     state = _unflatten(flat, init)
     # 2. the tokens in order, every sequence at once
@@ -185,16 +199,15 @@ def recurrence(
     y_shape = jax.eval_shape(step_fn, init, jax.tree.map(lambda a: a[0], tokens))[1]
     ys = jax.tree.map(lambda s: jnp.zeros((t, *s.shape), s.dtype), y_shape)
     args = (state, ys, tokens, q_start, q_lens, rows[1])
-    if chunk is None:
-        state, snap, ys = _by_token(step_fn, *args)
-    else:  # a chunked scan where a sequence has several tokens; a decode step by token
-        size, chunk_fn = chunk
-        state, snap, ys = jax.lax.cond(
-            jnp.max(q_lens) <= 1,
-            lambda *a: _by_token(step_fn, *a),
-            lambda *a: _by_chunk(chunk_fn, size, *a),
-            *args,
-        )
+    many = _by_token if chunk is None else functools.partial(_by_chunk, chunk[1], chunk[0])
+    # A decode step (one token a sequence) is one update, no loop; a step where some
+    # sequence has several tokens runs the chunked form (or the per-token loop).
+    state, snap, ys = jax.lax.cond(
+        jnp.max(q_lens) <= 1,
+        lambda *a: _one_token(step_fn, *a),
+        lambda *a: many(step_fn, *a) if chunk is None else many(*a),
+        *args,
+    )
     # 3. write the slots and the checkpoints in one call
     both = jnp.concatenate([_flatten(state, num_seqs), _flatten(snap, num_seqs)], axis=0)
     both = jnp.pad(both, ((0, 0), (0, cap - total))).astype(cache.dtype)
