@@ -419,3 +419,43 @@ def test_the_chunked_forms_equal_the_per_token_updates(case):
     for key in ("ssm", "conv"):
         scale = max(1.0, np.abs(want_state[key]).max())
         assert np.abs(state[key] - want_state[key]).max() < 1e-5 * scale
+
+
+def test_the_server_reports_the_recurrent_group_and_restores_state():
+    """A served Qwen3-Next: a repeated request restores the state checkpoint and gives
+    the same text; /admin/memory, /metrics and top show the recurrent group, and
+    the groups add up to the model's mapped bytes."""
+    import httpx
+
+    from jax_kvcached.models import ByteTokenizer
+    from jax_kvcached.serve.app import AuthConfig, BackgroundServer, ServedModel, create_app
+    from jax_kvcached.serve.loop import ServingLoop
+    from jax_kvcached.serve.top import render, scrape
+
+    model = build_model(BUILTIN_CONFIGS["tiny-qwen3-next"], seed=0)
+    pool = _pool()
+    eng = Engine(model, pool, name="q", max_batch=2, tokenizer=ByteTokenizer())
+    loop = ServingLoop({"q": eng}).start()
+    app = create_app(loop, {"q": ServedModel(eng, ByteTokenizer())},
+                     auth=AuthConfig(allow_unauthenticated_admin=True))  # fmt: skip
+    http = BackgroundServer(app).start()
+    try:
+        body = {"model": "q", "prompt": "y" * 90, "max_tokens": 3, "ignore_eos": True,
+                "temperature": 0}
+        first = httpx.post(f"{http.url}/v1/completions", json=body, timeout=120).json()
+        again = httpx.post(f"{http.url}/v1/completions", json=body, timeout=120).json()
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        # the second prefilled 10 tokens: 80 from the cache, the state from its checkpoint
+        assert eng.prefix_cache.hits == 80 and eng.kv.prefix_caches[1].hits > 0
+        mem = httpx.get(f"{http.url}/admin/memory").json()["models"]["q"]["kv_cache_groups"]
+        assert [(g["layers"], g["kind"]) for g in mem] == [(1, "full"), (3, "recurrent")]
+        assert sum(g["mapped_bytes"] for g in mem) == eng.cache.mapped_bytes > 0
+        m = scrape(http.url)
+        series = m["kvcached_kv_cache_group_mapped_bytes"]
+        assert {dict(k)["kind"] for k in series} == {"full", "recurrent"}
+        assert sum(series.values()) == eng.cache.mapped_bytes
+        assert "KV groups: full" in render(m) and "state" in render(m)
+    finally:
+        http.stop()
+        loop.stop()
+        pool.close()

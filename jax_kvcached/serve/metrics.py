@@ -120,13 +120,14 @@ class _LoopCollector:
             yield c
         g = GaugeMetricFamily(
             "kvcached_kv_cache_group_mapped_bytes",
-            "Physical KV memory mapped by each KV cache group of the model (window 0: full "
-            "attention).",
-            labels=["model", "kv_group", "window"],
+            "Physical KV memory mapped by each KV cache group of the model (kind full, "
+            "sliding with its window, or recurrent: state slots and checkpoints).",
+            labels=["model", "kv_group", "window", "kind"],
         )
         for model, s in stats.items():
             for i, grp in enumerate(s["kv_cache_groups"]):
-                g.add_metric([model, str(i), str(grp["window"])], float(grp["mapped_bytes"]))
+                g.add_metric([model, str(i), str(grp["window"]), grp["kind"]],
+                             float(grp["mapped_bytes"]))  # fmt: skip
         yield g
         for key in ("budget", "mapped", "reserved"):
             g = GaugeMetricFamily(

@@ -143,17 +143,20 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
 
 
 def _kv_group_lines(m: dict[str, Any]) -> list[str]:
-    """Models of several KV cache groups: each group's mapped memory (window or full)."""
-    per: dict[str, list[tuple[int, int, float]]] = {}
+    """Models of several KV cache groups: each group's mapped memory (full attention, a
+    window, or recurrent state)."""
+    per: dict[str, list[tuple[int, str, float]]] = {}
     for key, v in m.get("kvcached_kv_cache_group_mapped_bytes", {}).items():
         lab = dict(key)
-        per.setdefault(lab["model"], []).append((int(lab["kv_group"]), int(lab["window"]), v))
+        w, kind = int(lab["window"]), lab.get("kind", "full")
+        name = "state" if kind == "recurrent" else "full" if w == 0 else f"window {w}"
+        per.setdefault(lab["model"], []).append((int(lab["kv_group"]), name, v))
     lines = []
     for model in sorted(per):
         groups = sorted(per[model])
         if len(groups) < 2:
             continue
-        parts = [f"{'full' if w == 0 else f'window {w}'} {size(v)}" for _, w, v in groups]
+        parts = [f"{name} {size(v)}" for _, name, v in groups]
         lines.append(f"{model[:15]:<16}KV groups: " + ", ".join(parts))
     return ([""] + lines) if lines else []
 
