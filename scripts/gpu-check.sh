@@ -10,7 +10,9 @@
 #       forks + penalties + logprobs, KV cache groups, forks of a hybrid model: a block
 #       copy per group, packed int8 / int4 weights: no dequantized weight in the optimized
 #       HLO, mixtures of experts: ragged_dot computes each expert's rows only and the tiny
-#       MoE preset gives the CPU's tokens); the engine's decode step per step
+#       MoE preset gives the CPU's tokens, latent attention and sinks, recurrent state:
+#       the Qwen3-Next and Granite 4.0-H presets give the CPU's tokens and restore a
+#       state checkpoint); the engine's decode step per step
 #       (programs, launches, host time) with command buffers on and off; paged vs dense
 #       decode at batch 1/8/32 for the bench model.
 #   scripts/gpu-check.sh smollm2   the same two for SmolLM2-135M's architecture in bf16
@@ -86,5 +88,7 @@ else
     --stall-prompts 200,900 --stall-tokens 100 --rates 4,16 --num-prompts 24 --max-id 300 \
     --max-prompt-len 600 --out "$J/serving.json"
   run 60 hybrid python3 "$B/bench_hybrid.py" --quick --models tiny-mistral --out "$J"
+  run 120 recurrent python3 "$B/bench_recurrent.py" --contexts 1024,8192 --rounds 2 \
+    --out "$J/recurrent.json"
 fi
 tar czf "$OUT/json-$PART.tgz" -C "$J" .
