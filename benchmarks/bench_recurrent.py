@@ -101,7 +101,7 @@ def bench_ttft(rounds: int, tokens: int = 2048) -> dict:
     cfg = BUILTIN_CONFIGS["tiny-qwen3-next"]
     pool = kv.Pool("1GiB", backend="host")
     eng = Engine(build_model(cfg, seed=0), pool, max_batch=4, max_model_len=4096)
-    runs: dict = {"cold": [], "cached": [], "cached_tokens": []}
+    runs: dict = {"cold": [], "cached": []}
     for r in range(rounds + 1):  # (round 0 compiles)
         base = [(r * 131 + 7 * j) % 250 + 1 for j in range(tokens)]
         cold = _ttft(eng, base)  # cold: nothing of it cached
