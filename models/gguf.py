@@ -26,6 +26,8 @@ from .gguf_archs import (
     GGUFError,
     deepseek2_fields,
     gpt_oss_fields,
+    granitehybrid_fields,
+    granitehybrid_weight,
     kv_b_from_split,
     qkvz_from_split,
     qwen3next_fields,
@@ -38,7 +40,7 @@ from .quant_format import GGUF_EXACT, Packed, from_gguf_blocks, nearest_format, 
 log = logging.getLogger("jax_kvcached.models")
 
 _ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "deepseek2", "gpt-oss",
-                  "qwen3next")  # fmt: skip
+                  "qwen3next", "granitehybrid")  # fmt: skip
 # GGUF architecture -> our model_type, where the names differ (deepseek2: by its gating).
 _MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "qwen3next": "qwen3_next"}
 # A mixture of experts' stacked expert tensors (E, out, in) -> each expert's HF name
@@ -49,7 +51,7 @@ _EXPERT_NAMES = {
     for kind in ("weight", "bias")
 }
 # Architectures whose Q / K rows llama.cpp permuted (its interleaved RoPE).
-_PERMUTED = ("llama",)
+_PERMUTED = ("llama", "granitehybrid")
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -106,6 +108,20 @@ _QWEN3NEXT_LAYER_NAMES = {
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
+# Granite 4.0-H: Mamba2's tensors under ssm_*.
+_GRANITE_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ssm_in.weight": "mamba.in_proj.weight",
+    "ssm_in.bias": "mamba.in_proj.bias",
+    "ssm_conv1d.weight": "mamba.conv1d.weight",
+    "ssm_conv1d.bias": "mamba.conv1d.bias",
+    "ssm_dt.bias": "mamba.dt_bias",
+    "ssm_a": "mamba.A_log",
+    "ssm_d": "mamba.D",
+    "ssm_norm.weight": "mamba.norm.weight",
+    "ssm_out.weight": "mamba.out_proj.weight",
+    "ssm_out.bias": "mamba.out_proj.bias",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -155,6 +171,12 @@ class GGUFCheckpoint:
     def tensor_names(self) -> set[str]:
         return set(self._tensors)
 
+    def tensor_dims(self, name: str) -> tuple[int, ...]:
+        """Tensor ``name``'s shape in numpy order (GGUF stores it reversed)."""
+        if name not in self._tensors:
+            raise GGUFError(f"{self.path}: tensor {name!r} is missing")
+        return tuple(int(d) for d in self._tensors[name].shape)
+
     # -- metadata ----------------------------------------------------------------------
     def meta(self, key: str, default: Any = ...) -> Any:
         if key not in self._file.metadata:
@@ -203,15 +225,18 @@ class GGUFCheckpoint:
             extra = gpt_oss_fields(self)
         elif a == "qwen3next":
             extra = qwen3next_fields(self)
+        elif a == "granitehybrid":
+            extra = granitehybrid_fields(self)
         window = self.meta(f"{a}.attention.sliding_window", None)
         if window and a == "llama":  # Mistral: one window for every layer
             extra = dict(sliding_window=int(window))
         if scaling == "yarn" and "rope_scaling" not in extra:
             extra["rope_scaling"] = yarn_scaling(self, None)
         return ModelConfig(
-            vocab_size=int(vocab),
+            vocab_size=int(extra.pop("vocab_size", vocab)),
             hidden_size=hidden,
-            intermediate_size=int(self._dense_width(a, extra.get("moe"))),
+            intermediate_size=int(extra.pop("intermediate_size", None)
+                                  or self._dense_width(a, extra.get("moe"))),
             num_layers=int(self.meta(f"{a}.block_count")),
             num_heads=heads,
             num_kv_heads=extra.pop("num_kv_heads", None)
@@ -248,8 +273,9 @@ class GGUFCheckpoint:
         latent_b: dict[str, dict[str, np.ndarray]] = {}  # deepseek2: attn_k_b / attn_v_b
         qwen3next = self.architecture == "qwen3next"
         qkvz: dict[str, dict[str, np.ndarray]] = {}  # qwen3next: attn_qkv / attn_gate
+        granite = self.architecture == "granitehybrid"
         names = (_GEMMA_LAYER_NAMES if gemma else _QWEN3NEXT_LAYER_NAMES if qwen3next
-                 else _LAYER_NAMES)  # fmt: skip
+                 else _GRANITE_LAYER_NAMES if granite else _LAYER_NAMES)  # fmt: skip
         for name in self._tensors:
             if self._experts(name, dtype, out):
                 continue
@@ -265,7 +291,7 @@ class GGUFCheckpoint:
             hf = _hf_name(name, names)
             if hf is None:
                 raise GGUFError(f"{self.path}: unexpected tensor {name!r}")
-            plain = hf.endswith("kv_b_proj.weight") or ".linear_attn." in hf  # (never packed)
+            plain = hf.endswith("kv_b_proj.weight") or ".linear_attn." in hf or ".mamba." in hf
             if packed and hf.endswith(_PACKABLE) and not plain:
                 p = self.packed(name)
                 if p is not None:
@@ -283,6 +309,8 @@ class GGUFCheckpoint:
                 w = w - 1.0  # stored as 1 + w
             elif qwen3next:
                 w = qwen3next_weight(hf, w)
+            elif granite:
+                w = granitehybrid_weight(hf, w)
             out[hf] = w.astype(dtype, copy=False)
         for layer, parts in qkvz.items():
             out[f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"] = qkvz_from_split(

@@ -170,3 +170,59 @@ def qkvz_from_split(path: str, layer: str, parts: dict[str, np.ndarray], nk: int
     q, k, v = qkv[:kd], qkv[kd : 2 * kd], qkv[2 * kd :]
     groups = [x.reshape(nk, -1, x.shape[-1]) for x in (q, k, v, z)]
     return np.concatenate(groups, axis=1).reshape(-1, qkv.shape[-1])
+
+
+def granitehybrid_fields(ck: Any) -> dict[str, Any]:
+    """Granite 4.0-H as llama.cpp writes it (``granitehybrid``): Mamba2's shape under
+    ``ssm.*`` (``time_step_rank`` the heads, ``inner_size`` their total width), the
+    attention layers those with KV heads in the per-layer ``head_count_kv``, experts of
+    ``feed_forward_length`` beside the shared MLP (or the MLP alone), Granite's scales,
+    RoPE only when ``rope.scaling.finetuned`` says so (the converter's flag for it)."""
+    from .mamba2 import Mamba2Config
+
+    a = "granitehybrid"
+    kv = ck.meta(f"{a}.attention.head_count_kv")
+    layers = int(ck.meta(f"{a}.block_count"))
+    kv = [int(x) for x in (kv if isinstance(kv, (list, tuple, np.ndarray)) else [kv] * layers)]
+    ssm = [i for i, n in enumerate(kv) if n == 0]
+    if not ssm:
+        raise GGUFError(f"{ck.path}: a {a} file without Mamba2 layers (head_count_kv {kv})")
+    heads = int(ck.meta(f"{a}.ssm.time_step_rank"))
+    names = ck.tensor_names
+    mamba = Mamba2Config(
+        num_heads=heads, head_dim=int(ck.meta(f"{a}.ssm.inner_size")) // heads,
+        num_groups=int(ck.meta(f"{a}.ssm.group_count")),
+        d_state=int(ck.meta(f"{a}.ssm.state_size")), d_conv=int(ck.meta(f"{a}.ssm.conv_kernel")),
+        conv_bias=f"blk.{ssm[0]}.ssm_conv1d.bias" in names,
+        proj_bias=f"blk.{ssm[0]}.ssm_in.bias" in names,
+    )  # fmt: skip
+    experts = int(ck.meta(f"{a}.expert_count", 0))
+    shared = int(ck.meta(f"{a}.expert_shared_feed_forward_length"))
+    moe = None
+    if experts:
+        moe = MoEConfig(num_experts=experts, top_k=int(ck.meta(f"{a}.expert_used_count")),
+                        intermediate_size=int(ck.meta(f"{a}.feed_forward_length")),
+                        norm_topk_prob=True, shared_intermediate_size=shared)  # fmt: skip
+    scale = float(ck.meta(f"{a}.attention.scale", 1.0))
+    return dict(
+        model_type="granitemoehybrid", linear=mamba, moe=moe, num_kv_heads=max(kv),
+        layer_types=tuple("linear_attention" if n == 0 else "full_attention" for n in kv),
+        intermediate_size=shared, query_pre_attn_scalar=scale**-2,
+        embedding_multiplier=float(ck.meta(f"{a}.embedding_scale", 1.0)),
+        residual_multiplier=float(ck.meta(f"{a}.residual_scale", 1.0)),
+        logits_scaling=float(ck.meta(f"{a}.logit_scale", 1.0)),
+        rope=bool(ck.meta(f"{a}.rope.scaling.finetuned", False)),
+        vocab_size=int(ck.tensor_dims("token_embd.weight")[0]),  # (the token list is padded)
+    )  # fmt: skip
+
+
+def granitehybrid_weight(hf: str, w: np.ndarray) -> np.ndarray:
+    """A granitehybrid Mamba2 tensor back in Hugging Face's form: ``A`` = -exp(A_log)
+    and ``D`` stored ``(heads, 1)``, the conv squeezed, the norm ``(groups, width)``."""
+    if hf.endswith("mamba.A_log"):
+        return np.log(-w.reshape(-1))
+    if hf.endswith(("mamba.D", "mamba.norm.weight")):
+        return w.reshape(-1)
+    if hf.endswith("mamba.conv1d.weight"):
+        return w.reshape(w.shape[0], 1, w.shape[-1])
+    return w

@@ -235,6 +235,95 @@ def test_a_qwen3next_gguf_matches_transformers(hf_next, tmp_path):
     assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
 
 
+def _granitehybrid_gguf(hf, folder, path):
+    """A granitehybrid GGUF of a transformers Granite 4.0-H as llama.cpp's converter
+    writes it: q / k rows in llama.cpp's RoPE order, KV heads per layer (0: Mamba2), A as
+    -exp(A_log) and D as (heads, 1), the conv squeezed, the norm in groups, the fused
+    experts and shared MLP split; Granite's scales; all F32."""
+    from safetensors.numpy import load_file
+
+    c = hf.config
+    sd = load_file(f"{folder}/model.safetensors")  # (the checkpoint's own names)
+    w = gguf_writer(path, "granitehybrid", c)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count_kv([0 if t == "linear_attention" else c.num_key_value_heads
+                         for t in c.layer_types])  # fmt: skip
+    w.add_expert_count(c.num_local_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_shared_feed_forward_length(c.shared_intermediate_size)
+    w.add_attention_scale(c.attention_multiplier)
+    w.add_embedding_scale(c.embedding_multiplier)
+    w.add_residual_scale(c.residual_multiplier)
+    w.add_logit_scale(c.logits_scaling)
+    w.add_rope_scaling_finetuned(False)
+    inner = c.mamba_expand * c.hidden_size
+    w.add_ssm_conv_kernel(c.mamba_d_conv)
+    w.add_ssm_state_size(c.mamba_d_state)
+    w.add_ssm_group_count(c.mamba_n_groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(c.mamba_n_heads)
+
+    def permute(x, heads):  # llama.cpp's RoPE row order
+        return x.reshape(heads, 2, x.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(x.shape)
+
+    names = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+             "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
+             "block_sparse_moe.router.layer.weight": "ffn_gate_inp",
+             "block_sparse_moe.output_linear.weight": "ffn_down_exps",
+             "shared_mlp.output_linear.weight": "ffn_down_shexp",
+             "mamba.in_proj.weight": "ssm_in", "mamba.conv1d.bias": "ssm_conv1d",
+             "mamba.out_proj.weight": "ssm_out"}  # fmt: skip
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for hf_name, name in names.items():
+            if p + hf_name in sd:
+                kind = "bias" if hf_name.endswith("bias") else "weight"
+                w.add_tensor(f"blk.{i}.{name}.{kind}", sd[p + hf_name])
+        if p + "self_attn.q_proj.weight" in sd:
+            w.add_tensor(f"blk.{i}.attn_q.weight",
+                         permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads))
+            w.add_tensor(f"blk.{i}.attn_k.weight",
+                         permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads))
+        gu = sd[p + "block_sparse_moe.input_linear.weight"]
+        half = gu.shape[1] // 2
+        w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", np.ascontiguousarray(gu[:, :half]))
+        w.add_tensor(f"blk.{i}.ffn_up_exps.weight", np.ascontiguousarray(gu[:, half:]))
+        gu = sd[p + "shared_mlp.input_linear.weight"]
+        w.add_tensor(f"blk.{i}.ffn_gate_shexp.weight", gu[: gu.shape[0] // 2])
+        w.add_tensor(f"blk.{i}.ffn_up_shexp.weight", gu[gu.shape[0] // 2 :])
+        if p + "mamba.A_log" not in sd:
+            continue
+        q = p + "mamba."
+        conv = np.ascontiguousarray(sd[q + "conv1d.weight"][:, 0])  # (squeezed)
+        w.add_tensor(f"blk.{i}.ssm_conv1d.weight", conv)
+        w.add_tensor(f"blk.{i}.ssm_a", -np.exp(sd[q + "A_log"]).reshape(-1, 1))
+        w.add_tensor(f"blk.{i}.ssm_d", sd[q + "D"].reshape(-1, 1))
+        w.add_tensor(f"blk.{i}.ssm_dt.bias", sd[q + "dt_bias"])
+        norm = sd[q + "norm.weight"].reshape(c.mamba_n_groups, -1)  # (in its groups)
+        w.add_tensor(f"blk.{i}.ssm_norm.weight", norm)
+    gguf_write(w)
+
+
+def test_a_granitehybrid_gguf_matches_transformers(hf_granite, tmp_path):
+    """llama.cpp's granitehybrid layout (attention layers by their KV heads, Mamba2's
+    A / D / conv / grouped norm, split experts, Granite's scales, q / k permuted): within
+    1e-4 of transformers."""
+    hf, folder = hf_granite
+    path = tmp_path / "granite.gguf"
+    _granitehybrid_gguf(hf, folder, path)
+    cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
+    assert cfg.model_type == "granitemoehybrid" and not cfg.rope and cfg.linear.num_groups == 2
+    assert cfg.layer_windows() == (RECURRENT, RECURRENT, 0, RECURRENT)
+    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].numpy()
+    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
+    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+
+
 def _state_group(eng):
     (g,) = [g for g, w in enumerate(eng.windows) if w == RECURRENT]
     return eng.cache.groups[g], eng.kv.prefix_caches[g], eng.kv.managers[g]
