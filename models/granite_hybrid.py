@@ -16,19 +16,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from .config import ModelConfig
-from .interface import Attend, recurrence_of
+from .hybrid import HybridDecoder
 from .llama import MLP, Attention, RMSNorm, attention_weights
 from .mamba2 import Mamba2Mixer, mamba2_weights
-from .moe import MoE, expert_weights
+from .moe import MoE
 from .registry import register
-from .rope import rope_inv_freq
-from .stack import layer_runs, num_stacked, run_layers, stack_segments
 
 
 class GraniteHybridLayer(nnx.Module):
@@ -58,91 +55,26 @@ class GraniteHybridLayer(nnx.Module):
         return x + f * jnp.asarray(self.residual, x.dtype), carry
 
 
+def _mixer_weights(layer: GraniteHybridLayer, p: str, i: int) -> dict[str, tuple]:
+    if layer.mamba is not None:
+        return mamba2_weights(layer.mamba, p + "mamba.", i)
+    return attention_weights(layer.self_attn, p, i)
+
+
 @register("granitemoehybrid")
-class GraniteHybridModel(nnx.Module):
-    """Granite 4.0-H (see the module docstring): runs of alike layers stacked and
-    scanned (:func:`~.stack.stack_segments`)."""
+class GraniteHybridModel(HybridDecoder):
+    """Granite 4.0-H (see the module docstring)."""
+
+    mixer_weights = staticmethod(_mixer_weights)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> None:
         if cfg.linear is None or cfg.layer_types is None:
             raise ValueError("granitemoehybrid: a config with Mamba2 layers is needed")
-        self.config = cfg
-        self.dtype = jnp.dtype(dtype)
-        kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, **kw)
         kinds = [t == "linear_attention" for t in cfg.layer_types]
-        self.layers, self.layer_starts = stack_segments(
-            lambda mamba: GraniteHybridLayer(cfg, dtype, rngs, mamba), kinds
-        )
-        self.scan_layers = True
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, **kw)
-        )
+        def make(mamba):
+            return GraniteHybridLayer(cfg, dtype, rngs, mamba)
 
-    def __call__(
-        self, tokens: jax.Array, positions: jax.Array, attend: Attend, carry: Any = None
-    ) -> jax.Array:
-        return self.logits(self.hidden_states(tokens, positions, attend, carry)[0])
-
-    def hidden_states(
-        self, tokens: jax.Array, positions: jax.Array, attend: Attend, carry: Any = None
-    ) -> tuple[jax.Array, Any]:
-        cfg = self.config
-        inv_freq = rope_inv_freq(cfg) if cfg.rope else None
-        recur = recurrence_of(attend)
-
-        def body(layer, x, i, carry):
-            def attend_layer(q, k, v, c, **kw):
-                return attend(i, q, k, v, c, **kw)
-
-            def recur_layer(step, init, xs, c, **kw):
-                return recur(i, step, init, xs, c, **kw)
-
-            return layer(x, positions, inv_freq, attend_layer, recur_layer, carry)
-
-        x = self.embed_tokens(tokens)
-        x = x * jnp.asarray(cfg.embedding_multiplier, x.dtype)
-        for start, layers in layer_runs(self.layers, self.layer_starts):
-            x, carry = run_layers(layers, x, carry, body, scan=self.scan_layers, offset=start)
-        return self.norm(x), carry
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        out = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
-        return out.astype(jnp.float32) / self.config.logits_scaling
-
-    def tensor_parallel_plan(self, tp: int) -> list[tuple[object, str, int]]:
-        if tp == 1:
-            return []
-        raise ValueError("granitemoehybrid: tensor parallelism over its recurrent layers is "
-                         "not supported yet")  # fmt: skip
-
-    def hf_weights(self) -> dict[str, tuple[object, str, bool, int | None]]:
-        t: dict[str, tuple[object, str, bool, int | None]] = {
-            "model.embed_tokens.weight": (self.embed_tokens, "embedding", False, None),
-            "model.norm.weight": (self.norm, "weight", False, None),
-        }
-        if self.lm_head is not None:
-            t["lm_head.weight"] = (self.lm_head, "kernel", True, None)
-        for start, layer in layer_runs(self.layers, self.layer_starts):
-            for i in range(num_stacked(layer)):
-                p = f"model.layers.{start + i}."
-                t[p + "input_layernorm.weight"] = (layer.input_layernorm, "weight", False, i)
-                t[p + "post_attention_layernorm.weight"] = (
-                    layer.post_attention_layernorm, "weight", False, i,
-                )  # fmt: skip
-                if layer.mamba is not None:
-                    t.update(mamba2_weights(layer.mamba, p + "mamba.", i))
-                else:
-                    t.update(attention_weights(layer.self_attn, p, i))
-                if isinstance(layer.mlp, MoE):
-                    t.update(expert_weights(layer.mlp, p, i))
-                else:
-                    for name in ("gate_proj", "up_proj", "down_proj"):
-                        t[p + f"mlp.{name}.weight"] = (getattr(layer.mlp, name), "kernel", True, i)
-        return t
+        super().__init__(cfg, dtype, rngs, kinds, make, RMSNorm)
 
 
 def split_granite_tensors(tensors: dict[str, Any]) -> dict[str, Any]:

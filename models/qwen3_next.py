@@ -6,9 +6,9 @@ Full attention: q_proj gives each head's query and a gate (interleaved per head)
 k get RMSNorm per head, RoPE rotates the first ``partial_rotary_factor`` of each head,
 and the output is multiplied by ``sigmoid(gate)`` before o_proj. Every norm scales by
 ``1 + weight`` (:class:`~.gemma3.GemmaRMSNorm`'s form). A
-:class:`~.interface.CausalLM`: the attention layers go through ``attend`` (the engine's
-full-attention group), the Gated DeltaNet layers through ``recurrence_of(attend)`` (its
-recurrent group's state slots).
+:class:`~.hybrid.HybridDecoder`: the attention layers go through ``attend`` (the
+engine's full-attention group), the Gated DeltaNet layers through
+``recurrence_of(attend)`` (its recurrent group's state slots).
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from flax import nnx
 from .config import ModelConfig
 from .gated_deltanet import GatedDeltaNet, gated_deltanet_weights
 from .gemma3 import GemmaRMSNorm
-from .interface import Attend, recurrence_of
+from .hybrid import HybridDecoder
 from .llama import MLP
-from .moe import MoE, expert_weights
+from .moe import MoE
 from .registry import register
-from .rope import apply_rope, rope_inv_freq
-from .stack import layer_runs, num_stacked, run_layers, stack_segments
+from .rope import apply_rope
 
 
 class GatedAttention(nnx.Module):
@@ -89,93 +88,31 @@ class Qwen3NextLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), carry
 
 
+def _mixer_weights(layer: Qwen3NextLayer, p: str, i: int) -> dict[str, tuple]:
+    if layer.linear_attn is not None:
+        return gated_deltanet_weights(layer.linear_attn, p, i)
+    a, t = layer.self_attn, {}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        t[p + f"self_attn.{name}.weight"] = (getattr(a, name), "kernel", True, i)
+    t[p + "self_attn.q_norm.weight"] = (a.q_norm, "weight", False, i)
+    t[p + "self_attn.k_norm.weight"] = (a.k_norm, "weight", False, i)
+    return t
+
+
 @register("qwen3_next")
-class Qwen3NextModel(nnx.Module):
-    """Qwen3-Next (see the module docstring): runs of alike layers stacked and scanned
-    (:func:`~.stack.stack_segments`)."""
+class Qwen3NextModel(HybridDecoder):
+    """Qwen3-Next (see the module docstring); without linear attention layers, the same
+    model with gated attention on every layer."""
+
+    mixer_weights = staticmethod(_mixer_weights)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> None:
-        self.config = cfg
-        self.dtype = jnp.dtype(dtype)
-        kw = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, **kw)
-        types = cfg.layer_types or ("full_attention",) * cfg.num_layers  # (all attention)
+        types = cfg.layer_types or ("full_attention",) * cfg.num_layers
         kinds = [
             (t == "linear_attention", cfg.moe is not None and cfg.moe.is_moe(i))
             for i, t in enumerate(types)
         ]
-        self.layers, self.layer_starts = stack_segments(
-            lambda kind: Qwen3NextLayer(cfg, dtype, rngs, kind), kinds
-        )
-        self.scan_layers = True
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, **kw)
-        )
+        def make(kind):
+            return Qwen3NextLayer(cfg, dtype, rngs, kind)
 
-    def __call__(
-        self, tokens: jax.Array, positions: jax.Array, attend: Attend, carry: Any = None
-    ) -> jax.Array:
-        return self.logits(self.hidden_states(tokens, positions, attend, carry)[0])
-
-    def hidden_states(
-        self, tokens: jax.Array, positions: jax.Array, attend: Attend, carry: Any = None
-    ) -> tuple[jax.Array, Any]:
-        inv_freq = rope_inv_freq(self.config)
-        recur = recurrence_of(attend)
-
-        def body(layer, x, i, carry):
-            def attend_layer(q, k, v, c, **kw):
-                return attend(i, q, k, v, c, **kw)
-
-            def recur_layer(step, init, xs, c, **kw):
-                return recur(i, step, init, xs, c, **kw)
-
-            return layer(x, positions, inv_freq, attend_layer, recur_layer, carry)
-
-        x = self.embed_tokens(tokens)
-        for start, layers in layer_runs(self.layers, self.layer_starts):
-            x, carry = run_layers(layers, x, carry, body, scan=self.scan_layers, offset=start)
-        return self.norm(x), carry
-
-    def logits(self, x: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            return self.embed_tokens.attend(x).astype(jnp.float32)
-        return self.lm_head(x).astype(jnp.float32)
-
-    def tensor_parallel_plan(self, tp: int) -> list[tuple[object, str, int]]:
-        if tp == 1:
-            return []
-        raise ValueError("qwen3_next: tensor parallelism over its recurrent layers is not "
-                         "supported yet")  # fmt: skip
-
-    def hf_weights(self) -> dict[str, tuple[object, str, bool, int | None]]:
-        t: dict[str, tuple[object, str, bool, int | None]] = {
-            "model.embed_tokens.weight": (self.embed_tokens, "embedding", False, None),
-            "model.norm.weight": (self.norm, "weight", False, None),
-        }
-        if self.lm_head is not None:
-            t["lm_head.weight"] = (self.lm_head, "kernel", True, None)
-        for start, layer in layer_runs(self.layers, self.layer_starts):
-            for i in range(num_stacked(layer)):
-                p = f"model.layers.{start + i}."
-                t[p + "input_layernorm.weight"] = (layer.input_layernorm, "weight", False, i)
-                t[p + "post_attention_layernorm.weight"] = (
-                    layer.post_attention_layernorm, "weight", False, i,
-                )  # fmt: skip
-                if layer.linear_attn is not None:
-                    t.update(gated_deltanet_weights(layer.linear_attn, p, i))
-                else:
-                    a = layer.self_attn
-                    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                        t[p + f"self_attn.{name}.weight"] = (getattr(a, name), "kernel", True, i)
-                    t[p + "self_attn.q_norm.weight"] = (a.q_norm, "weight", False, i)
-                    t[p + "self_attn.k_norm.weight"] = (a.k_norm, "weight", False, i)
-                if isinstance(layer.mlp, MoE):
-                    t.update(expert_weights(layer.mlp, p, i))
-                else:
-                    for name in ("gate_proj", "up_proj", "down_proj"):
-                        t[p + f"mlp.{name}.weight"] = (getattr(layer.mlp, name), "kernel", True, i)
-        return t
+        super().__init__(cfg, dtype, rngs, kinds, make, GemmaRMSNorm)
