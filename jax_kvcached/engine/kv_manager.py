@@ -24,7 +24,11 @@ per sequence, its own prefix cache (a block's key is its hash within its group) 
 manager of its type (:mod:`jax_kvcached.engine.kv_group_managers`), which holds the
 rules that differ: which blocks a query sees, the hit rule, the blocks a sequence holds
 at once, what it lets go of as it advances. This class asks every manager alike; a hit
-is the longest prefix every group's rule agrees on. Forks share their parent's prompt
+is the longest prefix every group's rule agrees on. A *slot* group (recurrent state:
+``RecurrentStateManager.holds_slot``) holds a fixed state slot per sequence instead of a
+block per block of tokens; its cached entries are state checkpoints, planned where a
+step crosses a checkpoint position (:meth:`grow`), cached once it is dispatched
+(:meth:`computed`), and read in place by a hit's first step. Forks share their parent's prompt
 blocks in every group (the managers' reference counts); the host tier is
 :class:`~jax_kvcached.engine.host_tier.HostTier`.
 """

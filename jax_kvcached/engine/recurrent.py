@@ -15,9 +15,11 @@ block under a key of the prefix's hash (``kv_group_managers.RecurrentStateManage
 
 1. reads every sequence slot's state (from its slot, from a restored checkpoint, or
    zeros for a sequence starting at position 0), ordered after the previous writes;
-2. runs the model's per-token ``step_fn`` over each sequence's tokens of the step in
-   order: all sequences at once, one position at a time, so a decode step is one update
-   and a prefill chunk of n tokens n of them;
+2. runs the model's update over each sequence's tokens of the step in order, all
+   sequences at once: a decode step (one token a sequence) is one per-token update; a
+   step where a sequence has several tokens runs the model's chunked form ``C`` tokens at
+   a time from each sequence's own cursor (a chunk ends at the sequence's checkpoint
+   position), or the per-token update position by position when the model has none;
 3. writes the final state back to the slot and, where the step crosses the sequence's
    checkpoint position, the state there to the checkpoint's blocks (one write call).
 
