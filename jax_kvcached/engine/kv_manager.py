@@ -35,7 +35,6 @@ blocks in every group (the managers' reference counts); the host tier is
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -48,13 +47,12 @@ from jax_kvcached.engine.kv_group_managers import KVGroupManager, make_manager
 from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.prefix_cache import PrefixCache, hash_blocks
 from jax_kvcached.engine.sequence import Sequence
+from jax_kvcached.engine.state_checkpoints import StateCheckpoints
 from jax_kvcached.memory.errors import PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
 
-log = logging.getLogger(__name__)
 
-
-class KVManager:
+class KVManager(StateCheckpoints):
     """Blocks of one KV cache for the sequences of one engine.
 
     Args:
@@ -127,10 +125,8 @@ class KVManager:
                          slot_blocks=slot_blocks, interval=state_interval)  # fmt: skip
             for g, w in zip(self.groups, self.windows, strict=True)
         ]
-        # Sequences resumed after a preemption: from a state checkpoint, or recomputed
-        # from position 0 (a recurrent group's state is not kept when preempted).
-        self.state_restores = 0
-        self.state_recomputes = 0
+        self.state_restores = 0  # (StateCheckpoints: resumed from a checkpoint)
+        self.state_recomputes = 0  # (or recomputed from token 0)
         # The host tier (None without one).
         self.host_tier: HostTier | None = None
         if host_cache_blocks and self.caching:
@@ -381,12 +377,7 @@ class KVManager:
             seq.num_computed = prefix * bs
             seq.cached_tokens = seq.num_computed
         if seq.preemptions and any(m.holds_slot for m in self.managers):
-            restored = seq.num_computed > 0
-            self.state_restores += restored
-            self.state_recomputes += not restored
-            log.info("request %s resumes after a preemption: %s", seq.request_id,
-                     f"state restored at token {seq.num_computed}" if restored
-                     else "recomputed from token 0")  # fmt: skip
+            self._resumed(seq)
         return seq.num_computed
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -406,30 +397,6 @@ class KVManager:
         self._plan_checkpoint(seq, num_tokens)
         return True
 
-    def _plan_checkpoint(self, seq: Sequence, num_tokens: int) -> None:
-        """A slot group's checkpoint for the step up to ``num_tokens`` (see
-        ``RecurrentStateManager.checkpoint_at``): blocks for it when the step crosses a
-        checkpoint position not cached yet. Best effort: none when memory is short."""
-        if not self.caching or seq.params.prompt_logprobs:
-            return
-        for mgr in self.managers:
-            if not mgr.holds_slot:
-                continue
-            c = mgr.checkpoint_at(seq.num_prompt, seq.num_computed, num_tokens)
-            if seq.state_ck is not None:
-                if seq.state_ck[1] == c:
-                    return  # (planned by an earlier try of this step)
-                self._free(seq.state_ck[0], mgr.index)
-                seq.state_ck = None
-            if not c:
-                return
-            h = self._hashes(seq, c // self.block_size)[-1]
-            if self._has(mgr.index, mgr.keys(h)[0]):
-                return  # cached already
-            blocks = self._alloc(mgr.slot_blocks, mgr.index)
-            if blocks is not None:
-                seq.state_ck = (blocks, c)
-
     def release(self, seq: Sequence) -> None:
         """Lets go of seq's blocks: cached ones stay cached (idle), the rest are freed;
         blocks another forked sequence still holds stay with it."""
@@ -439,15 +406,6 @@ class KVManager:
                 self._release_state(seq, mgr.index)
         seq.tables = [[] for _ in seq.tables]
         seq.inserted = [0] * len(seq.tables)
-
-    def _release_state(self, seq: Sequence, group: int) -> None:
-        """Lets go of a sequence's checkpoint source and unwritten checkpoint."""
-        if seq.state_src:
-            self.prefix_caches[group].release(seq.state_src)
-            seq.state_src = []
-        if seq.state_ck is not None:
-            self._free(seq.state_ck[0], group)
-            seq.state_ck = None
 
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int, int]] | None:
         """Gives ``child`` (the same prompt, not started) ``parent``'s prompt KV in every
@@ -507,29 +465,6 @@ class KVManager:
                 if inserted and self.host_tier is not None:
                     self.host_tier.wrote(g, table[i], self._fence)  # the newest step wrote it
             seq.inserted[g] = full
-
-    def _state_computed(self, seq: Sequence, group: int) -> None:
-        """After a step of ``seq`` was dispatched: the checkpoint it read goes back to
-        the cache (idle; a free waits for the step), and the checkpoint it wrote joins
-        the cache."""
-        pc = self.prefix_caches[group] if self.prefix_caches else None
-        if seq.state_src:
-            pc.release(seq.state_src)
-            seq.state_src = []
-        if seq.state_ck is None or seq.state_ck[1] > seq.num_computed:
-            return
-        blocks, c = seq.state_ck
-        seq.state_ck = None
-        mgr = self.managers[group]
-        keys = mgr.keys(self._hashes(seq, c // self.block_size)[-1])
-        if not all(pc.block_of(k) is None for k in keys):
-            self._free(blocks, group)  # (another sequence cached it first)
-            return
-        for j, (k, b) in enumerate(zip(keys, blocks, strict=True)):
-            pc.insert(k, b, j)
-            if self.host_tier is not None:
-                self.host_tier.wrote(group, b, self._fence)
-        pc.release(blocks)
 
     def _evict_pages(self, pages: int) -> int:
         """Evicts idle cached blocks, page-aware, group by group, until ``pages``
