@@ -54,13 +54,11 @@ class ModelConfig:
     # latent per token and layer, so num_kv_heads is 1 and head_dim the latent's width.
     mla: MLAConfig | None = None
     # Qwen3-Next: Gated DeltaNet on the layers ``layer_types`` marks "linear_attention"
-    # (models/gated_deltanet.py; recurrent state, no KV cache), RoPE on the first
-    # partial_rotary_factor of each head, and full attention whose output a sigmoid of
-    # a second half of q_proj gates (attn_output_gate).
+    # (models/gated_deltanet.py; recurrent state, no KV cache) and RoPE on the first
+    # partial_rotary_factor of each head (its gated attention: models/qwen3_next.py).
     # Granite 4.0-H: Mamba2 on the "linear_attention" layers instead (models/mamba2.py).
     linear: LinearAttentionConfig | Mamba2Config | None = None
     partial_rotary_factor: float = 1.0
-    attn_output_gate: bool = False
     # Granite's scalars: embeddings x embedding_multiplier, each sublayer's output x
     # residual_multiplier, logits / logits_scaling; rope False: no positional rotation.
     embedding_multiplier: float = 1.0
@@ -209,7 +207,6 @@ class ModelConfig:
             mla=mla,
             linear=linear,
             partial_rotary_factor=float(partial),
-            attn_output_gate=model_type in LINEAR_TYPES,
         )
 
     @classmethod
@@ -481,7 +478,7 @@ BUILTIN_CONFIGS["tiny-qwen3-next"] = ModelConfig(
     vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
     num_kv_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=10000.0,
     rms_norm_eps=1e-6, model_type="qwen3_next", bos_token_id=256, eos_token_id=257,
-    qk_norm=True, partial_rotary_factor=0.25, attn_output_gate=True,
+    qk_norm=True, partial_rotary_factor=0.25,
     layer_types=("linear_attention",) * 3 + ("full_attention",),
     linear=LinearAttentionConfig(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16),
     moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,

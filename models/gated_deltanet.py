@@ -27,6 +27,7 @@ from flax import nnx
 
 from .interface import Recur, chunk_size
 from .norm import rms_normalize
+from .scan_ops import causal_conv, conv_window, decay_matrix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,25 +94,22 @@ def delta_rule_step(lin: LinearAttentionConfig, conv_w: jax.Array):
     w = conv_w.astype(jnp.float32).T  # (conv_kernel, conv_dim)
 
     def step(state, x):
-        window = jnp.concatenate([state["conv"], x["qkv"][None]], axis=0)
+        window, conv = conv_window(state["conv"], x["qkv"][None], 1)
         q, k, v = (a[0] for a in _conv_qkv(lin, w, window))
         s = state["ssm"] * jnp.exp(x["g"])[:, None, None]
         delta = (v - jnp.einsum("hkv,hk->hv", s, k)) * x["beta"][:, None]
         s = s + k[:, :, None] * delta[:, None, :]
-        return {"conv": window[1:], "ssm": s}, jnp.einsum("hkv,hk->hv", s, q)
+        return {"conv": conv, "ssm": s}, jnp.einsum("hkv,hk->hv", s, q)
 
     return step
-
-
 
 
 def _conv_qkv(lin: LinearAttentionConfig, w: jax.Array, window: jax.Array):
     """The conv (taps ``w`` ``(conv_kernel, conv_dim)``) and SiLU over a window of
     ``conv_kernel - 1 + n`` inputs: ``n`` tokens' normalized q (scaled), k (repeated to
     the value heads) and v."""
-    n = window.shape[0] - (lin.conv_kernel - 1)
-    y = sum(window[j : j + n] * w[j] for j in range(lin.conv_kernel))
-    y = jax.nn.silu(y)
+    y = causal_conv(window, w)
+    n = y.shape[0]
     kd, r = lin.key_dim, lin.num_v_heads // lin.num_k_heads
     q = _l2norm(y[:, :kd].reshape(n, lin.num_k_heads, lin.head_k_dim))
     k = _l2norm(y[:, kd : 2 * kd].reshape(n, lin.num_k_heads, lin.head_k_dim))
@@ -147,16 +145,13 @@ def delta_rule_chunk(lin: LinearAttentionConfig, conv_w: jax.Array):
     def chunk(state, x, n):
         c = x["qkv"].shape[0]
         valid = jnp.arange(c) < n
-        window = jnp.concatenate([state["conv"], x["qkv"]], axis=0)
-        conv = jax.lax.dynamic_slice_in_dim(window, n, lin.conv_kernel - 1, axis=0)
+        window, conv = conv_window(state["conv"], x["qkv"], n)
         q, k, v = _conv_qkv(lin, w, window)  # (C, H, dk) (C, H, dk) (C, H, dv)
         g = jnp.where(valid[:, None], x["g"], 0.0).T  # (H, C)
         beta = jnp.where(valid[:, None], x["beta"], 0.0).T
         q, k, v = (jnp.moveaxis(a, 0, 1) for a in (q, k, v))  # (H, C, .)
         gc = jnp.cumsum(g, axis=-1)
-        lower = jnp.tril(jnp.ones((c, c), bool))
-        diff = gc[:, :, None] - gc[:, None, :]
-        decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # (H, C, C)
+        decay = decay_matrix(gc)  # (H, C, C)
         kb = k * beta[..., None]
         m = jnp.einsum("hid,hjd->hij", kb, k) * decay * (1 - jnp.eye(c))
         t = unit_lower_inverse(m)

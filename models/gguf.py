@@ -198,7 +198,7 @@ class GGUFCheckpoint:
         tokens = self.meta("tokenizer.ggml.tokens", None)
         vocab = self.meta(f"{a}.vocab_size", None) or (len(tokens) if tokens else None)
         if vocab is None:
-            vocab = int(self._tensors["token_embd.weight"].dims[-1])
+            vocab = self.tensor_dims("token_embd.weight")[0]
         extra: dict[str, Any] = {}
         if a == "gemma3":
             head_dim = int(self.meta(f"{a}.attention.key_length"))

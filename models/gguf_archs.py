@@ -142,7 +142,7 @@ def qwen3next_fields(ck: Any) -> dict[str, Any]:
         model_type="qwen3_next", head_dim=head_dim, qk_norm=True, linear=linear, moe=moe,
         layer_types=tuple("linear_attention" if (i + 1) % every else "full_attention"
                           for i in range(layers)),
-        partial_rotary_factor=rope / head_dim, attn_output_gate=True,
+        partial_rotary_factor=rope / head_dim,
     )  # fmt: skip
 
 

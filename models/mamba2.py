@@ -26,6 +26,7 @@ from flax import nnx
 
 from .interface import Recur, chunk_size
 from .norm import rms_normalize
+from .scan_ops import causal_conv, conv_window, decay_matrix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +92,8 @@ def _conv_xbc(m: Mamba2Config, w: jax.Array, b: jax.Array, window: jax.Array):
     """The conv (taps ``w`` ``(d_conv, conv_dim)``, bias ``b``) and SiLU over a window of
     ``d_conv - 1 + n`` inputs: ``n`` tokens' x ``(n, heads, head_dim)`` and B, C
     ``(n, heads, d_state)`` (each group's repeated to its heads)."""
-    n = window.shape[0] - (m.d_conv - 1)
-    y = jax.nn.silu(sum(window[j : j + n] * w[j] for j in range(m.d_conv)) + b)
+    y = causal_conv(window, w, b)
+    n = y.shape[0]
     gs, r = m.num_groups * m.d_state, m.num_heads // m.num_groups
     x = y[:, : m.d_inner].reshape(n, m.num_heads, m.head_dim)
     bb = y[:, m.d_inner : m.d_inner + gs].reshape(n, m.num_groups, m.d_state)
@@ -107,13 +108,13 @@ def mamba2_step(m: Mamba2Config, w: jax.Array, b: jax.Array, a: jax.Array, d: ja
     ``(heads, head_dim)``; ``a`` = A ``(heads,)``, ``d`` = D."""
 
     def step(state, x):
-        window = jnp.concatenate([state["conv"], x["xbc"][None]], axis=0)
+        window, conv = conv_window(state["conv"], x["xbc"][None], 1)
         xh, bh, ch = (v[0] for v in _conv_xbc(m, w, b, window))
         dt = x["dt"]
         s = state["ssm"] * jnp.exp(dt * a)[:, None, None]
         s = s + (dt[:, None] * xh)[:, :, None] * bh[:, None, :]
         y = jnp.einsum("hpn,hn->hp", s, ch) + d[:, None] * xh
-        return {"conv": window[1:], "ssm": s}, y
+        return {"conv": conv, "ssm": s}, y
 
     return step
 
@@ -126,14 +127,11 @@ def mamba2_chunk(m: Mamba2Config, w: jax.Array, b: jax.Array, a: jax.Array, d: j
 
     def chunk(state, x, n):
         c = x["xbc"].shape[0]
-        window = jnp.concatenate([state["conv"], x["xbc"]], axis=0)
-        conv = jax.lax.dynamic_slice_in_dim(window, n, m.d_conv - 1, axis=0)
+        window, conv = conv_window(state["conv"], x["xbc"], n)
         xh, bh, ch = _conv_xbc(m, w, b, window)  # (C, H, P) (C, H, N) (C, H, N)
         dt = jnp.where((jnp.arange(c) < n)[:, None], x["dt"], 0.0)  # (C, H)
         acum = jnp.cumsum(dt * a, axis=0)  # (C, H)
-        lower = jnp.tril(jnp.ones((c, c), bool))
-        diff = acum.T[:, :, None] - acum.T[:, None, :]  # (H, l, s)
-        decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+        decay = decay_matrix(acum.T)  # (H, l, s)
         xdt = xh * dt[..., None]
         g = jnp.einsum("lhn,shn->hls", ch, bh) * decay
         s0 = state["ssm"]

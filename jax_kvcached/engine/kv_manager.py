@@ -93,7 +93,7 @@ class KVManager(StateCheckpoints):
         if len(self.windows) != len(self.groups) or min(self.windows) < RECURRENT:
             raise ValueError(
                 f"windows must give each of the {len(self.groups)} KV cache groups a window "
-                f">= 0 (0: full attention), got {windows!r}"
+                f">= 0 (0: full attention) or RECURRENT ({RECURRENT}), got {windows!r}"
             )
         self.block_size = cache.block_size
         self.max_model_len = max_model_len

@@ -42,15 +42,17 @@ from jax_kvcached.memory import ops
 from jax_kvcached.memory.kv_cache import KVCache
 
 
+def _block_values(cache: KVCache) -> int:
+    """Values one block holds on one layer, over its planes (a slot's unit)."""
+    return cache.planes_per_layer * cache.block_size * cache.shard_kv_heads * cache.head_dim
+
+
 def slot_blocks(cache: KVCache, state_elems: int) -> int:
     """Blocks of a state slot holding ``state_elems`` values per layer (in the cache's
     dtype, over the K and V planes of each block)."""
     if state_elems <= 0:
         raise ValueError(f"a recurrent state needs a positive size, got {state_elems}")
-    per_block = (
-        cache.planes_per_layer * cache.block_size * cache.shard_kv_heads * cache.head_dim
-    )
-    return -(-state_elems // per_block)
+    return -(-state_elems // _block_values(cache))
 
 
 def state_elems(init: Any) -> int:
@@ -81,34 +83,29 @@ def _pick(cond: jax.Array, a: Any, b: Any) -> Any:
     )
 
 
-def _one_token(step_fn, state, ys, tokens, q_start, q_lens, ck_at):
-    """A decode step: each sequence's one token (if any) in one update."""
+def _token_update(step_fn, tokens, q_start, q_lens, ck_at, j, carry):
+    """Every sequence's ``j``-th token of the step (if it has one) in one update; the
+    state after it is the snapshot where it is the last before the checkpoint."""
+    state, snap, ys = carry
     t = jax.tree.leaves(tokens)[0].shape[0]
-    valid = q_lens > 0
-    tok = jnp.clip(q_start, 0, t - 1)
+    valid = j < q_lens
+    tok = jnp.clip(q_start + j, 0, t - 1)
     new, y = jax.vmap(step_fn)(state, jax.tree.map(lambda a: a[tok], tokens))
     state = _pick(valid, new, state)
-    snap = _pick(valid & (ck_at == 1), new, state)
+    snap = _pick(valid & (j + 1 == ck_at), new, snap)
     at = jnp.where(valid, tok, t)  # (past the axis: dropped)
     ys = jax.tree.map(lambda acc, v: acc.at[at].set(v.astype(acc.dtype), mode="drop"), ys, y)
     return state, snap, ys
 
 
+def _one_token(step_fn, state, ys, tokens, q_start, q_lens, ck_at):
+    """A decode step: each sequence's one token (if any) in one update, no loop."""
+    return _token_update(step_fn, tokens, q_start, q_lens, ck_at, 0, (state, state, ys))
+
+
 def _by_token(step_fn, state, ys, tokens, q_start, q_lens, ck_at):
-    """Every sequence's tokens one position at a time (a decode step: one update)."""
-    t = jax.tree.leaves(tokens)[0].shape[0]
-
-    def body(j, carry):
-        state, snap, ys = carry
-        valid = j < q_lens
-        tok = jnp.clip(q_start + j, 0, t - 1)
-        new, y = jax.vmap(step_fn)(state, jax.tree.map(lambda a: a[tok], tokens))
-        state = _pick(valid, new, state)
-        snap = _pick(valid & (j + 1 == ck_at), new, snap)
-        at = jnp.where(valid, tok, t)  # (past the axis: dropped)
-        ys = jax.tree.map(lambda acc, v: acc.at[at].set(v.astype(acc.dtype), mode="drop"), ys, y)
-        return state, snap, ys
-
+    """Every sequence's tokens one position at a time."""
+    body = functools.partial(_token_update, step_fn, tokens, q_start, q_lens, ck_at)
     return jax.lax.fori_loop(0, jnp.max(q_lens), body, (state, state, ys))
 
 
@@ -185,7 +182,7 @@ def recurrence(
         raise ValueError("recurrent state needs a K/V cache (not a latent one)")
     num_seqs, nslot = blocks.shape[1], blocks.shape[2]
     bs, heads, dim = cache.block_size, cache.shard_kv_heads, cache.head_dim
-    cap = 2 * nslot * bs * heads * dim
+    cap = nslot * _block_values(cache)
     total = state_elems(init)
     if total > cap:
         raise ValueError(f"a state of {total} values does not fit a slot of {nslot} blocks")
@@ -201,14 +198,14 @@ def recurrence(
     y_shape = jax.eval_shape(step_fn, init, jax.tree.map(lambda a: a[0], tokens))[1]
     ys = jax.tree.map(lambda s: jnp.zeros((t, *s.shape), s.dtype), y_shape)
     args = (state, ys, tokens, q_start, q_lens, rows[1])
-    many = _by_token if chunk is None else functools.partial(_by_chunk, chunk[1], chunk[0])
+    if chunk is None:
+        many = functools.partial(_by_token, step_fn)
+    else:
+        many = functools.partial(_by_chunk, chunk[1], chunk[0])
     # A decode step (one token a sequence) is one update, no loop; a step where some
     # sequence has several tokens runs the chunked form (or the per-token loop).
     state, snap, ys = jax.lax.cond(
-        jnp.max(q_lens) <= 1,
-        lambda *a: _one_token(step_fn, *a),
-        lambda *a: many(step_fn, *a) if chunk is None else many(*a),
-        *args,
+        jnp.max(q_lens) <= 1, functools.partial(_one_token, step_fn), many, *args
     )
     # 3. write the slots and the checkpoints in one call
     both = jnp.concatenate([_flatten(state, num_seqs), _flatten(snap, num_seqs)], axis=0)
