@@ -10,7 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_group_accounting, gguf_write, gguf_writer, hf_greedy, tp_pool
+from conftest import (
+    assert_logits_match,
+    check_group_accounting,
+    gguf_write,
+    gguf_writer,
+    hf_greedy,
+    tp_pool,
+)
 from flax import nnx
 
 import jax_kvcached as kv
@@ -136,13 +143,7 @@ def hf_oss(tmp_path_factory):
 def _logits_match(hf, path):
     cfg, model = load_checkpoint(path, dtype=jnp.float32)
     assert cfg.attention_sinks and cfg.o_bias and cfg.layer_windows() == (8, 0, 8, 0)
-    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    from jax_kvcached.engine.attention import no_cache_attention
-
-    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
-    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    assert_logits_match(hf, model, cfg)
 
 
 def test_gpt_oss_folder_matches_transformers(hf_oss):
@@ -337,10 +338,4 @@ def test_a_gpt_oss_gguf_with_mxfp4_experts_matches_transformers(hf_oss, tmp_path
         cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
     assert cfg.model_type == "gpt_oss" and cfg.layer_windows() == (8, 0, 8, 0)
     assert "MXFP4) dequantized" in caplog.text
-    from jax_kvcached.engine.attention import no_cache_attention
-
-    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-    with torch.no_grad():
-        want = ref(torch.tensor([ids])).logits[0].numpy()
-    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
-    assert np.abs(got - want).max() < 1e-4 * max(1.0, np.abs(want).max())
+    assert_logits_match(ref, model, cfg)

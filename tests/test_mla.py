@@ -11,14 +11,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import dense_greedy, gguf_write, gguf_writer, hf_greedy, tp_pool
+from conftest import (
+    assert_logits_match,
+    dense_greedy,
+    gguf_write,
+    gguf_writer,
+    hf_greedy,
+    tp_pool,
+)
 from test_engine import assert_only_cached_blocks_hold_pages
 
 import jax_kvcached as kv
 from jax_kvcached.engine.attention import (
     Ragged,
     host_paged_attention,
-    no_cache_attention,
     paged_attention,
 )
 from jax_kvcached.engine.engine import Engine
@@ -149,11 +155,7 @@ def test_deepseek_v3_and_v2_lite_folders_match_transformers(hf_v3, tmp_path):
     for hf, path in (hf_v3, (hf2, str(tmp_path))):
         cfg, model = load_checkpoint(path, dtype=jnp.float32)
         assert cfg.kv_latent and (cfg.num_kv_heads, cfg.head_dim) == (1, 40)
-        ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids])).logits[0].numpy()
-        got = model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0]
-        assert np.abs(np.asarray(got) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+        assert_logits_match(hf, model, cfg)
     assert load_checkpoint(path)[0].mla.q_lora_rank is None  # V2-Lite: q_proj
     assert load_checkpoint(hf_v3[1])[0].moe.score_bias
 
@@ -335,11 +337,7 @@ def test_a_deepseek2_gguf_matches_transformers(tmp_path):
     _deepseek_gguf(hf, path)
     cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
     assert cfg.model_type == "deepseek_v3" and cfg.mla.q_lora_rank == 48 and cfg.moe.score_bias
-    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    got = model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0]
-    assert np.abs(np.asarray(got) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    assert_logits_match(hf, model, cfg)
 
 
 def test_many_heads_over_one_latent_run_in_chunks_in_the_pallas_kernel():

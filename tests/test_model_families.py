@@ -5,10 +5,9 @@ forward; the random tiny presets through the engine against a dense reference.""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import dense_greedy
+from conftest import assert_logits_match, dense_greedy
 
 import jax_kvcached as kv
-from jax_kvcached.engine.attention import no_cache_attention
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model, load_checkpoint
@@ -57,11 +56,7 @@ def test_hf_folder_matches_transformers(kind, tmp_path):
         assert cfg.sliding_window == 12
     if kind == "qwen3-yarn":
         assert cfg.rope_scaling_dict["rope_type"] == "yarn"
-    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    got = model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0]
-    assert np.abs(np.asarray(got) - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    assert_logits_match(hf, model, cfg)
 
 
 @pytest.mark.parametrize(

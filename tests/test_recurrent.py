@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    assert_logits_match,
     check_group_accounting,
     dense_greedy,
     gguf_write,
@@ -81,11 +82,7 @@ def test_a_qwen3_next_folder_matches_transformers(hf_next):
     assert cfg.layer_windows() == (RECURRENT, RECURRENT, RECURRENT, 0)
     assert cfg.rotary_dim == 4 and cfg.moe.shared_gate and cfg.moe.dense_layers == (1,)
     assert cfg.state_elems == 3 * (2 * 16 + 32) + 4 * 8 * 8  # conv window + S
-    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
-    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    assert_logits_match(hf, model, cfg)
 
 
 def _granite_config():
@@ -121,11 +118,7 @@ def test_a_granite_4_h_folder_matches_transformers(hf_granite):
     cfg, model = load_checkpoint(path, dtype=jnp.float32)
     assert cfg.layer_windows() == (RECURRENT, RECURRENT, 0, RECURRENT) and not cfg.rope
     assert cfg.state_elems == 3 * (128 + 2 * 2 * 16) + 8 * 16 * 16  # conv window + S
-    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
-    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    assert_logits_match(hf, model, cfg)
 
 
 def test_granite_engine_greedy_matches_generate_with_three_block_slots(hf_granite):
@@ -228,11 +221,7 @@ def test_a_qwen3next_gguf_matches_transformers(hf_next, tmp_path):
     _qwen3next_gguf(hf, path)
     cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
     assert cfg.model_type == "qwen3_next" and cfg.moe.dense_layers == (1,) and cfg.rotary_dim == 4
-    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
-    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    assert_logits_match(hf, model, cfg)
 
 
 def _granitehybrid_gguf(hf, folder, path):
@@ -317,11 +306,7 @@ def test_a_granitehybrid_gguf_matches_transformers(hf_granite, tmp_path):
     cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
     assert cfg.model_type == "granitemoehybrid" and not cfg.rope and cfg.linear.num_groups == 2
     assert cfg.layer_windows() == (RECURRENT, RECURRENT, 0, RECURRENT)
-    ids = np.random.default_rng(0).integers(0, 300, 40).tolist()
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0].numpy()
-    got = np.asarray(model(jnp.asarray([ids]), jnp.arange(40)[None], no_cache_attention(cfg))[0])
-    assert np.abs(got - ref).max() < 1e-4 * max(1.0, np.abs(ref).max())
+    assert_logits_match(hf, model, cfg)
 
 
 def _state_group(eng):
