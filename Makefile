@@ -49,6 +49,8 @@ bench: install-test
 	$(BIN)/python benchmarks/bench_moe.py
 	$(BIN)/python benchmarks/bench_mla.py
 	$(BIN)/python benchmarks/bench_recurrent.py
+	$(BIN)/python benchmarks/bench_router.py
+	$(BIN)/python benchmarks/bench_multihost.py
 	# Served against llama.cpp's server needs guidellm and llama-cpp-python[server] in
 	# their own venvs: benchmarks/bench_guidellm.py --guidellm G --llama-python P
 

@@ -20,6 +20,7 @@ from jax_kvcached.memory.config import parse_bytes
 
 ATTENTION_IMPLS = ("auto", "host", "xla", "pallas", "pallas-interpret")
 EVICTION_POLICIES = ("lru", "lfu")
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 class ConfigError(ValueError):
@@ -186,6 +187,16 @@ class EngineConfig:
         512, "tokens between a recurrent model's cached state checkpoints in a prompt "
         "(besides one at its end)", metavar="N",
     )  # fmt: skip
+    kv_events: str | None = option(
+        None,
+        "publish KV-cache events (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, "
+        "msgpack) on a ZMQ PUB socket at ENDPOINT, e.g. tcp://*:5557 (needs pyzmq)",
+        metavar="ENDPOINT",
+    )  # fmt: skip
+    kv_events_replay: str | None = option(
+        None, "the KV events' replay socket (ZMQ ROUTER), e.g. tcp://*:5558", metavar="ENDPOINT"
+    )
+    kv_events_topic: str = option("", "the KV events' topic frame", metavar="TOPIC")
     command_buffers: bool | None = option(None, "CUDA graphs (None: on on CUDA)", cli=False)
     fuse_sampling: bool | None = option(None, "sample inside decode steps (None: on CUDA)",
                                         cli=False)  # fmt: skip
@@ -217,6 +228,14 @@ class EngineConfig:
         if self.attention not in ATTENTION_IMPLS:
             raise ConfigError("attention", f"must be one of {ATTENTION_IMPLS}, got "
                               f"{self.attention!r}")  # fmt: skip
+        for name in ("kv_events", "kv_events_replay"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, str) and v.startswith(_ZMQ_SCHEMES)
+                                      and len(v) > len(v.split("://")[0]) + 3):
+                raise ConfigError(name, f"must be a ZMQ endpoint ({', '.join(_ZMQ_SCHEMES)}"
+                                  f"...), got {v!r}")  # fmt: skip
+        if self.kv_events_replay is not None and self.kv_events is None:
+            raise ConfigError("kv_events_replay", "needs kv_events (the stream it replays)")
         if isinstance(self.eviction, str) and self.eviction not in EVICTION_POLICIES:
             raise ConfigError("eviction", f"must be one of {EVICTION_POLICIES} or an "
                               f"EvictionPolicy, got {self.eviction!r}")  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import zlib
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -21,6 +22,8 @@ from jax_kvcached.engine.config import EngineConfig
 from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.forks import Forks
 from jax_kvcached.engine.intake import RequestIntake
+from jax_kvcached.engine.kv_event_publisher import KVEventPublisher
+from jax_kvcached.engine.kv_events import KVEventLog
 from jax_kvcached.engine.kv_groups import kv_cache_groups
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.offline import OfflineAPI, Prompt, PromptLike, RequestOutput
@@ -123,6 +126,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self.windows = windows  # each KV cache group's window (0: full attention)
         self.name = name
         self.pool = pool
+        # KV-cache events (vLLM's), published from a thread when an endpoint is set.
+        self.kv_events = KVEventLog(c.block_size, windows) if c.kv_events else None
+        self.kv_event_publisher: KVEventPublisher | None = None
         try:
             self.runner = ModelRunner(
                 model, self.cache, c.attention, max_batch=c.max_batch,
@@ -143,9 +149,15 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
                                    else c.max_cached_tokens),
                 eviction=c.eviction, host_cache_blocks=host_blocks, windows=windows,
                 slot_blocks=self.runner.slot_blocks,
-                state_interval=c.state_checkpoint_tokens,
+                state_interval=c.state_checkpoint_tokens, events=self.kv_events,
             )  # fmt: skip
+            if self.kv_events is not None:
+                self.kv_event_publisher = KVEventPublisher(
+                    self.kv_events, c.kv_events, c.kv_events_replay, topic=c.kv_events_topic
+                )
         except BaseException:
+            if getattr(self, "kv", None) is not None:
+                self.kv.close()
             self.cache.close()  # a model that cannot run here leaves the pool as it was
             raise
         self.kv.set_fence(self.runner.token)
@@ -170,6 +182,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self._finished: list[Sequence] = []  # until drain_finished()
         self._rejected: list[Sequence] = []  # rejected while dispatching, for step()
         self.steps = 0
+        self.schedule_digest: int | None = None  # the last dispatch's (see dispatch)
         self._asleep: Any = None  # the offloaded weights while sleeping (sleep.Offloaded)
         self._reload = reload  # a fresh model of the same weights (a level-2 wake)
         pool.set_reclaimer(name, self._reclaim)
@@ -381,6 +394,10 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
                 raise RuntimeError("complete() a dispatched step before dispatching another")
             self.kv.poll()
             out = self.scheduler.schedule()
+            # What this step decided, in a few bytes (ranks of one model compare it).
+            self.schedule_digest = zlib.crc32(repr(
+                ([(x.seq.request_id, x.end) for x in out.scheduled],
+                 [s.request_id for s in out.rejected])).encode())  # fmt: skip
             for s in out.rejected:  # it can never fit: dropped, reported by step()
                 self._by_id.pop(s.request_id, None)
                 self._finished.append(s)
@@ -483,5 +500,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
     def close(self) -> None:
         with self._lock:
             self.pool.set_reclaimer(self.name, None)
+            if self.kv_event_publisher is not None:
+                self.kv_event_publisher.close()
             self.kv.close()
             self.cache.close()

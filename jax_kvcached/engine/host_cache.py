@@ -62,6 +62,7 @@ class HostCache:
         self.evictions = 0  # entries dropped for room
         self.copy_failures = 0  # blocks whose copy failed (never served)
         self.preloaded_blocks = 0  # copied back on a wake, before any request
+        self.listener: Any = None  # told of entries stored / removed (``kv_events``)
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -85,6 +86,10 @@ class HostCache:
         """The host slot holding the copy cached under ``h`` (None if none)."""
         e = self._entry(h)
         return None if e is None else e.slot
+
+    def keys(self) -> list[bytes]:
+        """The hashes of every entry."""
+        return list(self._entries) + list(self._pinned)
 
     def __contains__(self, h: object) -> bool:
         return h in self._entries or h in self._pinned
@@ -149,6 +154,8 @@ class HostCache:
     def _drop(self, h: bytes) -> None:
         e = self._entries.pop(h)
         self.store.release([e.slot])
+        if self.listener is not None:
+            self.listener.removed([h])
 
     def store_blocks(
         self,
@@ -190,6 +197,8 @@ class HostCache:
         for h, s, (hits, depth) in zip(new_h, slots, new_m, strict=True):
             self._entries[h] = _Entry(s, ticket, hits=hits, depth=depth)
         self.stored_blocks += len(slots)
+        if self.listener is not None:
+            self.listener.stored(new_h)
         self.bytes_to_host += len(slots) * self.store.slot_bytes
         return len(slots)
 

@@ -36,6 +36,7 @@ blocks in every group (the managers' reference counts); the host tier is
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from contextlib import nullcontext
 from typing import Any
 
 import jax
@@ -43,6 +44,7 @@ import jax
 from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.host_cache import HostCache
 from jax_kvcached.engine.host_tier import HostTier
+from jax_kvcached.engine.kv_events import KVEventLog
 from jax_kvcached.engine.kv_group_managers import KVGroupManager, make_manager
 from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.prefix_cache import PrefixCache, hash_blocks
@@ -70,6 +72,7 @@ class KVManager(StateCheckpoints):
       slot_blocks: blocks of a recurrent group's state slot (``recurrent.slot_blocks``).
       state_interval: tokens between a recurrent group's prompt checkpoints (besides
         the one at the prompt's end).
+      events: a log told of every block that joins or leaves a tier (``kv_events``).
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class KVManager(StateCheckpoints):
         windows: Seq[int] | None = None,
         slot_blocks: int = 0,
         state_interval: int = 512,
+        events: KVEventLog | None = None,
     ) -> None:
         if host_cache_blocks < 0:
             raise ValueError(f"host_cache_blocks must be >= 0, got {host_cache_blocks}")
@@ -132,6 +136,9 @@ class KVManager(StateCheckpoints):
         if host_cache_blocks and self.caching:
             self.host_tier = HostTier(cache, host_cache_blocks, self.prefix_caches,
                                       lambda: self._fence)  # fmt: skip
+        self.events = events
+        if events is not None:
+            events.attach(self.prefix_caches, self.host_caches)
 
     @property
     def host_caches(self) -> list[HostCache]:
@@ -461,6 +468,9 @@ class KVManager(StateCheckpoints):
             for i in range(seq.inserted[g], full):
                 if not table[i]:  # a sliding group's block already gone below the window
                     continue
+                if self.events is not None:
+                    self.events.describe(g, hashes[i], hashes[i - 1] if i else None,
+                                         seq.token_ids[i * self.block_size:][:self.block_size])
                 inserted = pc.insert(hashes[i], table[i], i)
                 if inserted and self.host_tier is not None:
                     self.host_tier.wrote(g, table[i], self._fence)  # the newest step wrote it
@@ -511,9 +521,10 @@ class KVManager(StateCheckpoints):
     def reset_prefix_cache(self) -> int:
         """Forgets every idle cached block, on the device and in the host tier; returns
         how many device blocks were evicted."""
-        if self.host_tier is not None:
-            self.host_tier.clear()
-        n = sum(pc.reset() for pc in self.prefix_caches)
+        with self.events.resetting() if self.events is not None else nullcontext():
+            if self.host_tier is not None:
+                self.host_tier.clear()
+            n = sum(pc.reset() for pc in self.prefix_caches)
         if self.host_tier is not None:
             self.host_tier.forget_uncached()
         return n

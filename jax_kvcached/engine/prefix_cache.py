@@ -93,6 +93,9 @@ class PrefixCache:
         self.queries = 0  # tokens looked up
         self.hits = 0  # tokens found
         self.evictions = 0  # blocks evicted
+        # Told of every key that joins (``stored``) or leaves (``removed``) the cache
+        # (a ``kv_events`` listener; None: no one).
+        self.listener: Any = None
 
     # -- queries ---------------------------------------------------------------------
     @property
@@ -118,6 +121,10 @@ class PrefixCache:
     def block_of(self, h: bytes) -> int | None:
         """The block cached under hash ``h`` (None if none)."""
         return self._block_of.get(h)
+
+    def key_of(self, block: int) -> bytes | None:
+        """The hash a block is cached under (None if it is not cached)."""
+        return self._hash_of.get(block)
 
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
@@ -217,6 +224,8 @@ class PrefixCache:
         if hits:
             self._hits[block] = hits
         self.policy.on_insert(block)
+        if self.listener is not None:
+            self.listener.stored([h])
         return True
 
     def release(self, blocks: Sequence[int], *, keep: bool = True) -> None:
@@ -247,6 +256,8 @@ class PrefixCache:
     # -- eviction --------------------------------------------------------------------
     def _forget(self, blocks: list[int]) -> None:
         """Idle cached blocks leave the cache (the caller frees them)."""
+        if self.listener is not None and blocks:
+            self.listener.removed([self._hash_of[b] for b in blocks])
         for block in blocks:
             self.policy.on_remove(block)
             del self._block_of[self._hash_of.pop(block)]

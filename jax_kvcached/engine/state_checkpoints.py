@@ -37,6 +37,7 @@ class StateCheckpoints:
     block_size: int
     state_restores: int
     state_recomputes: int
+    events: Any
 
     def _resumed(self, seq: Sequence) -> None:
         """Counts and logs how a preempted sequence of a recurrent model resumes: from a
@@ -94,11 +95,14 @@ class StateCheckpoints:
         blocks, c = seq.state_ck
         seq.state_ck = None
         mgr = self.managers[group]
-        keys = mgr.keys(self._hashes(seq, c // self.block_size)[-1])
+        h = self._hashes(seq, c // self.block_size)[-1]
+        keys = mgr.keys(h)
         if not all(pc.block_of(k) is None for k in keys):
             self._free(blocks, group)  # (another sequence cached it first)
             return
         for j, (k, b) in enumerate(zip(keys, blocks, strict=True)):
+            if self.events is not None:  # (the state after prefix h: no tokens of its own)
+                self.events.describe(group, k, keys[j - 1] if j else h, ())
             pc.insert(k, b, j)
             if self.host_tier is not None:
                 self.host_tier.wrote(group, b, self._fence)

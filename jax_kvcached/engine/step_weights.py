@@ -10,6 +10,7 @@ executables.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -45,7 +46,8 @@ class StepWeights:
         ``weight_packed_bytes`` of them packed int8 / int4 values and their scales."""
         total = packed = 0
         for a, p in zip(self.arrays, self.packed, strict=False):
-            n = a.addressable_shards[0].data.nbytes
+            # (from the sharding: one device's shard, without touching the shards)
+            n = math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
             total += n
             packed += n if p else 0
         return {"weight_bytes": total, "weight_packed_bytes": packed}

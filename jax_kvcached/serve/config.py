@@ -103,6 +103,18 @@ class ServeConfig:
         None, "the JAX device indices to use (default: the first --tensor-parallel ones)",
         metavar="I,J,...",
     )  # fmt: skip
+    nnodes: int = option(
+        1, "serve one model across N processes (hosts) on jax.distributed: its mesh spans "
+        "every process's devices; rank 0 serves HTTP and schedules (default 1)", metavar="N",
+    )  # fmt: skip
+    node_rank: int = option(0, "this process's rank (0 to nnodes - 1; default 0)", metavar="R")
+    dist_init_addr: str | None = option(
+        None, "rank 0's address for jax.distributed's coordinator (PORT) and the step "
+        "channel (PORT+1), the same on every rank", metavar="HOST:PORT",
+    )  # fmt: skip
+    dist_timeout: float = option(
+        120.0, "seconds a rank waits for the others at start before failing", metavar="SECONDS"
+    )
     max_queue: int = option(64, "waiting requests per model")
     idle_sleep: float | None = option(
         None,
@@ -196,6 +208,30 @@ class ServeConfig:
             raise ConfigError("generation_config", f"must be auto, openai or a folder, got {gc!r}")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
             raise ConfigError("chat_template", f"{self.chat_template}: no such file")
+        self._check_distributed()
+        if self.engine.kv_events and len(self.model_sources) > 1:
+            raise ConfigError("kv_events", "publishes one model's blocks: serve one model "
+                              f"a replica behind a router ({len(self.models)} given)")
+
+    def _check_distributed(self) -> None:
+        if self.nnodes < 1:
+            raise ConfigError("nnodes", f"must be >= 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError("node_rank", f"must be in [0, {self.nnodes}) (--nnodes "
+                              f"{self.nnodes}), got {self.node_rank}")  # fmt: skip
+        if self.nnodes == 1:
+            return
+        addr = self.dist_init_addr
+        host, _, port = (addr or "").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65535:
+            raise ConfigError("dist_init_addr", f"must be HOST:PORT (PORT < 65535: PORT+1 "
+                              f"carries the steps), got {addr!r}")  # fmt: skip
+        if not self.dist_timeout > 0:
+            raise ConfigError("dist_timeout", f"must be > 0, got {self.dist_timeout}")
+        if len(self.model_sources) > 1:
+            raise ConfigError("nnodes", "serves one model across hosts (several given)")
+        if self.idle_sleep is not None:
+            raise ConfigError("idle_sleep", "is not supported across hosts (--nnodes > 1)")
 
     @property
     def model_sources(self) -> list[str]:

@@ -256,6 +256,7 @@ def serve(config: ServeConfig) -> None:
     error; a bad setting is a ValueError before the port opens."""
     import uvicorn
 
+    from jax_kvcached.serve import distributed
     from jax_kvcached.serve.app import create_app
     from jax_kvcached.serve.loop import ServingLoop
     from jax_kvcached.serve.startup import Startup, StartupGate
@@ -269,16 +270,29 @@ def serve(config: ServeConfig) -> None:
     logging.getLogger("uvicorn").setLevel(max(logging.WARNING, logging.getLogger().level))
     if not c.access_log:
         logging.getLogger("jax_kvcached.access").setLevel(logging.WARNING)
+    channel = None
+    if c.node_rank > 0:  # a follower: no HTTP
+        channel = distributed.connect(c)
+        distributed.initialize(c)
+        return _follow(c, specs, channel)
     sock = bind_socket(host, port)
+    if c.nnodes > 1:
+        try:
+            channel = distributed.connect(c)  # (every rank there, flags checked)
+            distributed.initialize(c)
+        except BaseException:
+            sock.close()
+            raise
     try:  # what can be checked in a moment fails before the server starts
-        pool = _pool(c.memory, c.backend, c.page_size, c.tensor_parallel, c.devices, c.group)
+        pool = _pool(c.memory, c.backend, c.page_size, c.tensor_parallel, c.devices, c.group,
+                     c.nnodes)  # fmt: skip
     except BaseException:
         sock.close()
         raise
     group = pool.group
     state = Startup()
     gate = StartupGate(state)
-    held: dict[str, Any] = {"loop": None, "error": None}
+    held: dict[str, Any] = {"loop": None, "error": None, "leader": None}
 
     class GracefulServer(uvicorn.Server):
         def handle_exit(self, sig: int, frame: object) -> None:
@@ -300,12 +314,18 @@ def serve(config: ServeConfig) -> None:
     def load() -> None:
         try:
             models = _load(specs, state, pool, c)
+            if channel is not None:  # rank 0: every step reaches the followers first
+                leader = held["leader"] = channel
+                models = {n: dataclasses.replace(m, engine=distributed.MirroredEngine(
+                    m.engine, leader)) for n, m in models.items()}  # fmt: skip
             loop = ServingLoop(
                 {n: m.engine for n, m in models.items()}, max_queue=c.max_queue,
                 idle_sleep_s=c.idle_sleep, max_awake=c.max_awake, sleep_level=c.sleep_level,
                 preload_tokens=c.preload_tokens,
             )  # fmt: skip
             held["loop"] = loop.start()
+            if c.nnodes > 1:
+                held["leader"].watch(lambda rank, why: _rank_lost(loop, rank, why))
             if server.should_exit:  # a signal came during the warm-up
                 return
             gate.open(create_app(
@@ -337,6 +357,8 @@ def serve(config: ServeConfig) -> None:
             signal.signal(s, h)
         sock.close()
         stopped = held["loop"] is None or held["loop"].stop(timeout=1.0)
+        if held["leader"] is not None:
+            held["leader"].close()  # the followers stop with rank 0
         busy = loader.is_alive() or not stopped
         if not busy:
             pool.close()
@@ -351,17 +373,60 @@ def serve(config: ServeConfig) -> None:
         os._exit(0)
 
 
+def _rank_lost(loop: Any, rank: int, why: str) -> None:
+    """A follower of a server across hosts is gone: every request fails, the server
+    exits (status 1) without waiting for a step stuck in a collective."""
+    from jax_kvcached.serve import distributed
+
+    reason = f"rank {rank} of the server across hosts is gone ({why}); the server stops"
+    log.error(reason)
+    loop.fail_all(reason)
+    distributed.exit_soon()
+
+
+def _follow(c: ServeConfig, specs: list[ModelSpec], channel: Any) -> None:
+    """A follower rank: the same pool and engine as rank 0, no HTTP; runs rank 0's steps."""
+    from jax_kvcached.serve import distributed
+    from jax_kvcached.serve.startup import Startup
+
+    pool = _pool(c.memory, c.backend, c.page_size, c.tensor_parallel, c.devices, c.group,
+                 c.nnodes)  # fmt: skip
+    try:
+        models = _load(specs, Startup(), pool, c)
+        distributed.follow(c, channel, next(iter(models.values())).engine)
+    except BaseException:
+        distributed.exit_soon(5.0)  # (a step stuck in a collective: not waited for)
+        raise
+    pool.close()
+
+
 def _pool(
     memory: str | None, backend: str, page_size: str | None, tensor_parallel: int,
-    devices: str | None, group: str | None,
+    devices: str | None, group: str | None, nnodes: int = 1,
 ) -> Pool:  # fmt: skip
-    """The server's pool; ValueError naming the flag on a bad size or device choice."""
+    """The server's pool; ValueError naming the flag on a bad size or device choice.
+    Across hosts (``nnodes`` > 1): every process's devices."""
+    if nnodes > 1:
+        import jax
+
+        picked = jax.devices()
+        if tensor_parallel not in (1, len(picked)) or devices is not None:
+            raise ValueError(f"--nnodes {nnodes}: the model spans all {len(picked)} devices of "
+                             "the ranks (--tensor-parallel 1 or that many; no --devices)")
+        local = [d for d in picked if d.process_index == jax.process_index()]
+        return _checked_pool(memory, backend, page_size, picked, local, group)
     picked = pick_devices(tensor_parallel, devices, backend)  # None: the default device
+    return _checked_pool(memory, backend, page_size, picked, picked, group)
+
+
+def _checked_pool(memory: str | None, backend: str, page_size: str | None, picked: Any,
+                  local: Any, group: str | None) -> Pool:  # fmt: skip
+    """A pool on ``picked`` whose budget fits each of the ``local`` devices."""
     group = group or ipc_name_from_env()
     if memory is None and group is None:
         memory = "1GiB"
     if memory is not None:
-        nbytes, device = parse_bytes(memory, "--memory"), device_memory_bytes(backend, picked)
+        nbytes, device = parse_bytes(memory, "--memory"), device_memory_bytes(backend, local)
         if nbytes > device:
             raise ValueError(
                 f"--memory ({nbytes / 2**30:.1f} GiB) exceeds the memory of the device "

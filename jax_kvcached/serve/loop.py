@@ -237,6 +237,20 @@ class ServingLoop:
         self._wake.set()
         return req
 
+    def fail_all(self, reason: str) -> None:
+        """Ends every request (running, queued) with Unavailable(``reason``) and takes
+        every model out of service; any thread, also while a step is stuck."""
+        err = Unavailable(reason)
+        with self._lock:
+            self._accepting = False
+            commands = [req for kind, req in self._commands if kind == "add"]
+            self._commands.clear()
+        for name in self.engines:
+            self.failed.setdefault(name, reason)
+            for req in list(self._active[name].values()) + commands:
+                if req.model == name:
+                    self._close(req, "error", err)
+
     def cancel(self, req: Request) -> None:
         """Stops a request (e.g. its client went away); its blocks are freed."""
         with self._lock:
@@ -310,6 +324,8 @@ class ServingLoop:
                 "weight_bytes": e["weight_bytes"],
                 "weight_packed_bytes": e["weight_packed_bytes"],
                 "limit_bytes": e["limit_bytes"],
+                # KV memory in use of what the model may map (its limit, else the pool)
+                "kv_usage": e["mapped_bytes"] / (e["limit_bytes"] or eng.pool.memory_limit),
                 "guarantee_bytes": e["guarantee_bytes"],
                 "prefix_hit_rate": pc["hit_rate"] if pc else 0.0,
                 "prefix_cached_tokens": pc["cached_tokens"] if pc else 0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -145,6 +146,25 @@ class _LoopCollector:
             g.add_metric([f"{i}:{pool['device']}"], float(pool["tensor_parallel"]))
         yield g
         yield from self._group()
+        yield from self._vllm_names(stats)
+
+    @staticmethod
+    def _vllm_names(stats: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+        """The load figures under vLLM's names (label ``model_name``), which routers'
+        load policies poll (smg's ``least_load``, ``power_of_two``, ``cache_aware``)."""
+        for name, doc, key in (
+            ("vllm:num_requests_running", "Requests being generated.", "running"),
+            ("vllm:num_requests_waiting", "Requests waiting for admission.", "waiting"),
+            ("vllm:kv_cache_usage_perc", "KV memory mapped, of what the model may map "
+             "(1 = full).", "kv_usage"),
+            ("vllm:gpu_cache_usage_perc", "The same (vLLM's older name).", "kv_usage"),
+            ("vllm:gpu_prefix_cache_hit_rate", "Prompt tokens found cached, of those "
+             "looked up.", "prefix_hit_rate"),
+        ):  # fmt: skip
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            for model, s in stats.items():
+                g.add_metric([model], float(s[key]))
+            yield g
 
     def _group(self) -> Iterator[Metric]:
         """Every tenant of the process groups the server's pools are in (all processes)."""

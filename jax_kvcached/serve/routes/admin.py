@@ -1,7 +1,8 @@
 """Admin routes (the admin key is required): ``GET|POST /admin/memory`` (per-model
 limits and guarantees, in whichever pool each model lives; each model's sleep state) and
 ``POST /admin/sleep`` / ``POST /admin/wake`` (a model's weights and KV memory given back,
-and brought back)."""
+and brought back), ``POST /reset_prefix_cache`` (vLLM's route: every idle cached prefix
+of each model, or of ``?model=NAME``, forgotten on the device and in the host tier)."""
 
 from __future__ import annotations
 
@@ -111,7 +112,17 @@ def routes(ctx: AppContext) -> list[Route]:
         body = {"budget_bytes": budget, "pools": pools, "models": limits, "groups": groups}
         return JSONResponse(body)
 
+    async def reset_prefix_cache(request: Request) -> Response:
+        ctx.auth.check(request, admin=True)
+        name = request.query_params.get("model")
+        names = [ctx.served(name) and name] if name is not None else list(ctx.models)
+        evicted = {}
+        for n in names:
+            evicted[n] = await run_in_threadpool(ctx.models[n].engine.reset_prefix_cache)
+        return JSONResponse({"evicted_blocks": evicted})
+
     return [
+        Route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"]),
         Route("/admin/memory", memory, methods=["GET", "POST"]),
         Route("/admin/sleep", sleep, methods=["POST"]),
         Route("/admin/wake", wake, methods=["POST"]),

@@ -1,0 +1,354 @@
+"""One model across processes (hosts) on JAX's multi-controller runtime, as sglang-jax
+runs it: ``serve --nnodes N --node-rank R --dist-init-addr HOST:PORT``.
+
+Every rank initializes ``jax.distributed`` (coordinator at ``HOST:PORT``; gloo
+collectives on CPU devices), builds the same pool over every process's devices (one TP
+pool per device, each process mapping its own) and the same engine. Rank 0 serves HTTP
+and decides; the others follow:
+
+- The step channel (rank 0 listens on ``HOST:PORT+1``): each follower says hello with
+  its flags; rank 0 refuses one whose flags differ, naming them.
+- Rank 0's engine is wrapped (:class:`MirroredEngine`): what changes an engine's state
+  between steps (a request added with its seed drawn, an abort, a prefix-cache reset)
+  is recorded, and each step sends the records since the last one, then runs the step.
+  A follower applies them to its engine and runs the same step: the same scheduler
+  decisions (request ids, tokens per sequence, blocks, preemptions) from the same
+  inputs, checked each step by a digest of the schedule; the device program's
+  collectives join the ranks' shards. Followers' outputs are dropped.
+- A rank that dies: the others see its connection close. Rank 0 then fails every
+  request (503, ``server_error``) and exits with status 1, a follower exits with 1; a
+  step stuck in a collective with a dead peer is not waited for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+from jax_kvcached.engine.config import ConfigError
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.serve.config import ServeConfig
+
+log = logging.getLogger("jax_kvcached.serve")
+
+_AUTH = b"jax-kvcached-steps"
+# Flags that may differ between ranks (they do not change the model, its pool or a step).
+_LOCAL = {"node_rank", "host", "port", "api_key", "api_key_file", "admin_key",
+          "allow_unauthenticated_admin", "access_log", "log_level", "allowed_origins",
+          "shutdown_timeout", "compile_cache", "max_queue", "dist_timeout"}  # fmt: skip
+
+
+def _address(c: ServeConfig) -> tuple[str, int]:
+    host, _, port = c.dist_init_addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def initialize(c: ServeConfig) -> None:
+    """``jax.distributed`` for ``--nnodes`` > 1: before anything starts JAX's backends.
+    RuntimeError naming the address when the ranks do not meet in ``--dist-timeout``."""
+    import jax
+
+    if c.node_rank == 0:
+        _coordinator_port_free(c)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            c.dist_init_addr, num_processes=c.nnodes, process_id=c.node_rank,
+            initialization_timeout=max(1, int(c.dist_timeout)),
+        )  # fmt: skip
+    except Exception as e:  # (XlaRuntimeError: DEADLINE_EXCEEDED, address in use, ...)
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        raise RuntimeError(
+            f"rank {c.node_rank}: the {c.nnodes} ranks did not meet at --dist-init-addr "
+            f"{c.dist_init_addr} within {c.dist_timeout:g} s ({first})"
+        ) from None
+
+
+def _coordinator_port_free(c: ServeConfig) -> None:
+    """Rank 0: jax.distributed aborts the process when its coordinator's port is taken;
+    a clear error first."""
+    host, port = _address(c)
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise RuntimeError(f"rank 0: cannot listen on --dist-init-addr {c.dist_init_addr} "
+                           f"for jax.distributed's coordinator: {e.strerror}") from None
+
+
+def flags(c: ServeConfig) -> dict[str, Any]:
+    """The flags every rank must share."""
+    out = {k: v for k, v in dataclasses.asdict(c).items() if k not in _LOCAL}
+    out["engine"] = dataclasses.asdict(c.engine)
+    return out
+
+
+def _differences(mine: dict, theirs: dict) -> list[str]:
+    out = []
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [f"{key}.{d}" for d in _differences(a, b)]
+        elif a != b:
+            out.append(f"{key} ({b!r} here, {a!r} on rank 0)")
+    return out
+
+
+class StepLeader:
+    """Rank 0's end of the step channel: every follower connected and checked."""
+
+    def __init__(self, c: ServeConfig) -> None:
+        host, port = _address(c)
+        self.nnodes = c.nnodes
+        try:
+            self._listener = Listener((host, port + 1), authkey=_AUTH)
+        except OSError as e:
+            raise RuntimeError(f"rank 0: cannot listen on {host}:{port + 1} (the step "
+                               f"channel, --dist-init-addr's PORT+1): {e}") from None  # fmt: skip
+        self._conns: dict[int, Connection] = {}
+        accepted: list[Connection] = []
+        done = threading.Event()
+
+        def accept() -> None:
+            try:
+                while len(accepted) < c.nnodes - 1:
+                    accepted.append(self._listener.accept())
+            except Exception:  # (the listener closed: the deadline passed)
+                pass
+            done.set()
+
+        threading.Thread(target=accept, daemon=True).start()
+        if not done.wait(c.dist_timeout):
+            self._listener.close()
+            raise RuntimeError(f"rank 0: {len(accepted)} of the {c.nnodes - 1} other ranks "
+                               f"joined within --dist-timeout {c.dist_timeout:g} s")  # fmt: skip
+        mine = flags(c)
+        bad = []
+        for conn in accepted:
+            _, rank, theirs = conn.recv()
+            diff = _differences(mine, theirs)
+            if diff:
+                conn.send(("error", f"rank {rank}'s flags differ from rank 0's: "
+                                    + "; ".join(diff)))  # fmt: skip
+                bad.append(f"rank {rank}: " + "; ".join(diff))
+            self._conns[rank] = conn
+        if bad:
+            self.close()
+            raise ConfigError("nnodes", ": the ranks' flags differ: " + " | ".join(bad))
+        for conn in self._conns.values():
+            conn.send(("ok",))
+        self._lock = threading.Lock()
+        self.lost: str | None = None  # why a follower went away (None: none did)
+        self._lost = threading.Event()
+
+    def lost_reason(self, wait: float) -> str | None:
+        """Why a follower is gone, waiting up to ``wait`` seconds to learn it (None: as
+        far as is known, none is)."""
+        self._lost.wait(wait)
+        return self.lost
+
+    def send(self, msg: tuple) -> None:
+        """To every follower (OSError when one is gone)."""
+        with self._lock:
+            for conn in self._conns.values():
+                conn.send(msg)
+
+    def watch(self, lost: Callable[[int, str], None]) -> None:
+        """Calls ``lost(rank, why)`` (from a thread of its own) when a follower goes
+        away or reports an error."""
+
+        def wait(rank: int, conn: Connection) -> None:
+            try:
+                msg = conn.recv()
+                why = msg[1] if msg and msg[0] == "error" else f"unexpected {msg[0]!r}"
+            except (EOFError, OSError):
+                why = "its connection closed (the process died or was killed)"
+            if self._conns:  # (not a shutdown)
+                self.lost = f"rank {rank} of the server across hosts is gone ({why})"
+                self._lost.set()
+                lost(rank, why)
+
+        for rank, conn in self._conns.items():
+            threading.Thread(target=wait, args=(rank, conn), daemon=True,
+                             name=f"kvcached-rank-{rank}").start()  # fmt: skip
+
+    def close(self) -> None:
+        """Tells the followers to stop (best effort) and closes the channel."""
+        conns, self._conns = self._conns, {}
+        for conn in conns.values():
+            try:
+                conn.send(("stop",))
+                conn.close()
+            except OSError:
+                pass
+        self._listener.close()
+
+
+class MirroredEngine:
+    """Rank 0's engine as the serving loop sees it: what changes its state is recorded
+    and reaches the followers with the next step (see the module docstring)."""
+
+    def __init__(self, engine: Any, leader: StepLeader) -> None:
+        self._engine = engine
+        self._leader = leader
+        self._ops: list[tuple] = []
+        self._lock = threading.RLock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def add_request(self, prompt: Any, params: SamplingParams | None = None,
+                    on_token: Any = None, **kw: Any) -> int:  # fmt: skip
+        ids = list(self._engine.prompt(prompt).token_ids)
+        params = (params or SamplingParams()).seeded()  # one seed for every rank
+        with self._lock:
+            rid = self._engine.add_request(ids, params, on_token, **kw)
+            kw.pop("on_logprobs", None)
+            self._ops.append(("add", rid, ids, params, kw))
+        return rid
+
+    def abort(self, request_id: int) -> bool:
+        with self._lock:
+            self._ops.append(("abort", request_id))
+            return self._engine.abort(request_id)
+
+    def reset_prefix_cache(self) -> int:
+        with self._lock:
+            self._ops.append(("reset",))
+            return self._engine.reset_prefix_cache()
+
+    def step(self) -> list:
+        with self._lock:
+            ops, self._ops = self._ops, []
+            return self._guarded(lambda: (
+                self._leader.send(("step", ops, self._engine.schedule_digest)),
+                self._engine.step())[1])  # fmt: skip
+
+    def drain(self) -> list:
+        with self._lock:
+            ops, self._ops = self._ops, []
+            return self._guarded(lambda: (self._leader.send(("drain", ops)),
+                                          self._engine.drain())[1])  # fmt: skip
+
+    def _guarded(self, run: Callable[[], list]) -> list:
+        """``run()``; a failure caused by a follower gone names it."""
+        try:
+            return run()
+        except Exception as e:
+            why = self._leader.lost_reason(wait=5.0)
+            if why is not None:
+                raise RuntimeError(why + "; the server stops") from e
+            raise
+
+    def sleep(self, *args: Any, **kw: Any) -> Any:
+        raise ValueError("sleep is not supported when serving across hosts (--nnodes > 1)")
+
+    wake = sleep
+
+
+def _apply(engine: Any, ops: list[tuple]) -> None:
+    for op in ops:
+        if op[0] == "add":
+            _, rid, ids, params, kw = op
+            got = engine.add_request(ids, params, None, **kw)
+            if got != rid:
+                raise RuntimeError(f"request ids diverged: {got} here, {rid} on rank 0")
+        elif op[0] == "abort":
+            engine.abort(op[1])
+        elif op[0] == "reset":
+            engine.reset_prefix_cache()
+
+
+def connect(c: ServeConfig) -> StepLeader | Connection:
+    """The step channel, before jax.distributed starts (which aborts the process on a
+    missing rank): rank 0 waits for every follower and checks their flags; a follower
+    joins rank 0. RuntimeError / ConfigError, naming what, when that fails."""
+    if c.node_rank == 0:
+        return StepLeader(c)
+    host, port = _address(c)
+    deadline = time.monotonic() + c.dist_timeout
+    while True:
+        try:
+            conn = Client((host, port + 1), authkey=_AUTH)
+            break
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank {c.node_rank}: rank 0 did not answer at --dist-init-addr "
+                    f"{c.dist_init_addr} (its step channel, port {port + 1}) within "
+                    f"{c.dist_timeout:g} s ({e.strerror or e}; is rank 0 started?)"
+                ) from None
+            time.sleep(0.2)
+    conn.send(("hello", c.node_rank, flags(c)))
+    reply = conn.recv()
+    if reply[0] == "error":
+        raise ConfigError("nnodes", ": " + reply[1])
+    return conn
+
+
+def follow(c: ServeConfig, conn: Connection, engine: Any) -> None:
+    """A follower's life after :func:`connect`: runs every step rank 0 sends until told
+    to stop. RuntimeError when rank 0 goes away or the ranks' schedules diverge."""
+    log.info("rank %d follows rank 0's steps", c.node_rank)
+    inbox: queue.Queue = queue.Queue()
+
+    def read() -> None:  # (a step stuck in a collective with a dead rank 0 is not read)
+        try:
+            while True:
+                msg = conn.recv()
+                inbox.put(msg)
+                if msg[0] == "stop":
+                    return
+        except (EOFError, OSError):
+            log.error("rank %d: rank 0 went away (its connection closed); exiting",
+                      c.node_rank)  # fmt: skip
+            inbox.put(("gone",))
+            exit_soon(5.0)
+
+    threading.Thread(target=read, daemon=True, name="kvcached-steps").start()
+    try:
+        while True:
+            msg = inbox.get()
+            if msg[0] == "stop":
+                log.info("rank %d: rank 0 stopped; exiting", c.node_rank)
+                return
+            if msg[0] == "gone":
+                raise RuntimeError(f"rank {c.node_rank}: rank 0 went away (its connection "
+                                   "closed)")  # fmt: skip
+            if msg[0] == "drain":
+                _apply(engine, msg[1])
+                engine.drain()
+            elif msg[0] == "step":
+                _, ops, digest = msg
+                if digest != engine.schedule_digest:
+                    raise RuntimeError(f"rank {c.node_rank}'s schedule diverged from rank 0's "
+                                       f"at step {engine.steps}")  # fmt: skip
+                _apply(engine, ops)
+                engine.step()
+            engine.drain_finished()
+    except BaseException as e:
+        try:
+            conn.send(("error", f"rank {c.node_rank} failed: {e}"))
+        except OSError:
+            pass
+        raise
+
+
+def exit_soon(seconds: float = 2.0, status: int = 1) -> None:
+    """Ends the process after ``seconds`` (error answers go out first), whatever a
+    thread stuck in a collective with a dead peer is doing."""
+
+    def bye() -> None:
+        time.sleep(seconds)
+        logging.shutdown()
+        os._exit(status)
+
+    threading.Thread(target=bye, daemon=True).start()

@@ -1,0 +1,130 @@
+"""``serve`` replicas behind real routers on loopback: the Shepherd Model Gateway
+(``smg``, its ``cache_aware`` policy and the load figures it polls from ``/metrics``) and
+vLLM's router (``kv_aware``, fed by our KV-cache events over ZMQ). Two replicas of a
+small random model; one module, the replicas started once."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+import time
+
+import httpx
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
+from bench_router import ADMIN, Router, counters, smg, vllm_router  # noqa: E402,F401
+from bench_serving import Server, free_port  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("smg") or os.path.exists(os.path.join(os.path.dirname(sys.executable),
+                                                            "smg"))),  # fmt: skip
+    reason="smg (the test extra) is not installed",
+)
+HEADS = [f"Family {f}: " + " ".join(["alpha beta gamma delta"] * 30) for f in "AB"]
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("cc"))
+    events: list[int] = []
+    while len(events) < 2:  # (each with its replay port beside it)
+        p = free_port()
+        if all(abs(p - q) > 1 for q in events):
+            events.append(p)
+    out = []
+    try:
+        for port in events:  # one after the other: the second starts from the compile cache
+            w = Server(sys.executable, "m=tiny-llama",
+                       ["--max-cached-tokens", "-1", "--admin-key", ADMIN, "--max-batch", "2",
+                        "--kv-events", f"tcp://*:{port}", "--kv-events-replay",
+                        f"tcp://*:{port + 1}"], cache)  # fmt: skip
+            out.append(w)
+            w.first_answer()
+        yield out, events
+    finally:
+        for w in out:
+            w.stop()
+
+
+def reset(workers):
+    for w in workers:
+        r = httpx.post(w.url + "/reset_prefix_cache", timeout=60,
+                       headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
+        r.raise_for_status()
+        assert r.json()["evicted_blocks"].keys() == {"m"}
+
+
+def ask(router: Router, n: int) -> list[str]:
+    texts = []
+    for i in range(n):
+        prompt = HEADS[i % 2] + f"\nQuestion {i}:"
+        r = httpx.post(router.url + "/v1/completions", timeout=120,
+                       json={"model": "m", "prompt": prompt, "max_tokens": 2,
+                             "temperature": 0})  # fmt: skip
+        assert r.status_code == 200, r.text
+        texts.append(r.json()["choices"][0]["text"])
+    return texts
+
+
+def served_by(workers) -> list[float]:
+    """Prompt tokens each replica looked up (which one served what)."""
+    out = []
+    for w in workers:
+        text = httpx.get(w.url + "/metrics", timeout=30).text
+        out.append(float(re.search(r'^kvcached_prefix_query_tokens_total\{model="m"\} (\S+)',
+                                   text, re.M).group(1)))  # fmt: skip
+    return out
+
+
+def test_smg_cache_aware_keeps_each_prefix_on_one_replica(replicas):
+    workers, _ = replicas
+    router = smg("cache_aware", workers)
+    try:
+        router.wait()
+        reset(workers)
+        h0, q0 = counters(workers)
+        ask(router, 8)
+        h1, q1 = counters(workers)
+        # Two families: each misses once, then every request finds its head cached on
+        # the replica the router keeps it on.
+        head_blocks = [len(httpx.post(workers[0].url + "/tokenize", json={
+            "model": "m", "prompt": h}).json()["tokens"]) // 16 for h in HEADS]  # fmt: skip
+        assert h1 - h0 >= 16 * 3 * sum(head_blocks), (h1 - h0, q1 - q0)
+        # The gateway's model list and load figures come from the replicas.
+        models = httpx.get(router.url + "/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["m"]
+        text = httpx.get(workers[0].url + "/metrics", timeout=30).text
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                     "vllm:kv_cache_usage_perc"):  # fmt: skip
+            assert re.search(rf'^{name}\{{model_name="m"\}} \S+$', text, re.M), name
+    finally:
+        router.stop()
+
+
+def test_vllm_router_kv_aware_routes_by_our_kv_events(replicas):
+    workers, events = replicas
+    prom = free_port()
+    router = vllm_router(workers, events, metrics_port=prom)
+    try:
+        router.wait()
+        reset(workers)
+        before = served_by(workers)
+        ask(router, 6)
+        text = ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "hit" not in text:
+            text = httpx.get(f"http://127.0.0.1:{prom}/metrics", timeout=10).text
+            text = "\n".join(x for x in text.splitlines()
+                             if x.startswith("vllm_router_kv_placement_lookups_total"))
+            time.sleep(0.2)
+        hits = re.search(r'result="hit"\} (\S+)', text)
+        # The router found the families' blocks in the index it built from our events.
+        assert hits and float(hits.group(1)) >= 4, text
+        after = served_by(workers)
+        assert sum(a - b for a, b in zip(after, before, strict=True)) > 0
+    finally:
+        router.stop()
