@@ -76,12 +76,14 @@ class LlamaServer:
 
 
 def run_guidellm(exe: str, url: str, tok: str, args: argparse.Namespace, out: str,
-                 seed: int, validate: bool = True) -> dict:  # fmt: skip
+                 seed: int, validate: bool = True, route: str = "/v1/completions"
+                 ) -> dict:  # fmt: skip
     """``seed``: the synthetic prompts' (a round's own: a later round would hit the prefix
-    cache); ``validate``: guidellm's probe of ``/health`` first (llama.cpp's has none)."""
+    cache); ``validate``: guidellm's probe of ``/health`` first (llama.cpp's has none);
+    ``route``: the OpenAI route it sends to."""
     cmd = [exe, "run",
            "--backend", f"kind=openai_http,target={url},model={SERVED},"
-                        f"request_format=/v1/completions,validate_backend={validate}",
+                        f"request_format={route},validate_backend={validate}",
            "--profile", f"kind=concurrent,streams={args.concurrency}",
            "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},"
                      f"output_tokens={args.output_tokens}",

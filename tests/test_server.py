@@ -193,6 +193,46 @@ def test_stop_string_ends_the_request(server):
     assert r["choices"][0]["text"] == cut and r["choices"][0]["finish_reason"] == "stop"
 
 
+def test_vllm_request_extensions(server):
+    full = complete(server.url, "llama", "Hello", 16)["choices"][0]["text"]
+    stop = full[4:6]
+    # include_stop_str_in_output: the text runs to the end of the stop string
+    r = complete(server.url, "llama", "Hello", 16, stop=[stop], include_stop_str_in_output=True)
+    assert r["choices"][0]["text"] == full[: full.find(stop) + len(stop)]
+    # request_id names the response; priority 0 and the default detokenization accepted
+    r = complete(server.url, "llama", "Hello", 4, request_id="abc-1", priority=0,
+                 skip_special_tokens=True, spaces_between_special_tokens=True)  # fmt: skip
+    assert r["id"] == "cmpl-abc-1"
+    # truncate_prompt_tokens keeps the prompt's last k tokens; add_special_tokens: no BOS
+    ids = list(range(40, 60))
+    a = complete(server.url, "llama", ids, 6, temperature=0, truncate_prompt_tokens=5)
+    b = complete(server.url, "llama", ids[-5:], 6, temperature=0)
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]
+    assert a["usage"]["prompt_tokens"] == 5
+    with_bos = complete(server.url, "llama", "Hi", 1)["usage"]["prompt_tokens"]
+    without = complete(server.url, "llama", "Hi", 1, add_special_tokens=False)
+    assert without["usage"]["prompt_tokens"] == with_bos - 1
+    # chat: continue_final_message goes on with the assistant's text
+    msgs = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi th"}]
+    body = {"model": "llama", "messages": msgs, "max_tokens": 3, "temperature": 0,
+            "add_generation_prompt": False, "continue_final_message": True}  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] < httpx.post(
+        f"{server.url}/v1/chat/completions", timeout=120,
+        json={**body, "continue_final_message": False}).json()["usage"]["prompt_tokens"]
+    for extra, param in (({"priority": 1}, "priority"),
+                         ({"skip_special_tokens": False}, "skip_special_tokens"),
+                         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                         ({"request_id": ""}, "request_id")):  # fmt: skip
+        r = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                       json={"model": "llama", "prompt": "x", **extra})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                   json={**body, "add_generation_prompt": True})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [

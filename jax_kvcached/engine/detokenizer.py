@@ -13,11 +13,13 @@ class TextStream:
     so a long output costs O(tokens), not O(tokens^2). A token whose text ends in an
     incomplete character (U+FFFD) is held back, but at most ``max_hold_tokens`` tokens:
     invalid bytes are then released as U+FFFD instead of stalling the stream. Text that
-    may be the start of a stop string is held back until it can be decided.
+    may be the start of a stop string is held back until it can be decided. The text ends
+    before the first stop string, or after it with ``include_stop``.
     """
 
     def __init__(
-        self, decode: Callable[[list[int]], str], stop: list[str], max_hold_tokens: int = 6
+        self, decode: Callable[[list[int]], str], stop: list[str], max_hold_tokens: int = 6,
+        include_stop: bool = False,
     ) -> None:
         self._decode = decode
         self.stop = stop
@@ -29,6 +31,15 @@ class TextStream:
         self._prefix = 0  # ids[_prefix:_read] give context for decoding the next ids
         self._read = 0  # ids whose text is in self.text
         self._longest_stop = max((len(x) for x in stop), default=0)
+        self.include_stop = include_stop
+
+    def _cut(self, start: int) -> None:
+        """Ends the text at the first stop string found from ``start`` (if any)."""
+        hits = [(i, len(x)) for x in self.stop if (i := self.text.find(x, start)) >= 0]
+        if hits:
+            i, n = min(hits)
+            self.text = self.text[: i + (n if self.include_stop else 0)]
+            self.stopped = True
 
     def _decode_new(self) -> str | None:
         """Text of the ids after ``_read``, or None while it is an incomplete character."""
@@ -54,10 +65,7 @@ class TextStream:
             return ""
         start = max(0, len(self.text) - self._longest_stop + 1)
         self.text += new
-        hits = [i for i in (self.text.find(x, start) for x in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
+        self._cut(start)
         end = len(self.text)
         if not self.stopped:
             hold = 0  # the longest end that may be the start of a stop string
@@ -75,8 +83,6 @@ class TextStream:
         if not self.stopped and self._read < len(self.ids):
             self.text += self._decode(self.ids[self._read :])
             self._read = len(self.ids)
-            hits = [i for i in (self.text.find(x, self.sent) for x in self.stop) if i >= 0]
-            if hits:
-                self.text, self.stopped = self.text[: min(hits)], True
+            self._cut(self.sent)
         delta, self.sent = self.text[self.sent :], len(self.text)
         return delta

@@ -15,6 +15,9 @@ _COMMON = {
     # accepted and ignored (they change nothing here): see _HARMLESS
     "metadata", "store", "service_tier", "parallel_tool_calls", "tools", "tool_choice",
     "response_format",
+    # vLLM's extensions (https://docs.vllm.ai: "Extra parameters"): see _vllm_extras
+    "include_stop_str_in_output", "add_special_tokens", "truncate_prompt_tokens", "request_id",
+    "priority", "skip_special_tokens", "spaces_between_special_tokens",
 }  # fmt: skip
 # Field -> what it must be to be ignored safely (anything else is a 400).
 _HARMLESS: dict[str, tuple[type, ...]] = {
@@ -24,7 +27,8 @@ _HARMLESS: dict[str, tuple[type, ...]] = {
     "parallel_tool_calls": (bool,),
 }
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
-_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
+                   "add_generation_prompt", "continue_final_message"}  # fmt: skip
 _ROLES = ("system", "user", "assistant", "developer")
 
 
@@ -96,6 +100,13 @@ class GenerationRequest:
     # vLLM's stream_options.continuous_usage_stats: running usage in every chunk (with
     # include_usage only, as vLLM does).
     continuous_usage: bool = False
+    # vLLM's extensions
+    include_stop: bool = False  # include_stop_str_in_output: the stop string stays
+    add_special_tokens: bool = True  # (chat: False, the template brings them)
+    truncate_prompt_tokens: int | None = None  # keep only a prompt's last k tokens
+    request_id: str | None = None  # the response's id: cmpl-<request_id>
+    add_generation_prompt: bool = True  # chat
+    continue_final_message: bool = False  # chat: the last (assistant) message goes on
 
     def sampling(
         self, max_tokens: int, index: int = 0, defaults: dict[str, float] | None = None
@@ -200,6 +211,40 @@ def _check_ignored(body: dict) -> None:
             raise _bad("'response_format' must be {'type': 'text'}", "response_format")
 
 
+def _vllm_extras(body: dict, chat: bool) -> dict[str, Any]:
+    """vLLM's extra request fields that make sense here; the rest stay a 400."""
+    for key in ("skip_special_tokens", "spaces_between_special_tokens"):
+        if body.get(key) not in (None, True):
+            raise _bad(f"'{key}': false is not supported by this server (special tokens "
+                       "are always skipped in text)", key)  # fmt: skip
+    if body.get("priority") not in (None, 0):
+        raise _bad("'priority' must be 0: requests are served first come, first served",
+                   "priority")  # fmt: skip
+    rid = body.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= 128
+                            or not rid.isprintable()):  # fmt: skip
+        raise _bad("'request_id' must be a printable string of 1 to 128 characters",
+                   "request_id")  # fmt: skip
+    given = body.get("add_special_tokens")
+    out = dict(
+        include_stop=_flag(body, "include_stop_str_in_output"),
+        # (vLLM's defaults: on for a completion's prompt, off for a rendered chat)
+        add_special_tokens=(not chat) if given is None else _flag(body, "add_special_tokens"),
+        truncate_prompt_tokens=_int(body, "truncate_prompt_tokens", None, 1),
+        request_id=rid,
+    )
+    if chat:
+        gen = body.get("add_generation_prompt", True)
+        if not isinstance(gen, bool):
+            raise _bad("'add_generation_prompt' must be a boolean", "add_generation_prompt")
+        cont = _flag(body, "continue_final_message")
+        if gen and cont:
+            raise _bad("'continue_final_message' needs 'add_generation_prompt': false",
+                       "continue_final_message")  # fmt: skip
+        out.update(add_generation_prompt=gen, continue_final_message=cont)
+    return out
+
+
 def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
@@ -280,6 +325,7 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
         continuous_usage=_flag(opts, "continuous_usage_stats") and _flag(opts, "include_usage"),
         ignore_eos=_flag(body, "ignore_eos"),
         cache_salt=salt,
+        **_vllm_extras(body, chat),
     )
 
 

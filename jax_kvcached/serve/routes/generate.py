@@ -78,13 +78,18 @@ def _prompts(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list
     eng = m.engine
     if req.chat:
         try:  # a template may refuse messages (raise_exception) or fail on them
-            text = m.chat_template.render(req.messages)
+            text = m.chat_template.render(req.messages, req.add_generation_prompt)
         except Exception as e:
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
-        # The rendered template brings its own special tokens.
-        raws: list[Any] = [m.tokenizer.encode(text, add_special_tokens=False)]
+        if req.continue_final_message:
+            text = _continued(text, req.messages)
+        # The rendered template brings its own special tokens (add_special_tokens: more).
+        raws: list[Any] = [m.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
     else:
-        raws = [m.tokenizer.encode(p) if isinstance(p, str) else p for p in req.prompts]
+        raws = [m.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)
+                if isinstance(p, str) else p for p in req.prompts]  # fmt: skip
+    if req.truncate_prompt_tokens is not None:  # (vLLM's: the last k tokens)
+        raws = [list(r)[-req.truncate_prompt_tokens :] for r in raws]
     param = "messages" if req.chat else "prompt"
     prompts = []
     for raw in raws:
@@ -159,12 +164,26 @@ def event_error(err: Any) -> APIError:
     return APIError(500, f"generation failed: {err!r}", "server_error")
 
 
+def _continued(text: str, messages: list[dict[str, str]]) -> str:
+    """The rendered chat cut after the last message's content (``continue_final_message``:
+    the model goes on with it, as transformers' ``continue_final_message`` renders)."""
+    last = messages[-1]
+    if last["role"] != "assistant" or not last["content"]:
+        raise APIError(400, "'continue_final_message' needs a final assistant message with "
+                       "content", param="continue_final_message")  # fmt: skip
+    at = text.rfind(last["content"])
+    if at < 0:
+        raise APIError(400, "the chat template does not render the final message's content "
+                       "as given", param="continue_final_message")  # fmt: skip
+    return text[: at + len(last["content"])]
+
+
 async def events(
     req: GenerationRequest, m: ServedModel, c: _Choice, max_tokens: int, first: Callable
 ) -> AsyncIterator[tuple[str, Any]]:
     """One choice's ("text", (delta, logprob entries)) items, then ("done", reason);
     raises APIError or _ClientGone. ``first()`` is called at its first token."""
-    text = TextStream(m.tokenizer.decode, req.stop)
+    text = TextStream(m.tokenizer.decode, req.stop, include_stop=req.include_stop)
     scoring_only = max_tokens == 0  # echo with max_tokens 0: the sampled token is dropped
     pending: list[Any] = []  # logprobs of tokens whose text is not out yet
     lp: Any = None
@@ -358,7 +377,7 @@ async def generate(
             ctx.metrics.ttft.labels(req.model).observe(time.perf_counter() - arrival)
             first_seen = True
 
-    rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
     obj = "chat.completion" if req.chat else "text_completion"
     head = {"id": rid, "object": obj, "created": int(time.time()), "model": req.model}
     head["seed"] = choices[0].gen.handle.params.seed  # (drawn if none given): replayable

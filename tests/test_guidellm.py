@@ -1,0 +1,39 @@
+"""guidellm, the benchmark client of vLLM deployments, against ``serve`` as a user runs
+it: synthetic data, a tokenizer folder saved from the GGUF, a few streamed requests on
+each OpenAI route. It sends vLLM's extensions (``stream_options.continuous_usage_stats``)
+that once made every request a 400."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_guidellm import SERVED, run_guidellm, tokenizer_dir  # noqa: E402
+from bench_serving import Server  # noqa: E402
+
+GUIDELLM = shutil.which("guidellm") or os.path.join(os.path.dirname(sys.executable), "guidellm")
+pytestmark = pytest.mark.skipif(not os.path.exists(GUIDELLM),
+                                reason="guidellm (the test extra) is not installed")
+
+
+def test_guidellm_runs_against_serve_without_an_error(tmp_path):
+    from jax_kvcached.models.pretrained import pretrained_path
+
+    tok = tokenizer_dir(pretrained_path("smollm2-135m"), str(tmp_path))
+    server = Server(sys.executable, f"{SERVED}=smollm2-135m", [], str(tmp_path / "xla"))
+    args = argparse.Namespace(concurrency=2, prompt_tokens=48, output_tokens=8, requests=4)
+    try:
+        server.first_answer()
+        for i, route in enumerate(("/v1/completions", "/v1/chat/completions")):
+            res = run_guidellm(GUIDELLM, server.url, tok, args, str(tmp_path / f"{i}.json"),
+                               seed=i, route=route)  # fmt: skip
+            assert res["requests"] == 4 and res["errored"] == 0, (route, res["errors"])
+            assert res["output_tokens_mean"] == 8, res  # (guidellm asks to ignore EOS)
+            assert res["prompt_tokens_mean"] >= 48, res
+    finally:
+        server.stop()
