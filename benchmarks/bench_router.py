@@ -97,9 +97,11 @@ class Router:
             self.proc.kill()
 
 
-def smg(policy: str, workers: list[Server]) -> Router:
+def smg(policy: str, workers: list[Server], metrics_port: int | None = None) -> Router:
     exe = shutil.which("smg") or os.path.join(os.path.dirname(sys.executable), "smg")
     return Router([exe, "launch", "--policy", policy, "--log-level", "warn",
+                   "--prometheus-port", str(metrics_port or free_port()),
+                   "--load-monitor-interval", "1",
                    "--worker-urls", *[w.url for w in workers]])  # fmt: skip
 
 

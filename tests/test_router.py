@@ -80,9 +80,15 @@ def served_by(workers) -> list[float]:
     return out
 
 
+def gauge(url: str, pattern: str) -> float | None:
+    m = re.search(pattern, httpx.get(url + "/metrics", timeout=30).text, re.M)
+    return float(m.group(1)) if m else None
+
+
 def test_smg_cache_aware_keeps_each_prefix_on_one_replica(replicas):
     workers, _ = replicas
-    router = smg("cache_aware", workers)
+    prom = free_port()
+    router = smg("cache_aware", workers, metrics_port=prom)
     try:
         router.wait()
         reset(workers)
@@ -97,10 +103,19 @@ def test_smg_cache_aware_keeps_each_prefix_on_one_replica(replicas):
         # The gateway's model list and load figures come from the replicas.
         models = httpx.get(router.url + "/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == ["m"]
-        text = httpx.get(workers[0].url + "/metrics", timeout=30).text
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                     "vllm:kv_cache_usage_perc"):  # fmt: skip
-            assert re.search(rf'^{name}\{{model_name="m"\}} \S+$', text, re.M), name
+        # Its load monitor reads the figures we publish under vLLM's names.
+        rates = []
+        for w in workers:
+            ours = gauge(w.url, r'^vllm:gpu_prefix_cache_hit_rate\{model_name="m"\} (\S+)')
+            rates.append(ours)
+            want = rf'^smg_engine_cache_hit_rate\{{worker="{w.url}",model="m"[^}}]*\}} (\S+)'
+            deadline = time.monotonic() + 60
+            smg_url = f"http://127.0.0.1:{prom}"
+            while (got := gauge(smg_url, want)) is None or abs(got - ours) > 1e-9:
+                assert time.monotonic() < deadline, (w.url, ours)  # (a hang guard)
+                time.sleep(0.5)
+        assert max(rates) > 0
+        assert gauge(workers[0].url, r'^vllm:num_requests_running\{model_name="m"\} (\S+)') == 0
     finally:
         router.stop()
 
