@@ -27,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import Server, free_port  # noqa: E402
+from bench_serving import Process, Server, free_port  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_router.json")
 ADMIN = "bench-admin"
@@ -59,7 +60,19 @@ def workload(systems: int, system_tokens: int, requests: int, seed: int) -> list
     return out
 
 
-class Router:
+def port_pair() -> int:
+    """A free port whose next one is free too (events and their replay beside them)."""
+    while True:
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
+class Router(Process):
     """A router process on a free loopback port in front of ``workers``."""
 
     def __init__(self, cmd: list[str]) -> None:
@@ -83,18 +96,6 @@ class Router:
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"router not ready: {self.tail()}")
-
-    def tail(self, n: int = 3000) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-n:]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def smg(policy: str, workers: list[Server], metrics_port: int | None = None) -> Router:
@@ -184,9 +185,7 @@ def main() -> None:
     args = ap.parse_args()
 
     cache_dir = tempfile.mkdtemp(prefix="bench-router-cc-")
-    events = [free_port() for _ in range(2)]
-    while any(free_port() == p + 1 for p in events):  # (the replay port beside each)
-        events = [free_port() for _ in range(2)]
+    events = [port_pair(), port_pair()]
     workers = [
         Server(sys.executable, f"m={args.model}",
                ["--max-cached-tokens", str(args.cached_tokens), "--admin-key", ADMIN,

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import httpx
 import numpy as np
@@ -41,7 +42,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Server:
+class Process:
+    """A subprocess with its output in a log file (``self.proc``, ``self.log``)."""
+
+    proc: subprocess.Popen
+    log: Any
+
+    def tail(self, n: int = 4000) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-n:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class Server(Process):
     """A ``jax-kvcached serve`` subprocess on a free loopback port."""
 
     def __init__(self, python: str, model: str, extra: list[str], cache_dir: str) -> None:
@@ -70,18 +90,6 @@ class Server:
                 pass
             time.sleep(0.05)
         raise TimeoutError("no answer")
-
-    def tail(self, n: int = 4000) -> str:
-        self.log.flush()
-        with open(self.log.name) as f:
-            return f.read()[-n:]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, out: dict) -> None:

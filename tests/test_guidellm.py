@@ -25,7 +25,8 @@ def test_guidellm_runs_against_serve_without_an_error(tmp_path):
     from jax_kvcached.models.pretrained import pretrained_path
 
     tok = tokenizer_dir(pretrained_path("smollm2-135m"), str(tmp_path))
-    server = Server(sys.executable, f"{SERVED}=smollm2-135m", [], str(tmp_path / "xla"))
+    server = Server(sys.executable, f"{SERVED}=smollm2-135m", ["--no-warmup"],
+                    str(tmp_path / "xla"))  # (shapes compile as the requests need them)
     args = argparse.Namespace(concurrency=2, prompt_tokens=48, output_tokens=8, requests=4)
     try:
         server.first_answer()

@@ -16,7 +16,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
-from bench_router import ADMIN, Router, counters, smg, vllm_router  # noqa: E402,F401
+from bench_router import ADMIN, Router, counters, port_pair, smg, vllm_router  # noqa: E402
 from bench_serving import Server, free_port  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -30,16 +30,13 @@ HEADS = [f"Family {f}: " + " ".join(["alpha beta gamma delta"] * 30) for f in "A
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("cc"))
-    events: list[int] = []
-    while len(events) < 2:  # (each with its replay port beside it)
-        p = free_port()
-        if all(abs(p - q) > 1 for q in events):
-            events.append(p)
+    events = [port_pair(), port_pair()]
     out = []
     try:
         for port in events:  # one after the other: the second starts from the compile cache
             w = Server(sys.executable, "m=tiny-llama",
                        ["--max-cached-tokens", "-1", "--admin-key", ADMIN, "--max-batch", "2",
+                        "--no-warmup",
                         "--kv-events", f"tcp://*:{port}", "--kv-events-replay",
                         f"tcp://*:{port + 1}"], cache)  # fmt: skip
             out.append(w)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from typing import Any
 
 from jax_kvcached.memory.config import parse_bytes
@@ -236,6 +237,8 @@ class EngineConfig:
                                   f"...), got {v!r}")  # fmt: skip
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ConfigError("kv_events_replay", "needs kv_events (the stream it replays)")
+        if self.kv_events is not None and importlib.util.find_spec("zmq") is None:
+            raise ConfigError("kv_events", "needs pyzmq: pip install 'jax-kvcached[events]'")
         if isinstance(self.eviction, str) and self.eviction not in EVICTION_POLICIES:
             raise ConfigError("eviction", f"must be one of {EVICTION_POLICIES} or an "
                               f"EvictionPolicy, got {self.eviction!r}")  # fmt: skip

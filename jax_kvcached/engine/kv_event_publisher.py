@@ -29,8 +29,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def _zmq() -> Any:
     try:
         import zmq
-    except ImportError:  # pragma: no cover - depends on the install
-        raise ImportError(
+    except ImportError:  # (EngineConfig checks it first)
+        raise RuntimeError(
             "KV-cache events need pyzmq: pip install 'jax-kvcached[events]' (or pyzmq)"
         ) from None
     return zmq
