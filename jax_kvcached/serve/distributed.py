@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from multiprocessing import AuthenticationError
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
@@ -118,11 +119,14 @@ class StepLeader:
         done = threading.Event()
 
         def accept() -> None:
-            try:
-                while len(accepted) < c.nnodes - 1:
-                    accepted.append(self._listener.accept())
-            except Exception:  # (the listener closed: the deadline passed)
-                pass
+            while len(accepted) < c.nnodes - 1:
+                try:
+                    conn = self._listener.accept()
+                except (AuthenticationError, EOFError, ConnectionError):
+                    continue  # (not one of ours: a stray connection)
+                except OSError:  # (the listener closed: the deadline passed)
+                    break
+                accepted.append(conn)
             done.set()
 
         threading.Thread(target=accept, daemon=True).start()
@@ -133,7 +137,15 @@ class StepLeader:
         mine = flags(c)
         bad = []
         for conn in accepted:
+            if not conn.poll(c.dist_timeout):
+                self.close()
+                raise RuntimeError("rank 0: a rank joined the step channel but never said "
+                                   "which it is")  # fmt: skip
             _, rank, theirs = conn.recv()
+            if rank in self._conns:
+                conn.send(("error", f"rank {rank} joined twice"))
+                bad.append(f"rank {rank}: joined twice (two processes with --node-rank {rank})")
+                continue
             diff = _differences(mine, theirs)
             if diff:
                 conn.send(("error", f"rank {rank}'s flags differ from rank 0's: "

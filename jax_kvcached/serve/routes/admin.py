@@ -2,7 +2,8 @@
 limits and guarantees, in whichever pool each model lives; each model's sleep state) and
 ``POST /admin/sleep`` / ``POST /admin/wake`` (a model's weights and KV memory given back,
 and brought back), ``POST /reset_prefix_cache`` (vLLM's route: every idle cached prefix
-of each model, or of ``?model=NAME``, forgotten on the device and in the host tier)."""
+of each model, or of ``?model=NAME`` / ``{"model": NAME}``, forgotten on the device and
+in the host tier)."""
 
 from __future__ import annotations
 
@@ -115,6 +116,13 @@ def routes(ctx: AppContext) -> list[Route]:
     async def reset_prefix_cache(request: Request) -> Response:
         ctx.auth.check(request, admin=True)
         name = request.query_params.get("model")
+        if int(request.headers.get("content-length") or 0):  # (vLLM's takes no body)
+            body = await ctx.read_json(request)
+            if not isinstance(body, dict) or set(body) - {"model"}:
+                raise APIError(400, "expected no body or {'model': NAME}")
+            name = body.get("model", name)
+            if not isinstance(name, str | None):
+                raise APIError(400, "'model' must be a string", param="model")
         names = [ctx.served(name) and name] if name is not None else list(ctx.models)
         evicted = {}
         for n in names:
