@@ -144,17 +144,17 @@ class StepLeader:
             _, rank, theirs = conn.recv()
             if rank in self._conns:
                 conn.send(("error", f"rank {rank} joined twice"))
-                bad.append(f"rank {rank}: joined twice (two processes with --node-rank {rank})")
+                bad.append(f"rank {rank} joined twice (two processes with --node-rank {rank})")
                 continue
             diff = _differences(mine, theirs)
             if diff:
                 conn.send(("error", f"rank {rank}'s flags differ from rank 0's: "
                                     + "; ".join(diff)))  # fmt: skip
-                bad.append(f"rank {rank}: " + "; ".join(diff))
+                bad.append(f"rank {rank}'s flags differ from rank 0's: " + "; ".join(diff))
             self._conns[rank] = conn
         if bad:
             self.close()
-            raise ConfigError("nnodes", ": the ranks' flags differ: " + " | ".join(bad))
+            raise ConfigError("nnodes", ": " + " | ".join(bad))
         for conn in self._conns.values():
             conn.send(("ok",))
         self._lock = threading.Lock()
