@@ -125,3 +125,17 @@ def test_a_warm_start_with_packed_weights_loads_its_executables(tmp_path):
     assert cold["stored"] == [0, cold["programs"]]
     assert warm["stored"] == [warm["programs"], 0] and warm["xla_compiles"] == 0
     assert warm["tokens"] == cold["tokens"]
+
+
+def test_an_executable_that_cannot_be_stored_is_said_once(tmp_path, caplog):
+    import logging
+
+    from jax_kvcached.engine.executables import ExecutableStore
+
+    store = ExecutableStore(str(tmp_path))
+    with caplog.at_level(logging.DEBUG, logger="jax_kvcached.engine.executables"):
+        for key in ("a", "b", "c"):
+            store.save(key, object())  # (not an executable: serialization fails)
+    said = [r for r in caplog.records if "cannot be serialized" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelname == "WARNING"
+    assert store.saved == 0 and not list(tmp_path.iterdir())

@@ -148,3 +148,12 @@ def test_closed_cache_rejects_use(pool):
         c.alloc(1)
     with pytest.raises(kv.KVCacheError, match="closed"):
         _ = c.view
+
+
+def test_auto_backend_on_a_gpu_without_cuda_is_an_error_not_the_cpu(monkeypatch):
+    # A GPU JAX sees, a build without CUDA: never a silent KV cache on the CPU.
+    monkeypatch.setattr("jax_kvcached.memory.pool._is_gpu", lambda device: True)
+    monkeypatch.setattr("jax_kvcached.memory.pool._C.cuda_compiled", lambda: False)
+    with pytest.raises(ValueError, match="no CUDA backend.*backend='host'"):
+        kv.Pool("16MiB")
+    kv.Pool("16MiB", backend="host").close()  # (asked for: the CPU)

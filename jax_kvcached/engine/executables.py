@@ -87,6 +87,7 @@ class ExecutableStore:
         os.makedirs(folder, exist_ok=True)
         self.loaded = 0
         self.saved = 0
+        self._said_unserializable = False
         self.prune()
 
     def prune(self) -> int:
@@ -169,7 +170,11 @@ class ExecutableStore:
         try:
             payload = pickle.dumps(serialize_executable.serialize(compiled))
         except Exception as e:
-            log.debug("not storing an executable: %s: %s", type(e).__name__, e)
+            if not self._said_unserializable:  # (once: every step shape would say it)
+                self._said_unserializable = True
+                log.warning("not storing executables in %s: one cannot be serialized (%s: "
+                            "%s); they compile at each start", self.folder, type(e).__name__,
+                            e)  # fmt: skip
             return
         fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
         try:

@@ -11,12 +11,14 @@ executable compiled before the sleep is hit again after the wake.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
 import jax
 import numpy as np
 
+log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class Offloaded:
@@ -40,6 +42,21 @@ def _pinned(sharding: Any) -> Any | None:
         return None
 
 
+_said: set[str] = set()
+
+
+def _on_gpu(w: jax.Array) -> bool:
+    return any(d.platform in ("gpu", "cuda") for d in w.sharding.device_set)
+
+
+def _say_pageable() -> None:
+    """Once a process: a GPU without page-locked host memory (the wake is slower)."""
+    if "pageable" not in _said:
+        _said.add("pageable")
+        log.warning("sleep: this GPU's backend offers no page-locked host memory; the "
+                    "weights go to pageable memory (a slower wake)")  # fmt: skip
+
+
 def offload(weights: list[jax.Array], level: int) -> Offloaded:
     """Copies the weights to host memory (level 1; level 2 keeps nothing) and deletes
     the device arrays."""
@@ -52,6 +69,8 @@ def offload(weights: list[jax.Array], level: int) -> Offloaded:
         host = []
         for w in weights:
             target = _pinned(w.sharding)
+            if target is None and _on_gpu(w):
+                _say_pageable()
             # a copy on the host that survives the device array's deletion
             host.append(jax.device_put(w, target) if target is not None else np.array(w))
         for h in host:

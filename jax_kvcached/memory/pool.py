@@ -48,6 +48,12 @@ def _resolve(backend: str, device: Any) -> tuple[str, Any]:
         default = jax.devices()[0]
         if backend != "host" and _is_gpu(default) and (backend == "cuda" or _C.cuda_compiled()):
             device = default
+        elif backend == "auto" and _is_gpu(default):  # (never a silent move to the CPU)
+            raise ValueError(
+                "backend='auto': JAX has a GPU, but this build of jax-kvcached has no CUDA "
+                "backend (nvcc was not found when it was built): rebuild where nvcc is "
+                "present, or pass backend='host' to keep the KV cache on the CPU"
+            )
         elif backend == "cuda":
             raise ValueError("backend='cuda' but JAX has no GPU device")
         else:

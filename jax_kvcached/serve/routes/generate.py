@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,6 +32,8 @@ from jax_kvcached.serve.protocol import (
     parse_chat,
     parse_completion,
 )
+
+log = logging.getLogger("jax_kvcached.serve")
 
 
 class _ClientGone(Exception):
@@ -426,6 +429,8 @@ async def generate(
         except APIError as e:
             await out.put((index, "error", e))
         except BaseException as e:  # (the client went away: the stream is closed)
+            if not isinstance(e, (_ClientGone, asyncio.CancelledError, GeneratorExit)):
+                log.exception("a stream of model %r failed", req.model)  # (a bug: said)
             await out.put((index, "error", APIError(500, repr(e), "server_error")))
 
     def running() -> dict:
