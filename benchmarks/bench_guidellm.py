@@ -26,7 +26,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import Server, free_port  # noqa: E402
+from bench_serving import Process, Server  # noqa: E402
 
 MODEL = "smollm2-135m"
 SERVED = "m"  # the name both servers answer to (bench_serving's Server probes it)
@@ -44,24 +44,22 @@ def tokenizer_dir(path: str, out: str) -> str:
     return out
 
 
-class LlamaServer:
+class LlamaServer(Process):
     """``python -m llama_cpp.server`` on a free loopback port."""
 
     def __init__(self, python: str, path: str, threads: int, ctx: int) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        cmd = [python, "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1",
-               "--port", str(self.port), "--n_threads", str(threads), "--n_threads_batch",
-               str(threads), "--n_ctx", str(ctx), "--model_alias", SERVED]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        super().__init__()
+        self.launch([python, "-m", "llama_cpp.server", "--model", path, "--host", "127.0.0.1",
+                     "--port", str(self.port), "--n_threads", str(threads),
+                     "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
+                     "--model_alias", SERVED])  # fmt: skip
 
     def wait(self, timeout: float = 300) -> None:
+        """Until it lists its model (it loads the file before it answers)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                self.log.flush()
-                raise RuntimeError(f"llama.cpp server exited: {open(self.log.name).read()[-3000:]}")
+                raise RuntimeError(f"llama.cpp server exited: {self.tail(3000)}")
             try:
                 if httpx.get(self.url + "/v1/models", timeout=5).status_code == 200:
                     return
@@ -69,10 +67,6 @@ class LlamaServer:
                 pass
             time.sleep(0.2)
         raise TimeoutError("llama.cpp server did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
 
 
 def run_guidellm(exe: str, url: str, tok: str, args: argparse.Namespace, out: str,

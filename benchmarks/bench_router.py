@@ -29,7 +29,6 @@ import re
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -73,29 +72,12 @@ def port_pair() -> int:
 
 
 class Router(Process):
-    """A router process on a free loopback port in front of ``workers``."""
+    """A router process on a free loopback port in front of ``workers``; ready at its
+    :meth:`first_answer`."""
 
     def __init__(self, cmd: list[str]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
-
-    def wait(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited: {self.tail()}")
-            try:
-                r = httpx.post(self.url + "/v1/completions", timeout=60,
-                               json={"model": "m", "prompt": "hi", "max_tokens": 1})  # fmt: skip
-                if r.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"router not ready: {self.tail()}")
+        super().__init__()
+        self.launch([*cmd, "--host", "127.0.0.1", "--port", str(self.port)])
 
 
 def smg(policy: str, workers: list[Server], metrics_port: int | None = None) -> Router:
@@ -206,7 +188,7 @@ def main() -> None:
             router = (vllm_router(workers, events) if router_name == "vllm-router"
                       else smg(policy, workers))  # fmt: skip
             try:
-                router.wait()
+                router.first_answer(timeout=120, prompt="hi")
                 for w in workers:  # (the readiness probe's own prompt)
                     httpx.post(w.url + "/reset_prefix_cache", timeout=60,
                                headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip

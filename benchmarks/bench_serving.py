@@ -43,10 +43,37 @@ def free_port() -> int:
 
 
 class Process:
-    """A subprocess with its output in a log file (``self.proc``, ``self.log``)."""
+    """A subprocess on a free loopback port (``self.url``) with its output in a log
+    file, launched by :meth:`launch`."""
 
-    proc: subprocess.Popen
-    log: Any
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+
+    def launch(self, cmd: list[str]) -> None:
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir()
+        )  # the interpreter's package
+
+    def first_answer(self, timeout: float = 900, prompt: Any = None) -> float:
+        """Seconds from launch to the first completed answer of model ``m`` to
+        ``prompt`` (default: token ids 1, 2, 3)."""
+        body = {"model": "m", "prompt": [1, 2, 3] if prompt is None else prompt,
+                "max_tokens": 1}  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args[0]} exited: {self.tail()}")
+            try:
+                r = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout)
+                if r.status_code == 200:
+                    return time.perf_counter() - self.t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"no answer: {self.tail()}")
 
     def tail(self, n: int = 4000) -> str:
         self.log.flush()
@@ -65,31 +92,10 @@ class Server(Process):
     """A ``jax-kvcached serve`` subprocess on a free loopback port."""
 
     def __init__(self, python: str, model: str, extra: list[str], cache_dir: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        cmd = [python, "-m", "jax_kvcached.cli", "serve", "--model", model, "--port",
-               str(self.port), "--compile-cache", cache_dir, "--no-access-log", *extra]  # fmt: skip
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=tempfile.gettempdir()
-        )  # the interpreter's package
-
-    def first_answer(self, timeout: float = 900) -> float:
-        """Seconds from launch to the first completed answer."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.tail()}")
-            try:
-                r = httpx.post(self.url + "/v1/completions", json={
-                    "model": "m", "prompt": [1, 2, 3], "max_tokens": 1}, timeout=900)  # fmt: skip
-                if r.status_code == 200:
-                    return time.perf_counter() - self.t0
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError("no answer")
+        super().__init__()
+        self.launch([python, "-m", "jax_kvcached.cli", "serve", "--model", model, "--port",
+                     str(self.port), "--compile-cache", cache_dir, "--no-access-log",
+                     *extra])  # fmt: skip
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, out: dict) -> None:

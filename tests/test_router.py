@@ -88,7 +88,7 @@ def test_smg_cache_aware_keeps_each_prefix_on_one_replica(replicas):
     prom = free_port()
     router = smg("cache_aware", workers, metrics_port=prom)
     try:
-        router.wait()
+        router.first_answer(timeout=120, prompt="hi")
         reset(workers)
         h0, q0 = counters(workers)
         ask(router, 8)
@@ -123,7 +123,7 @@ def test_vllm_router_kv_aware_routes_by_our_kv_events(replicas):
     prom = free_port()
     router = vllm_router(workers, events, metrics_port=prom)
     try:
-        router.wait()
+        router.first_answer(timeout=120, prompt="hi")
         reset(workers)
         before = served_by(workers)
         ask(router, 6)

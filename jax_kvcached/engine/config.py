@@ -232,7 +232,7 @@ class EngineConfig:
         for name in ("kv_events", "kv_events_replay"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, str) and v.startswith(_ZMQ_SCHEMES)
-                                      and len(v) > len(v.split("://")[0]) + 3):
+                                      and v.partition("://")[2]):
                 raise ConfigError(name, f"must be a ZMQ endpoint ({', '.join(_ZMQ_SCHEMES)}"
                                   f"...), got {v!r}")  # fmt: skip
         if self.kv_events_replay is not None and self.kv_events is None:

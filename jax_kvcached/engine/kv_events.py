@@ -35,6 +35,8 @@ from typing import Any
 
 import msgpack
 
+from jax_kvcached.engine.kv_groups import RECURRENT
+
 GPU, CPU = "GPU", "CPU"  # vLLM's media: the device tier and the host tier
 
 
@@ -94,7 +96,7 @@ def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int | N
     return msgpack.packb(batch, use_bin_type=True)
 
 
-_KINDS = {0: "full_attention", -1: "mamba"}  # a window's kind (others: sliding_window)
+_KINDS = {0: "full_attention", RECURRENT: "mamba"}  # a window's kind (others: sliding_window)
 
 
 class _Listener:
@@ -126,8 +128,6 @@ class KVEventLog:
         self._live: dict[tuple[int, bytes], set[str]] = {}  # (group, key) -> media
         self._events: list[Event] = []
         self._cv = threading.Condition()
-        self.stored_blocks = 0
-        self.removed_blocks = 0
         self.taken = 0  # events handed out by take()
         self._holds = 0  # resets running (take() waits for them)
 
@@ -147,11 +147,6 @@ class KVEventLog:
         """What a block's stored events carry: its parent's key and its tokens (before
         the cache stores it; kept while any tier holds it)."""
         self._meta.setdefault((group, key), (parent, tuple(int(t) for t in tokens)))
-
-    @property
-    def num_live(self) -> int:
-        """(group, key, medium) entries stored and not removed."""
-        return sum(len(m) for m in self._live.values())
 
     def _kind(self, group: int) -> tuple[str, int | None]:
         w = self.windows[group]
@@ -177,7 +172,6 @@ class KVEventLog:
                     kind, window = self._kind(group)
                     self._events.append(BlockStored(
                         [h], p, list(tokens), self.block_size, medium, group, kind, window))
-                self.stored_blocks += 1
             self._cv.notify()
 
     def removed(self, group: int, medium: str, keys: Sequence[bytes]) -> None:
@@ -198,7 +192,6 @@ class KVEventLog:
                     last.block_hashes.append(h)
                 else:
                     self._events.append(BlockRemoved([h], medium, group))
-                self.removed_blocks += 1
             self._cv.notify()
 
     @contextlib.contextmanager

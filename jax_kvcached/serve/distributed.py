@@ -148,9 +148,9 @@ class StepLeader:
                 continue
             diff = _differences(mine, theirs)
             if diff:
-                conn.send(("error", f"rank {rank}'s flags differ from rank 0's: "
-                                    + "; ".join(diff)))  # fmt: skip
-                bad.append(f"rank {rank}'s flags differ from rank 0's: " + "; ".join(diff))
+                why = f"rank {rank}'s flags differ from rank 0's: " + "; ".join(diff)
+                conn.send(("error", why))
+                bad.append(why)
             self._conns[rank] = conn
         if bad:
             self.close()

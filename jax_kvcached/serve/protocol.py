@@ -173,10 +173,10 @@ def _seed(body: dict) -> int | None:
     return v % (1 << 32)
 
 
-def _flag(body: dict, key: str) -> bool:
-    v = body.get(key, False)
+def _flag(body: dict, key: str, default: bool = False) -> bool:
+    v = body.get(key)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
         raise _bad(f"'{key}' must be a boolean, got {v!r}", key)
     return v
@@ -225,17 +225,16 @@ def _vllm_extras(body: dict, chat: bool) -> dict[str, Any]:
                             or not rid.isprintable()):  # fmt: skip
         raise _bad("'request_id' must be a printable string of 1 to 128 characters",
                    "request_id")  # fmt: skip
-    given = body.get("add_special_tokens")
     out = dict(
         include_stop=_flag(body, "include_stop_str_in_output"),
         # (vLLM's defaults: on for a completion's prompt, off for a rendered chat)
-        add_special_tokens=(not chat) if given is None else _flag(body, "add_special_tokens"),
+        add_special_tokens=_flag(body, "add_special_tokens", not chat),
         truncate_prompt_tokens=_int(body, "truncate_prompt_tokens", None, 1),
         request_id=rid,
     )
     if chat:
         gen = body.get("add_generation_prompt", True)
-        if not isinstance(gen, bool):
+        if not isinstance(gen, bool):  # (null too: it has no "omitted" meaning here)
             raise _bad("'add_generation_prompt' must be a boolean", "add_generation_prompt")
         cont = _flag(body, "continue_final_message")
         if gen and cont:

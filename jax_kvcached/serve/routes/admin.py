@@ -123,7 +123,9 @@ def routes(ctx: AppContext) -> list[Route]:
             name = body.get("model", name)
             if not isinstance(name, str | None):
                 raise APIError(400, "'model' must be a string", param="model")
-        names = [ctx.served(name) and name] if name is not None else list(ctx.models)
+        if name is not None:
+            ctx.served(name)  # 404 first
+        names = list(ctx.models) if name is None else [name]
         evicted = {}
         for n in names:
             evicted[n] = await run_in_threadpool(ctx.models[n].engine.reset_prefix_cache)
