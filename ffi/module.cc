@@ -77,8 +77,10 @@ nb::dict stats_dict(const PoolStats& s) {
   d["min_reserved_pages"] = s.min_reserved;
   d["max_reserved_pages"] = s.max_reserved;
   d["creates"] = s.creates;
+  d["refills"] = s.refills;
   d["releases"] = s.releases;
   d["reuses"] = s.reuses;
+  d["committed_bytes"] = s.committed_bytes;
   return d;
 }
 
@@ -121,13 +123,20 @@ NB_MODULE(_C, m) {
       .def_prop_ro("page_size", &PagePool::page_size)
       .def_prop_ro("granularity", [](PagePool& p) { return p.backend().granularity(); })
       .def_prop_ro("device_id", [](PagePool& p) { return p.backend().device_id(); })
-      .def_prop_ro("committed_bytes", [](PagePool& p) { return p.backend().committed_bytes(); })
+      .def_prop_ro("committed_bytes", &PagePool::committed_bytes, nb::call_guard<nb::gil_scoped_release>())
       .def("set_budget", &PagePool::set_budget, nb::arg("budget_pages"),
            nb::call_guard<nb::gil_scoped_release>())
       .def("set_reserve", &PagePool::set_reserve, nb::arg("min_reserved"), nb::arg("max_reserved"),
            nb::call_guard<nb::gil_scoped_release>())
       .def("trim", &PagePool::trim, nb::call_guard<nb::gil_scoped_release>())
-      .def("stats", [](PagePool& p) { return stats_dict(p.stats()); });
+      .def("stats", [](PagePool& p) {
+        PoolStats s;
+        {
+          nb::gil_scoped_release unlocked;  // (it may wait for a page being created)
+          s = p.stats();
+        }
+        return stats_dict(s);
+      });
 
   nb::class_<KVBuffer>(m, "KVBuffer")
       .def(nb::new_([](std::shared_ptr<PagePool> pool, int64_t num_layers, int64_t num_kv_heads,

@@ -157,3 +157,29 @@ def test_auto_backend_on_a_gpu_without_cuda_is_an_error_not_the_cpu(monkeypatch)
     with pytest.raises(ValueError, match="no CUDA backend.*backend='host'"):
         kv.Pool("16MiB")
     kv.Pool("16MiB", backend="host").close()  # (asked for: the CPU)
+
+
+def test_a_map_from_the_reserve_creates_no_page_itself():
+    """The first-touch work of a map (creating, committing and zeroing pages) is the
+    background thread's: a map served by the reserve creates nothing inline, and the
+    reserve comes back to its floor by refills; the stats stay exact meanwhile."""
+    import time
+
+    pool = kv.Pool("64MiB", backend="host", min_reserved_pages=2, max_reserved_pages=4)
+    c = pool.create_kv_cache("a", 2, 2, 64, "float32")
+    s0 = pool.stats()
+    floor = s0["reserved_pages"]
+    assert floor > 0 and s0["mapped_pages"] == 0
+    ids = c.alloc(1)  # maps one KV page, from the reserve
+    s1 = pool.stats()
+    assert s1["mapped_pages"] > 0 and s1["reuses"] > s0["reuses"]
+    assert s1["creates"] - s1["refills"] == s0["creates"] - s0["refills"]  # none inline
+    assert s1["committed_bytes"] == (s1["mapped_pages"] + s1["reserved_pages"]) * s1["page_size"]
+    guard = time.monotonic() + 60  # a hang guard, not a bound
+    while pool.stats()["reserved_pages"] < floor and time.monotonic() < guard:
+        time.sleep(0.01)
+    s2 = pool.stats()
+    assert s2["reserved_pages"] == floor and s2["refills"] >= s1["mapped_pages"]
+    assert s2["committed_bytes"] == (s2["mapped_pages"] + s2["reserved_pages"]) * s2["page_size"]
+    c.free(ids)
+    pool.close()

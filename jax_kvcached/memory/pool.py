@@ -449,9 +449,12 @@ class Pool:
             "reserved_bytes": s["reserved_pages"] * ps,
             "max_reserved_pages": s["max_reserved_pages"],
             "free_pages": s["budget_pages"] - s["in_use_pages"],
-            "committed_bytes": sum(p.committed_bytes for p in self._pools),
+            # (each device's from its own snapshot: consistent with its page counts)
+            "committed_bytes": s["committed_bytes"] + sum(
+                p.stats()["committed_bytes"] for p in self._pools[1:]),
             "group": self.group,
             "creates": s["creates"],
+            "refills": s["refills"],
             "releases": s["releases"],
             "reuses": s["reuses"],
             "caches": {name: c.stats() for name, c in self._caches.items()},
