@@ -45,6 +45,8 @@ def test_every_command_line_field_is_a_serve_flag_and_round_trips():
                                                             "be at least max_batch (8)"),
     (["--max-num-batched-tokens", "32", "--max-prefill-tokens", "16"], "--max-prefill-tokens"),
     (["--max-cached-tokens", "-2"], "--max-cached-tokens must be >= -1"),
+    (["--stall-ratio", "1"], "--stall-ratio must be a number above 1"),
+    (["--stall-ratio", "nan"], "--stall-ratio must be a number above 1"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
     (["--port", "70000"], "--port must be in"),

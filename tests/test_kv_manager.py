@@ -248,16 +248,14 @@ def test_scheduler_puts_every_decode_first_and_fills_the_budget_with_a_chunk():
     assert [(x.start, x.num_tokens) for x in out.scheduled] == [(70, 30)]
 
 
-def test_scheduler_scales_a_cpu_step_with_its_decode_rows():
-    """On a CPU a step with D decode rows takes 16 + 4 D tokens (rounded down to 16): one
-    stream gets a 15-token chunk beside it, eight streams a 40-token one."""
-    from jax_kvcached.engine.step_shapes import cpu_decode_budget
-
-    assert [cpu_decode_budget(d) for d in (1, 3, 4, 8, 12)] == [16, 16, 32, 48, 64]
+def test_scheduler_takes_its_decode_budget_by_the_decode_rows():
+    """A step with D decode rows takes ``decode_budget(D)`` tokens: one stream gets a
+    15-token chunk beside it, eight streams a 40-token one (the pacer's seam)."""
     for streams, chunk in ((1, 15), (8, 40)):
         fake = FakeKV(capacity=1000)
         sch = Scheduler(fake, max_batch=9, max_num_batched_tokens=64, max_model_len=4096,
-                        max_prefill_tokens=256, decode_budget=cpu_decode_budget)  # fmt: skip
+                        max_prefill_tokens=256,
+                        decode_budget=lambda d: (16 + 4 * d) // 16 * 16)  # fmt: skip
         for i in range(streams):
             s = seq(i, range(3))
             fake.computed(s, 2)  # it decodes
@@ -265,6 +263,28 @@ def test_scheduler_scales_a_cpu_step_with_its_decode_rows():
         sch.add(seq(99, range(500)))
         out = sch.schedule()
         assert [x.num_tokens for x in out.scheduled] == [1] * streams + [chunk]
+        assert out.num_decodes == streams
+
+
+def test_a_short_prompt_is_not_held_behind_a_long_ones_chunks():
+    """Prompts with the fewest tokens left take the step's chunk first: a 3-token request
+    arriving while a 6000-token prompt prefills is computed in the next step, beside the
+    stream's decode row, and the long prompt keeps what it leaves."""
+    fake = FakeKV(capacity=1000)
+    sch = Scheduler(fake, max_batch=4, max_num_batched_tokens=16, max_model_len=8192)
+    stream = seq(0, range(3))
+    fake.computed(stream, 2)
+    sch.running.append(stream)
+    long = seq(1, range(6000))
+    sch.add(long)
+    out = sch.schedule()
+    assert [(x.seq.request_id, x.num_tokens) for x in out.scheduled] == [(0, 1), (1, 15)]
+    for x in out.scheduled:
+        fake.computed(x.seq, x.end)
+    short = seq(2, range(3))
+    sch.add(short)
+    out = sch.schedule()
+    assert [(x.seq.request_id, x.num_tokens) for x in out.scheduled] == [(0, 1), (2, 3), (1, 12)]
 
 
 def test_scheduler_preempts_the_newest_when_memory_runs_out():

@@ -83,10 +83,13 @@ def test_a_running_stream_gets_a_token_in_every_step_while_a_long_prompt_prefill
     eng.reset_prefix_cache()
     assert eng.cache.num_mapped_pages == 0
     eng.close()
-    # By default a CPU step's budget follows the decode rows: 16 tokens beside 2 streams.
+    # By default a CPU step's prompt chunk is paced by measured step times (before any
+    # measurement: 2 tokens, so 2 streams make a bucket of 4), within 64 tokens.
     default = Engine(model, pool, max_batch=4, max_model_len=1024)
-    assert default.scheduler.decode_budget(2) == 16 and default.max_num_batched_tokens == 64
+    assert default.scheduler.decode_budget == default.pacer.budget
+    assert default.pacer.budget(2) == 4 and default.max_num_batched_tokens == 64
     default.close()
+    assert eng.pacer is None  # (a budget given is fixed)
     pool.close()
 
 

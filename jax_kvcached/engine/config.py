@@ -137,7 +137,7 @@ class EngineConfig:
         None,
         "new tokens of a step per model while requests decode: every running decode first, "
         "then chunks of waiting prompts; a fixed budget, at least the batch size (default: "
-        "on a CPU 16 + 4 per decoding request, rounded down to 16, at most 64; 2048 on a GPU)",
+        "on a CPU 64, each step's prompt chunk paced by --stall-ratio; 2048 on a GPU)",
         kind=int, metavar="N",
     )  # fmt: skip
     max_prefill_tokens: int | None = option(
@@ -145,6 +145,13 @@ class EngineConfig:
         "new tokens in a step when no request decodes (default: 256 on a CPU, the step "
         "budget on a GPU or when that budget is given)",
         kind=int, metavar="N",
+    )  # fmt: skip
+    stall_ratio: float = option(
+        2.5,
+        "on a CPU without --max-num-batched-tokens: a step that carries decode rows and a "
+        "prompt chunk takes about this many times a decode-only step (the chunk is sized "
+        "from measured step times), so streams slow by at most that while prompts prefill",
+        kind=float, metavar="X",
     )  # fmt: skip
     max_model_len: int | None = option(
         None, "prompt + output tokens per request (default: the model's max positions)",
@@ -209,6 +216,10 @@ class EngineConfig:
                      "state_checkpoint_tokens"):  # fmt: skip
             _positive(name, getattr(self, name))
         check_budgets(self.max_batch, self.max_num_batched_tokens, self.max_prefill_tokens)
+        if isinstance(self.stall_ratio, bool) or not (
+            isinstance(self.stall_ratio, (int, float)) and 1 < self.stall_ratio < float("inf")
+        ):
+            raise ConfigError("stall_ratio", f"must be a number above 1, got {self.stall_ratio!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.max_cached_tokens is not None and self.max_cached_tokens < -1:

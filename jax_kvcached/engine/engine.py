@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.scheduler import Scheduler
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.engine.sleep_mode import SleepMode
+from jax_kvcached.engine.step_pacer import StepPacer
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.config import host_cache_blocks
 from jax_kvcached.memory.errors import PoolExhausted
@@ -161,9 +163,13 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             self.cache.close()  # a model that cannot run here leaves the pool as it was
             raise
         self.kv.set_fence(self.runner.token)
+        # A CPU step's prompt chunk beside decode rows: paced by measured step times.
+        self.pacer = StepPacer(c.stall_ratio, self.runner.max_num_batched_tokens,
+                               self.runner.token_sizes) if self.runner.paced else None  # fmt: skip
+        self._last_ready: float | None = None  # the last completed step's (for the pacer)
         self.scheduler = Scheduler(
             self.kv, c.max_batch, self.runner.max_num_batched_tokens, self.max_model_len,
-            self.runner.max_prefill_tokens, self.runner.decode_budget,
+            self.runner.max_prefill_tokens, self.pacer.budget if self.pacer else None,
         )  # fmt: skip
         self.outputs = OutputProcessor(
             lambda x: self.runner.fetch(x), cfg.eos_ids, self.max_model_len,
@@ -392,6 +398,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         with self._lock:
             if len(self._inflight) > 1:
                 raise RuntimeError("complete() a dispatched step before dispatching another")
+            started = time.perf_counter()
             self.kv.poll()
             out = self.scheduler.schedule()
             # What this step decided, in a few bytes (ranks of one model compare it).
@@ -423,6 +430,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             step = PendingStep([s for s, _ in prepared.sampling],
                                tokens if prepared.sampling else None,
                                [i for _, i in prepared.sampling])  # fmt: skip
+            step.decodes, step.started = out.num_decodes, started
+            step.prompt_tokens = sum(x.num_tokens for x in out.scheduled) - out.num_decodes
+            step.position = max((x.end for x in out.scheduled[out.num_decodes:]), default=0)
             step.logprobs = self.runner.last_logprobs
             if prepared.scored and self.runner.last_scores is not None:
                 step.scores, step.scored = self.runner.last_scores, prepared.scored
@@ -440,7 +450,17 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             self._inflight.popleft()
             done = self.outputs.process(step)
             self._finished.extend(done)
+            self._pace(step)
             return done
+
+    def _pace(self, step: PendingStep) -> None:
+        """Gives the pacer a completed step's time: from the previous step's tokens
+        (the device was busy since), or from its own dispatch (it was idle)."""
+        last, self._last_ready = self._last_ready, step.ready
+        if self.pacer is None or step.ready is None or last is None:
+            return  # (after a step without tokens, the interval is not this step's)
+        self.pacer.observe(step.decodes, step.prompt_tokens,
+                           step.ready - max(last, step.started), step.position)  # fmt: skip
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         """Ends a sequence whose output stops (the output processor's call)."""

@@ -34,6 +34,11 @@ class PendingStep:
     # on the step's token axis, start, n).
     scores: Any = None
     scored: list[tuple[Seq, int, int, int]] = dataclasses.field(default_factory=list)
+    decodes: int = 0  # decode rows (one token each)
+    prompt_tokens: int = 0  # the step's other tokens (prompt chunks)
+    position: int = 0  # the furthest prompt position they reach
+    started: float = 0.0  # perf_counter() when it was scheduled
+    ready: float | None = None  # perf_counter() when its tokens reached the host
 
 
 class OutputProcessor:
@@ -76,7 +81,7 @@ class OutputProcessor:
         if step.logprobs is not None:
             lps = [self._fetch(a) for a in step.logprobs]
         self._check_device()
-        now = time.perf_counter()
+        now = step.ready = time.perf_counter()
         done = []
         for s, row in zip(step.sequences, step.rows, strict=True):
             s.num_pending -= 1

@@ -206,7 +206,7 @@ class ModelRunner:
         self.max_prefill_tokens = prefill = shapes.max_prefill_tokens
         self.sampler_sizes, self.max_rows = shapes.sampler_sizes, shapes.max_rows
         self.token_sizes, self.widths = shapes.token_sizes, shapes.widths
-        self.decode_budget = shapes.decode_budget
+        self.paced = shapes.paced
         # Logit processing: token lists of these widths (prompt + output + biases).
         self.entry_sizes = entry_sizes(max_len + 64)
         spec = StepSpec(

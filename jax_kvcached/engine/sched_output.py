@@ -39,6 +39,7 @@ class SchedulerOutput:
 
     scheduled: list[Scheduled]
     rejected: list[Sequence] = dataclasses.field(default_factory=list)
+    num_decodes: int = 0  # the first rows that decode (one token each)
 
     @property
     def sequences(self) -> list[Sequence]:

@@ -134,7 +134,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """The next step, within ``max_num_batched_tokens``: every running decode (one
-        token each), then chunks of the sequences still prefilling, in arrival order. A
+        token each), then chunks of the sequences still prefilling, fewest tokens left
+        first. A
         step without decode rows takes up to ``max_prefill_tokens``; with ``decode_budget``
         a step with D decode rows takes at most ``decode_budget(D)``.
 
@@ -145,7 +146,11 @@ class Scheduler:
         self.shrink_to_limit()
         self._admit(rejected)
         decodes = [s for s in self.running if not self.prefilling(s)]
-        prefills = [s for s in self.running if self.prefilling(s)]
+        # Prompts with the fewest tokens left go first (stable: arrival order among
+        # equals): a short request is not held behind a long prompt's many chunks, and the
+        # long one still takes what they leave of the step.
+        prefills = sorted((s for s in self.running if self.prefilling(s)),
+                          key=lambda s: s.num_tokens - s.num_computed)  # fmt: skip
         budget = self.max_num_batched_tokens if decodes else self.max_prefill_tokens
         if decodes and self.decode_budget is not None:
             budget = max(len(decodes), min(budget, self.decode_budget(len(decodes))))
@@ -162,4 +167,5 @@ class Scheduler:
             budget -= n
         # Growing a later sequence may have preempted an earlier one.
         plan = [(s, n) for s, n in plan if s in self.running]
-        return SchedulerOutput([Scheduled(s, s.num_computed, n) for s, n in plan], rejected)
+        return SchedulerOutput([Scheduled(s, s.num_computed, n) for s, n in plan], rejected,
+                               sum(not self.prefilling(s) for s, _ in plan))  # fmt: skip

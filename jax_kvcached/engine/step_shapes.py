@@ -17,7 +17,7 @@ from jax_kvcached.engine.attention import num_items
 from jax_kvcached.engine.config import check_budgets
 from jax_kvcached.engine.step_layout import StepLayout
 
-TOKEN_STEP = 16  # a CPU step's budget beside decode rows comes in multiples of this
+TOKEN_STEP = 16  # token buckets between the powers of two come in multiples of this
 _WALKS_CONTEXT = ("host", "pallas", "pallas-interpret")  # cost independent of the width
 
 
@@ -33,15 +33,6 @@ def default_prefill_budget(backend: str, budget: int) -> int:
     stream waits for it, so bigger chunks prefill faster): 256 on a CPU, else the step
     budget; never below it."""
     return budget if backend == "cuda" else max(budget, 256)
-
-
-def cpu_decode_budget(decodes: int) -> int:
-    """On a CPU, the tokens of a step that holds ``decodes`` decode rows: 16 + 4 per row,
-    rounded down to a multiple of 16. A decode step of SmolLM2-135M costs about
-    25 ms + 4 ms a row and a prompt token about 2 ms, so the prompt chunk added to it keeps
-    the step within about 2.5x the decode step it joins (one stream: 15 prompt tokens);
-    more rows buy bigger chunks, so prompts still prefill quickly under load."""
-    return max(TOKEN_STEP, (TOKEN_STEP + 4 * decodes) // TOKEN_STEP * TOKEN_STEP)
 
 
 def ladder(lo: int, hi: int, multiple: int = 1, ratio: float = 1.25) -> tuple[int, ...]:
@@ -113,16 +104,15 @@ class StepShapes:
         # Samplers come in powers of two (their rows: the step's sequences): few compiles.
         self.sampler_sizes = tuple(1 << i for i in range((max_batch - 1).bit_length() + 1))
         self.max_rows = self.sampler_sizes[-1]  # the step's sequence slots
-        # Token counts: powers of two, multiples of 16 up to the decode-time budget (a CPU
-        # step's budget grows by 16: cpu_decode_budget), and the two budgets themselves.
+        # Token counts: powers of two, multiples of 16 up to the decode-time budget, and
+        # the two budgets themselves.
         self.token_sizes = tuple(sorted({1 << i for i in range(prefill.bit_length())
                                          if (1 << i) < prefill}
                                         | set(range(TOKEN_STEP, budget, TOKEN_STEP))
                                         | {budget, prefill}))  # fmt: skip
-        # The budget of a step with decode rows, by their count (None: the fixed budget):
-        # scaled on a CPU unless the caller fixed the budget.
-        adaptive = max_num_batched_tokens is None and backend != "cuda"
-        self.decode_budget = cpu_decode_budget if adaptive else None
+        # On a CPU, unless the caller fixed the budget, a step with decode rows takes the
+        # prompt chunk its measured cost allows (engine.step_pacer), within the budget.
+        self.paced = max_num_batched_tokens is None and backend != "cuda"
         self._layouts: dict[tuple[int, int], StepLayout] = {}
         top = -(-max_blocks // 8) * 8
         self.widths = (top,) if attention in _WALKS_CONTEXT else ladder(8, top, 8, 2.0)

@@ -240,8 +240,10 @@ class MirroredEngine:
     def step(self) -> list:
         with self._lock:
             ops, self._ops = self._ops, []
+            pacer = self._engine.pacer  # its chunk decides this step: the followers take it
+            chunk = None if pacer is None else pacer.chunk
             return self._guarded(lambda: (
-                self._leader.send(("step", ops, self._engine.schedule_digest)),
+                self._leader.send(("step", ops, self._engine.schedule_digest, chunk)),
                 self._engine.step())[1])  # fmt: skip
 
     def drain(self) -> list:
@@ -339,11 +341,13 @@ def follow(c: ServeConfig, conn: Connection, engine: Any) -> None:
                 _apply(engine, msg[1])
                 engine.drain()
             elif msg[0] == "step":
-                _, ops, digest = msg
+                _, ops, digest, chunk = msg
                 if digest != engine.schedule_digest:
                     raise RuntimeError(f"rank {c.node_rank}'s schedule diverged from rank 0's "
                                        f"at step {engine.steps}")  # fmt: skip
                 _apply(engine, ops)
+                if chunk is not None:
+                    engine.pacer.follow(chunk)
                 engine.step()
             engine.drain_finished()
     except BaseException as e:
