@@ -186,3 +186,14 @@ def test_generation_defaults_layer_the_config_and_the_flags(tmp_path):
     assert default_name("smollm2-135m") == "smollm2-135m"
     assert default_name("/models/Qwen2.5-0.5B-Q4_K_M.gguf") == "Qwen2.5-0.5B-Q4_K_M"
     assert default_name("/ckpt/llama/") == "llama"
+
+
+@pytest.mark.parametrize("field, value", [("priority", False), ("priority", 0.0),
+                                          ("skip_special_tokens", 1),
+                                          ("spaces_between_special_tokens", 1)])  # fmt: skip
+def test_vllm_flags_take_their_own_types_only(field, value):
+    """1 == True and False == 0 in Python: such values are refused by type, not accepted."""
+    with pytest.raises(APIError) as e:
+        parse_completion({"model": "m", "prompt": "hi", field: value})
+    assert e.value.param == field
+    parse_completion({"model": "m", "prompt": "hi", "priority": 0, "skip_special_tokens": True})

@@ -221,8 +221,10 @@ def test_vllm_request_extensions(server):
     assert r.json()["usage"]["prompt_tokens"] < httpx.post(
         f"{server.url}/v1/chat/completions", timeout=120,
         json={**body, "continue_final_message": False}).json()["usage"]["prompt_tokens"]
-    for extra, param in (({"priority": 1}, "priority"),
+    for extra, param in (({"priority": 1}, "priority"), ({"priority": False}, "priority"),
                          ({"skip_special_tokens": False}, "skip_special_tokens"),
+                         ({"skip_special_tokens": 1}, "skip_special_tokens"),
+                         ({"spaces_between_special_tokens": 1}, "spaces_between_special_tokens"),
                          ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
                          ({"request_id": ""}, "request_id")):  # fmt: skip
         r = httpx.post(f"{server.url}/v1/completions", timeout=60,

@@ -214,12 +214,16 @@ def _check_ignored(body: dict) -> None:
 def _vllm_extras(body: dict, chat: bool) -> dict[str, Any]:
     """vLLM's extra request fields that make sense here; the rest stay a 400."""
     for key in ("skip_special_tokens", "spaces_between_special_tokens"):
-        if body.get(key) not in (None, True):
+        v = body.get(key)
+        if v is not None and not isinstance(v, bool):  # (1 == True in Python: not a bool)
+            raise _bad(f"'{key}' must be a boolean, got {v!r}", key)
+        if v is False:
             raise _bad(f"'{key}': false is not supported by this server (special tokens "
                        "are always skipped in text)", key)  # fmt: skip
-    if body.get("priority") not in (None, 0):
-        raise _bad("'priority' must be 0: requests are served first come, first served",
-                   "priority")  # fmt: skip
+    prio = body.get("priority")
+    if prio is not None and (type(prio) is not int or prio != 0):  # (False == 0: refused)
+        raise _bad(f"'priority' must be the integer 0: requests are served first come, "
+                   f"first served (got {prio!r})", "priority")  # fmt: skip
     rid = body.get("request_id")
     if rid is not None and (not isinstance(rid, str) or not 0 < len(rid) <= 128
                             or not rid.isprintable()):  # fmt: skip
