@@ -4,9 +4,10 @@ serve`` process, requests streamed through the OpenAI completions route with htt
 Parts (each selectable with ``--parts``):
 - ``startup``: launch to the first answer with an empty compilation cache, then again with
   the cache it left (warm start), and the server's own compile figures from its log.
-- ``stall``: one stream decodes while a long prompt (``--stall-prompts`` tokens) arrives:
-  the stream's median inter-token gap before, its longest gap while the prompt is
-  prefilled, and the prompt's prefill rate (its TTFT) alone.
+- ``stall``: five runs, each a fresh server (warm start): streams of short completions
+  run while new long prompts (``--stall-prompts``: 1k-6k tokens, a different one each
+  run) arrive, the first after start and a later one; per prompt the streams' longest
+  inter-token gap while it prefills over their median gap before, and its TTFT.
 - ``rates``: Poisson arrivals at each of ``--rates`` requests/s, prompt and output lengths
   drawn from a ShareGPT-like distribution (lognormal, synthesized and seeded): TTFT, TPOT,
   ITL p50 / p99 and output tokens/s per rate.
@@ -118,8 +119,9 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
-def part_startup(args) -> dict:
-    cache = tempfile.mkdtemp(prefix="kvcached-bench-cache-")
+def part_startup(args, cache: str) -> dict:
+    """Launch to the first answer with the empty compilation cache ``cache``, then with
+    what that start left in it."""
     res = {}
     for label in ("cold", "warm"):
         srv = Server(args.python, args.model, args.server_args, cache)
@@ -133,52 +135,98 @@ def part_startup(args) -> dict:
     return res
 
 
-def part_stall(args, url: str) -> dict:
+class Streams:
+    """``count`` threads that each stream short greedy completions back to back until
+    :meth:`stop`; every request's inter-token gaps are kept with their arrival times."""
+
+    def __init__(self, url: str, count: int, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
+        self.gaps: list[tuple[float, float]] = []  # (arrival time, gap in seconds)
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True)
+                         for i in range(count)]  # fmt: skip
+        for i, th in enumerate(self._threads):
+            th.start()
+            time.sleep(0.2 * (i + 1))  # staggered: their prompts arrive apart
+
+    def _run(self, i: int) -> None:
+        while not self._stop.is_set():
+            out: dict = {}
+            try:
+                stream(self.url, [5 + i, 6, 7], self.max_tokens, out)
+            except httpx.HTTPError as e:
+                self.errors.append(repr(e))
+                return
+            t = out["times"]
+            self.gaps += [(b, b - a) for a, b in zip(t, t[1:], strict=False)]
+
+    def between(self, t0: float, t1: float) -> list[float]:
+        return [g for t, g in self.gaps if t0 <= t <= t1]
+
+    def stop(self) -> None:
+        self._stop.set()
+        for th in self._threads:
+            th.join()
+
+
+def long_prompt(url: str, prompt: list[int]) -> tuple[float, float]:
+    """Sends a prompt (one output token); its (send, done) times."""
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json={
+        "model": "m", "prompt": prompt, "max_tokens": 1}, timeout=3600)  # fmt: skip
+    r.raise_for_status()
+    return t0, time.perf_counter()
+
+
+def part_stall(args, cache: str) -> dict:
+    """Each run: a fresh server (warm compilation cache), ``--stall-streams`` streams of
+    short completions back to back, then new (uncached) long prompts one after another:
+    the first after start, then the later ones. Per prompt: the streams' longest gap
+    while it prefills over their median gap before it arrived, and its TTFT."""
     rng = np.random.default_rng(args.seed)
-    res = {}
-    for n in args.stall_prompts:
-        # The prompt alone: its prefill rate.
-        long = rng.integers(3, args.max_id, n).tolist()
-        t0 = time.perf_counter()
-        r = httpx.post(url + "/v1/completions", json={
-            "model": "m", "prompt": long, "max_tokens": 1}, timeout=1800)  # fmt: skip
-        r.raise_for_status()
-        alone = time.perf_counter() - t0
-        # A stream decoding; the long prompt (a new one: no prefix hit) arrives mid-stream.
-        long = rng.integers(3, args.max_id, n).tolist()
-        out: dict = {}
-        th = threading.Thread(target=stream, args=(url, [5, 6, 7], args.stall_tokens, out))
-        th.start()
-        while len(out.get("times", [])) < 30:
-            time.sleep(0.01)
-        t_send = time.perf_counter()
-        r = httpx.post(url + "/v1/completions", json={
-            "model": "m", "prompt": long, "max_tokens": 1}, timeout=1800)  # fmt: skip
-        t_done = time.perf_counter()
-        th.join()
-        times = out["times"]
-        gaps = np.diff(times)
-        before = [g for g, t in zip(gaps, times[1:], strict=True) if t < t_send]
-        during = [g for g, t in zip(gaps, times[1:], strict=True) if t_send <= t <= t_done + 0.5]
-        med = statistics.median(before)
-        res[n] = {
-            "prefill_alone_s": alone, "prefill_tokens_per_s": n / alone,
-            "median_gap_ms": med * 1e3, "longest_gap_ms": max(during) * 1e3,
-            "ratio": max(during) / med, "tokens_during": len(during),
-            "median_gap_during_ms": statistics.median(during) * 1e3,
-            "top_gaps_during_ms": sorted((g * 1e3 for g in during), reverse=True)[:5],
-            "gaps_during_ms": [round(g * 1e3, 1) for g in during],
-        }  # fmt: skip
-        print(f"stall, {n}-token prompt: stream median gap {med * 1e3:.1f} ms, longest gap "
-              f"while it prefills {max(during) * 1e3:.1f} ms ({max(during) / med:.1f}x; median "
-              f"{statistics.median(during) * 1e3:.1f} ms over {len(during)} tokens); the "
-              f"prompt alone prefills at {n / alone:.0f} tokens/s")  # fmt: skip
-    if len(args.stall_prompts) >= 2:
-        a, b = args.stall_prompts[0], args.stall_prompts[-1]
-        ratio = res[b]["prefill_tokens_per_s"] / res[a]["prefill_tokens_per_s"]
-        res["prefill_rate_ratio"] = ratio
-        print(f"prefill rate {b} vs {a} tokens: {ratio:.2f}x")
-    return res
+    runs = []
+    for run, n in enumerate(args.stall_prompts):
+        srv = Server(args.python, args.model, args.server_args, cache)
+        try:
+            srv.first_answer()
+            streams = Streams(srv.url, args.stall_streams, args.stall_tokens)
+            time.sleep(args.stall_baseline)
+            base_end = time.perf_counter()
+            sent = []
+            for k in range(args.stall_later + 1):
+                length = n if k == 0 else args.stall_prompts[(run + k) % len(args.stall_prompts)]
+                sent.append((length, *long_prompt(srv.url, rng.integers(
+                    3, args.max_id, length).tolist())))  # fmt: skip
+                time.sleep(0.5)
+            streams.stop()  # (a completion's gaps are kept when it ends)
+            if streams.errors:
+                raise RuntimeError(f"a stream failed: {streams.errors[0]}")
+            med = statistics.median(streams.between(0, base_end))
+            prompts = []
+            for k, (length, t0, t1) in enumerate(sent):
+                during = streams.between(t0, t1)
+                prompts.append({
+                    "tokens": length, "first_after_start": k == 0, "ttft_s": t1 - t0,
+                    "prefill_tokens_per_s": length / (t1 - t0), "stream_gaps": len(during),
+                    "longest_gap_ms": max(during) * 1e3, "ratio": max(during) / med,
+                    "median_gap_during_ms": statistics.median(during) * 1e3,
+                    "top_gaps_ms": sorted((round(g * 1e3, 1) for g in during), reverse=True)[:5],
+                })  # fmt: skip
+        finally:
+            srv.stop()
+        runs.append({"run": run + 1, "median_gap_ms": med * 1e3, "prompts": prompts})
+        for p in prompts:
+            print(f"stall, run {run + 1}, {'first' if p['first_after_start'] else 'later'} "
+                  f"{p['tokens']}-token prompt: longest gap {p['longest_gap_ms']:.1f} ms over a "
+                  f"median {med * 1e3:.1f} ms ({p['ratio']:.2f}x; median during "
+                  f"{p['median_gap_during_ms']:.1f} ms over {p['stream_gaps']} gaps); TTFT "
+                  f"{p['ttft_s']:.1f} s ({p['prefill_tokens_per_s']:.0f} tokens/s)")  # fmt: skip
+    ratios = [p["ratio"] for r in runs for p in r["prompts"]]
+    print(f"stall: worst {max(ratios):.2f}x over {len(ratios)} prompts "
+          f"(goal <= 3x for every one)")  # fmt: skip
+    return {"streams": args.stall_streams, "stream_tokens": args.stall_tokens,
+            "runs": runs, "worst_ratio": max(ratios)}  # fmt: skip
 
 
 def sharegpt_like(rng, n: int, max_id: int, max_len: int) -> list[tuple[list[int], int]]:
@@ -259,8 +307,14 @@ def main() -> None:
     ap.add_argument("--parts", default="startup,stall,rates")
     ap.add_argument("--rates", default="0.1,0.2,0.4", help="requests/s, comma-separated")
     ap.add_argument("--num-prompts", type=int, default=16, help="requests per rate")
-    ap.add_argument("--stall-prompts", default="1290,6000", help="long prompt lengths")
-    ap.add_argument("--stall-tokens", type=int, default=400, help="the stream's length")
+    ap.add_argument("--stall-prompts", default="1024,2048,3072,4096,6000",
+                    help="the first long prompt of each run (one run, one fresh server each)")
+    ap.add_argument("--stall-later", type=int, default=1,
+                    help="new long prompts after the first in each run")
+    ap.add_argument("--stall-streams", type=int, default=2, help="streams while they prefill")
+    ap.add_argument("--stall-tokens", type=int, default=128, help="each streamed completion's")
+    ap.add_argument("--stall-baseline", type=float, default=4.0,
+                    help="seconds of streaming before the first long prompt")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-id", type=int, default=40000, help="prompt token ids below this")
     ap.add_argument("--max-prompt-len", type=int, default=1500, help="the longest prompt")
@@ -291,26 +345,29 @@ def main() -> None:
         plot(runs, args.plot or "bench_serving.png")
         return
     result: dict = {"model": args.model, "label": args.label, "python": args.python}
+    cache = tempfile.mkdtemp(prefix="kvcached-bench-cache-")
     if "startup" in parts:
-        result["startup"] = part_startup(args)
-    if "stall" in parts or "rates" in parts:
-        cache = tempfile.mkdtemp(prefix="kvcached-bench-cache-")
+        result["startup"] = part_startup(args, cache)
+    if "stall" in parts:
+        if "startup" not in parts:  # fill the compilation cache: the runs start warm
+            srv = Server(args.python, args.model, args.server_args, cache)
+            srv.first_answer()
+            srv.stop()
+        result["stall"] = part_stall(args, cache)
+    if "rates" in parts:
         srv = Server(args.python, args.model, args.server_args, cache)
         try:
             srv.first_answer()
-            if "stall" in parts:
-                result["stall"] = part_stall(args, srv.url)
-            if "rates" in parts:
-                result["rates"] = part_rates(args, srv.url)
-                if args.plot:
-                    runs = [(args.label, result["rates"])]
-                    if args.compare:
-                        with open(args.compare) as f:
-                            other = json.load(f)
-                        runs.append((other.get("label", "other"), other["rates"]))
-                    plot(runs, args.plot)
+            result["rates"] = part_rates(args, srv.url)
         finally:
             srv.stop()
+        if args.plot:
+            runs = [(args.label, result["rates"])]
+            if args.compare:
+                with open(args.compare) as f:
+                    other = json.load(f)
+                runs.append((other.get("label", "other"), other["rates"]))
+            plot(runs, args.plot)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
