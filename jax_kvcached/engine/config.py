@@ -137,7 +137,7 @@ class EngineConfig:
         None,
         "new tokens of a step per model while requests decode: every running decode first, "
         "then chunks of waiting prompts; a fixed budget, at least the batch size (default: "
-        "on a CPU 64, each step's prompt chunk paced by --stall-ratio; 2048 on a GPU)",
+        "on a CPU 64, each step's prompt chunk paced by the stall ratio; 2048 on a GPU)",
         kind=int, metavar="N",
     )  # fmt: skip
     max_prefill_tokens: int | None = option(
@@ -148,9 +148,10 @@ class EngineConfig:
     )  # fmt: skip
     stall_ratio: float = option(
         2.5,
-        "on a CPU without --max-num-batched-tokens: a step that carries decode rows and a "
-        "prompt chunk takes about this many times a decode-only step (the chunk is sized "
-        "from measured step times), so streams slow by at most that while prompts prefill",
+        "on a CPU without a fixed step budget: a step that carries decode rows and a prompt "
+        "chunk takes about this many times a decode-only step (the chunk is sized from "
+        "measured step times), so streams slow by about that while prompts prefill "
+        "(default: 2.5)",
         kind=float, metavar="X",
     )  # fmt: skip
     max_model_len: int | None = option(
