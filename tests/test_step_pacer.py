@@ -117,3 +117,15 @@ def test_a_paced_engine_measures_its_steps_and_every_step_serves_both():
     assert eng.cache.num_mapped_pages == 0
     eng.close()
     pool.close()
+
+
+def test_before_any_decode_only_step_the_chunk_grows_a_bucket_a_step():
+    """A burst of prompts has no decode-only step to hold its steps to: the chunk grows
+    (it never stays at its start, which would prefill one token a step)."""
+    pacer = StepPacer(2.5, 64, SIZES)
+    seen = []
+    for _ in range(4):
+        p = pacer.budget(3) - 3
+        seen.append(p)
+        pacer.observe(3, p, 0.05)
+    assert seen == [1, 5, 13, 29]

@@ -19,7 +19,8 @@ cost per prompt token the step just showed. Invariants:
   step pads nothing;
 * the chunk grows by at most one bucket a step, and not into a bucket that cost more
   than ``ratio`` at the same or an earlier position of a prompt (a try would be a
-  stall); before any measurement it is ``start``.
+  stall); before any measurement it is ``start``, and until the first decode-only step
+  (nothing to hold the steps to, e.g. a burst of prompts) it grows a bucket a step.
 
 Times are intervals between the completions of consecutive steps (what a stream sees),
 or from a step's dispatch when the engine was idle before it. The schedule depends on
@@ -88,18 +89,19 @@ class StepPacer:
             old = self._decode_s.get(decodes)
             self._decode_s[decodes] = seconds if old is None else old + _ALPHA * (seconds - old)
             return
-        base = self.decode_time(decodes)
-        if base is None:
-            return
-        per_token = max(seconds - base, 1e-3 * base) / prompt_tokens
-        fit = (self.ratio - 1) * base / per_token
+        total = decodes + prompt_tokens
+        above = bisect.bisect_right(self.sizes, total)
         # Up one bucket at most: the cost per token grows with the chunk (a few rows ride
         # on the decode rows' weight reads; more are compute), so a bigger one is tried
         # before it is trusted.
-        total = decodes + prompt_tokens
-        self._tried[(decodes, total)] = (seconds / base, position)
-        above = bisect.bisect_right(self.sizes, total)
         up = self.sizes[above] if above < len(self.sizes) else self.cap
+        base = self.decode_time(decodes)
+        if base is None:  # no decode-only step yet (a burst of prompts): nothing to hold
+            self.chunk = float(up - decodes)  # the steps to, so grow a bucket a step
+            return
+        per_token = max(seconds - base, 1e-3 * base) / prompt_tokens
+        fit = (self.ratio - 1) * base / per_token
+        self._tried[(decodes, total)] = (seconds / base, position)
         chunk = min(fit, float(up - decodes))
         # A bucket that cost more than the ratio at this point of a prompt or earlier is
         # not tried again for it (each try would be a stall); a fresh prompt may.
