@@ -115,8 +115,3 @@ class StepPacer:
         ranks of one model must schedule alike."""
         self._led = True
         self.chunk = float(chunk)
-
-    def stats(self) -> dict[str, float | None]:
-        """The current chunk and the measured single-stream decode step (ms)."""
-        d = self.decode_time(1)
-        return {"chunk": self.chunk, "decode_step_ms": None if d is None else d * 1e3}
