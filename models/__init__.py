@@ -9,7 +9,7 @@ from .gguf import GGUFCheckpoint, GGUFError
 from .granite_hybrid import GraniteHybridModel
 from .interface import Attend, CausalLM
 from .llama import LlamaModel
-from .loader import find_chat_template, load_checkpoint, load_tokenizer
+from .loader import CheckpointError, find_chat_template, load_checkpoint, load_tokenizer
 from .pretrained import (
     PRETRAINED,
     Pretrained,
@@ -42,6 +42,7 @@ __all__ = [
     "BUILTIN_CONFIGS",
     "ByteTokenizer",
     "GGUFCheckpoint",
+    "CheckpointError",
     "GGUFError",
     "Gemma3Model",
     "PRETRAINED",

@@ -25,12 +25,25 @@ from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 log = logging.getLogger("jax_kvcached.models")
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be read (truncated, corrupted, inconsistent); the
+    message names the file."""
+
+
 def _tensor_files(path: str) -> list[str]:
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, n) for n in names]
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: "
+                                  f"{e})") from e  # fmt: skip
+        files = [os.path.join(path, str(n)) for n in names]
+        for file in files:
+            if not os.path.isfile(file):
+                raise CheckpointError(f"{file}: listed in {index} but missing")
+        return files
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
         return [single]
@@ -42,9 +55,13 @@ def _read_tensors(path: str) -> dict[str, np.ndarray]:
 
     out: dict[str, np.ndarray] = {}
     for file in _tensor_files(path):
-        with safe_open(file, framework="flax") as f:
-            for name in f.keys():
-                out[name] = f.get_tensor(name)
+        try:  # safetensors checks the header against the file's size and names no file
+            with safe_open(file, framework="flax") as f:
+                for name in f.keys():
+                    out[name] = f.get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{file}: not a readable safetensors file (truncated or "
+                                  f"corrupted? {type(e).__name__}: {e})") from e  # fmt: skip
     return out
 
 

@@ -23,6 +23,7 @@ from jax_kvcached.models import (
     pretrained_path,
 )
 from jax_kvcached.models.chat_template import ChatTemplate, TemplateError
+from jax_kvcached.models.gguf_file import GGUFFile
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -231,6 +232,28 @@ def test_bad_gguf_files_give_clear_errors(tmp_path):
     not_gguf.write_bytes(b"this is not a model" * 100)
     with pytest.raises(GGUFError, match=str(not_gguf)):
         GGUFCheckpoint(str(not_gguf))
+
+
+def test_a_corrupted_gguf_header_is_an_error_naming_the_file_or_still_a_model(tmp_path):
+    """Bytes garbled in the metadata and tensor directory (GGUF keeps no checksum, so a
+    garbled value that still parses, say a vocabulary string, cannot be seen): every
+    load either gives a model or raises GGUFError naming the file, never another error."""
+    real = pretrained_path("smollm2-135m")
+    data = open(real, "rb").read()
+    header = min(t.offset for t in GGUFFile(real).tensors.values())
+    rng = np.random.default_rng(7)
+    bad, errors = tmp_path / "corrupted.gguf", 0
+    for _ in range(8):
+        b = bytearray(data)
+        for pos in rng.integers(0, header, rng.integers(1, 6)):
+            b[pos] = rng.integers(0, 256)
+        bad.write_bytes(bytes(b))
+        try:
+            load_checkpoint(str(bad))
+        except GGUFError as e:
+            assert str(bad) in str(e)
+            errors += 1
+    assert errors >= 4  # (most garbled headers do not parse: the check runs)
 
 
 # -- chat templates ----------------------------------------------------------------------

@@ -10,7 +10,13 @@ import torch
 import transformers
 
 from jax_kvcached.engine.attention import no_cache_attend
-from jax_kvcached.models import ByteTokenizer, ModelConfig, load_checkpoint, load_tokenizer
+from jax_kvcached.models import (
+    ByteTokenizer,
+    CheckpointError,
+    ModelConfig,
+    load_checkpoint,
+    load_tokenizer,
+)
 
 
 def _dense(model, ids):
@@ -90,6 +96,28 @@ def test_loader_rejects_mismatched_checkpoints(tmp_path):
     cfg["model_type"] = "gpt2"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="unsupported model_type"):
+        load_checkpoint(str(tmp_path))
+
+
+def test_a_truncated_or_corrupted_safetensors_file_is_an_error_naming_it(tmp_path):
+    torch.manual_seed(0)
+    _hf_qwen2().save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    data = file.read_bytes()
+    # cut in the tensor data, in the header, in the header's length; a garbled header
+    for bad in (data[:-100], data[:5000], data[:40], data[:8] + b"\xff" * 50 + data[58:]):
+        file.write_bytes(bad)
+        with pytest.raises(CheckpointError, match=f"{file}: not a readable safetensors"):
+            load_checkpoint(str(tmp_path))
+    file.write_bytes(data)
+    assert load_checkpoint(str(tmp_path))[0].num_layers == 2  # the whole file loads
+    # a sharded checkpoint whose index is garbled, or names a shard that is not there
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text("{not json")
+    with pytest.raises(CheckpointError, match=f"{index}: not a safetensors index"):
+        load_checkpoint(str(tmp_path))
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "shard-2.safetensors"}}))
+    with pytest.raises(CheckpointError, match="shard-2.safetensors: listed in .* but missing"):
         load_checkpoint(str(tmp_path))
 
 
