@@ -7,7 +7,9 @@ code and its native library (their bytes), JAX's version, the devices, ``XLA_FLA
 function, its static key and its arguments' shapes, dtypes and shardings, plus what the
 caller adds (the model's graph, the cache's layout and handle, the runner's settings).
 Any change is another file; a file that fails to load is dropped and compiled again; the
-least recently used files go when the store outgrows ``MAX_BYTES`` (2 GiB). Only
+least recently used files go when the store outgrows ``MAX_BYTES`` (2 GiB). A folder that
+cannot be written (read-only, a full disk) is said once at WARNING and the store stops
+writing; serving goes on, compiling what it does not hold. Only
 executables XLA compiled in this process are stored: one JAX's persistent cache loaded
 serializes without its CPU kernels (a later load of it fails when it runs: "Function ...
 not found"), so the runner leaves those out.
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 SUBDIR = "kvcached-executables"
 MAX_BYTES = 2 << 30  # the store's cap on disk: the least recently used files go first
+_SAID: set[tuple[str, str]] = set()  # (folder, what) said at WARNING in this process
 
 
 @functools.cache
@@ -84,18 +87,39 @@ class ExecutableStore:
     def __init__(self, folder: str, max_bytes: int = MAX_BYTES) -> None:
         self.folder = folder
         self.max_bytes = max_bytes
-        os.makedirs(folder, exist_ok=True)
         self.loaded = 0
         self.saved = 0
-        self._said_unserializable = False
+        self.dropped = 0  # stored files that did not load (truncated, another jaxlib...)
+        self.writable = True  # False after a write failed: nothing more is tried
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:  # a read-only or full disk: serve on, compiling each start
+            self._stop_writing(e)
         self.prune()
+
+    def _say_once(self, what: str, msg: str, *args: Any) -> None:
+        """Logs ``msg`` at WARNING the first time ``what`` happens to this folder in this
+        process (several models share one), at DEBUG after."""
+        level = logging.DEBUG if (self.folder, what) in _SAID else logging.WARNING
+        _SAID.add((self.folder, what))
+        log.log(level, msg, *args)
+
+    def _stop_writing(self, e: OSError) -> None:
+        self.writable = False
+        self._say_once("write", "the executable store %s cannot be written (%s: %s): "
+                       "compiled steps are not kept; what it holds still loads", self.folder,
+                       type(e).__name__, e)  # fmt: skip
 
     def prune(self) -> int:
         """Removes the least recently used files (by modification time: a load touches
         its file) until the store fits ``max_bytes``; returns how many went. Keys of old
         code, flags or models are never used again, so without this the store grows."""
         entries = []
-        for name in os.listdir(self.folder):
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return 0
+        for name in names:
             path = os.path.join(self.folder, name)
             try:
                 st = os.stat(path)
@@ -149,7 +173,10 @@ class ExecutableStore:
         except FileNotFoundError:
             return None
         except Exception as e:  # truncated, from another jaxlib...: compile it again
-            log.warning("dropping the stored executable %s: %s: %s", path, type(e).__name__, e)
+            self.dropped += 1
+            self._say_once("drop", "dropping the stored executable %s (it compiles again; "
+                           "later ones that fail to load are dropped quietly, counted in "
+                           "`dropped`): %s: %s", path, type(e).__name__, e)  # fmt: skip
             try:
                 os.unlink(path)
             except OSError:
@@ -167,25 +194,27 @@ class ExecutableStore:
         file). An executable that cannot be serialized is not stored."""
         from jax.experimental import serialize_executable
 
+        if not self.writable:
+            return
         try:
             payload = pickle.dumps(serialize_executable.serialize(compiled))
-        except Exception as e:
-            if not self._said_unserializable:  # (once: every step shape would say it)
-                self._said_unserializable = True
-                log.warning("not storing executables in %s: one cannot be serialized (%s: "
-                            "%s); they compile at each start", self.folder, type(e).__name__,
-                            e)  # fmt: skip
+        except Exception as e:  # (said once: every step shape would say it)
+            self._say_once("serialize", "not storing executables in %s: one cannot be "
+                           "serialized (%s: %s); they compile at each start", self.folder,
+                           type(e).__name__, e)  # fmt: skip
             return
-        fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+        tmp = None
         try:
+            fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(payload)
             os.replace(tmp, self._path(key))
-        except OSError as e:
-            log.warning("could not store an executable in %s: %s", self.folder, e)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        except OSError as e:  # full disk, read-only folder: stop trying, say it once
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+            self._stop_writing(e)
             return
         self.saved += 1

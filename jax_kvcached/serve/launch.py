@@ -17,6 +17,7 @@ from jax_kvcached.memory.config import ipc_name_from_env, parse_bytes
 from jax_kvcached.memory.pool import Pool, device_memory_bytes
 from jax_kvcached.models.chat_template import ChatTemplate
 from jax_kvcached.progress import Log
+from jax_kvcached.serve.compile_cache import enable_compile_cache
 from jax_kvcached.serve.config import DTYPES, ServeConfig
 from jax_kvcached.serve.context import ServedModel
 
@@ -204,31 +205,6 @@ def warm_up(
         done["executables_loaded"], done["xla_compiles"], done["cache_loads"],
     )  # fmt: skip
     return done["seconds"]
-
-
-COMPILE_CACHE_ENV = "KVCACHED_COMPILE_CACHE"
-
-
-def default_compile_cache() -> str:
-    """``$KVCACHED_COMPILE_CACHE``, else ``~/.cache/jax-kvcached/xla``."""
-    from jax_kvcached.models.download import user_cache_dir
-
-    return user_cache_dir("xla", COMPILE_CACHE_ENV)
-
-
-def enable_compile_cache(path: str | None) -> str | None:
-    """Turns on JAX's persistent compilation cache in ``path`` (None: the default; "off"
-    or "": disabled), so a second start loads its compiled steps instead of compiling
-    them; returns the directory used."""
-    import jax
-
-    path = default_compile_cache() if path is None else path
-    if path in ("", "off", "none"):
-        return None
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    return path
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
