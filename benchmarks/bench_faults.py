@@ -59,19 +59,6 @@ class Serve(Process):
                      "--port", str(self.port), "--compile-cache", cache, "--backend", "host",
                      "--no-access-log", *args])  # fmt: skip
 
-    def ready(self, timeout: float = 600) -> Serve:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve exited {self.proc.returncode}: {self.tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=5).json().get("status") == "ok":
-                    return self
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(self.tail())
-
     def complete(self, prompt: Any, max_tokens: int, timeout: float = 600) -> httpx.Response:
         body = {"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True}  # fmt: skip

@@ -76,6 +76,20 @@ class Process:
             time.sleep(0.05)
         raise TimeoutError(f"no answer: {self.tail()}")
 
+    def ready(self, timeout: float = 900) -> Process:
+        """Waits until ``GET /health`` says ``ok`` (every model loaded and compiled)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited {self.proc.returncode}: {self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=5).json().get("status") == "ok":
+                    return self
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"not ready: {self.tail()}")
+
     def tail(self, n: int = 4000) -> str:
         self.log.flush()
         with open(self.log.name) as f:
