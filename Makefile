@@ -52,6 +52,7 @@ bench: install-test
 	$(BIN)/python benchmarks/bench_router.py
 	$(BIN)/python benchmarks/bench_multihost.py
 	$(BIN)/python benchmarks/bench_faults.py  # (mounts small tmpfs folders as root)
+	$(BIN)/python benchmarks/bench_gc.py
 	$(BIN)/python benchmarks/bench_soak.py  # 30 minutes
 	# Served against llama.cpp's server needs guidellm and llama-cpp-python[server] in
 	# their own venvs: benchmarks/bench_guidellm.py --guidellm G --llama-python P

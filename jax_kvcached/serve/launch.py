@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -294,6 +295,7 @@ def serve(config: ServeConfig) -> None:
                 leader = held["leader"] = channel
                 models = {n: dataclasses.replace(m, engine=distributed.MirroredEngine(
                     m.engine, leader)) for n, m in models.items()}  # fmt: skip
+            freeze_start_up_heap()
             loop = ServingLoop(
                 {n: m.engine for n, m in models.items()}, max_queue=c.max_queue,
                 idle_sleep_s=c.idle_sleep, max_awake=c.max_awake, sleep_level=c.sleep_level,
@@ -441,6 +443,18 @@ def _load(
             warm_up(m, name, on_progress=report)
             base[0], base[1] = state.compiled, state.total
     return models
+
+
+def freeze_start_up_heap() -> int:
+    """Moves every object alive after the start-up (models, compiled programs, JAX's
+    caches: some 300k for SmolLM2) out of the garbage collector's scans (``gc.freeze``),
+    as vLLM does: a full collection while serving walked them all, a pause of up to
+    0.5 s between two steps on 2 cores. Returns how many were frozen."""
+    gc.collect()
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    log.info("the garbage collector skips %d start-up objects from now on", frozen)
+    return frozen
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
