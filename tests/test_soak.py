@@ -16,10 +16,13 @@ def test_two_minutes_of_mixed_traffic_leave_nothing_behind(tmp_path):
     assert r["errors"] == []  # no unexpected status, error event or dropped connection
     c = r["counts"]
     assert c["streams"] and c["disconnects"] and c["prefix_requests"] and c["sleeps"], c
-    # Idle again, the server holds what it held idle after the warm-up: no file, socket
-    # or thread leaks with the requests, disconnects and sleeps between.
+    # Idle again, the server holds what it held idle after the warm-up: no thread leak,
+    # and no file or socket leak with the ~3000 requests, disconnects and ~6 sleeps
+    # between (a leak per request, or per sleep, would exceed the slack of 2: one or two
+    # descriptors may be in passing at a sample, a connection still closing or a cache
+    # file being written).
     w, e = r["idle_after_warmup"], r["idle_end"]
-    assert (e["open_files"], e["threads"]) == (w["open_files"], w["threads"]), (w, e)
+    assert e["threads"] == w["threads"] and e["open_files"] <= w["open_files"] + 2, (w, e)
     # Exact accounting: only cached blocks hold KV, and a reset leaves nothing mapped.
     assert r["only_cached_blocks_in_use"] and r["mapped_bytes_after_reset"] == 0
     # Private resident memory: a leak of 30 KiB a request would add over 64 MiB here (some
