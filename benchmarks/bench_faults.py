@@ -117,6 +117,11 @@ def ledger_rows(group: str) -> list:
         return []
 
 
+def metric_total(metrics: str, name: str) -> float:
+    """The sum of every series of ``name`` in a Prometheus text page."""
+    return sum(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith(name))
+
+
 def remove_group(group: str) -> None:
     from jax_kvcached.memory import shm_segment
 
@@ -196,8 +201,7 @@ def case_burst(cache: str, n: int = 12) -> dict:
         mapped_after = sum(sum(p["mapped_pages_per_device"].values()) for p in pools)
     finally:
         srv.close()
-    preempted = sum(float(ln.split()[-1]) for ln in metrics.splitlines()
-                    if ln.startswith("kvcached_preemptions_total"))  # fmt: skip
+    preempted = metric_total(metrics, "kvcached_preemptions_total")
     same = sum(texts[i] == ref[i] for i in range(n))
     fives = sum(s >= 500 for s in statuses.values())
     return {
@@ -282,18 +286,29 @@ def case_store(cache: str) -> dict:
     return out
 
 
-def _sigterm_during(cache: str, phase: str, delay: float, deadline: float) -> dict:
-    group = f"faults-{uuid.uuid4().hex[:8]}"
-    flags = ["--group", group, "--memory", "1GiB", "--shutdown-timeout", str(deadline),
-             "--admin-key", "k", "--host-cache-tokens", "8192", "--max-cached-tokens", "512"]
-    srv = Serve(flags, cache, model="smollm2-135m").ready()
-    admin = {"Authorization": "Bearer k"}
+HOST_TIER_FLAGS = ["--host-cache-tokens", "8192", "--max-cached-tokens", "512"]
+
+
+def spill_to_host_tier(srv: Serve) -> list[int]:
+    """Caches a 2000-token prompt and pushes it off the device (with HOST_TIER_FLAGS:
+    past 512 cached tokens blocks go to the host tier); returns the prompt, whose next
+    request is restored from the host tier."""
     import numpy as np
 
     prompt = np.random.default_rng(1).integers(100, 40000, 2000).tolist()
+    srv.complete(prompt, 1)
+    srv.complete([9, 9, 9] * 200, 1)
+    return prompt
+
+
+def _sigterm_during(cache: str, phase: str, delay: float, deadline: float) -> dict:
+    group = f"faults-{uuid.uuid4().hex[:8]}"
+    flags = ["--group", group, "--memory", "1GiB", "--shutdown-timeout", str(deadline),
+             "--admin-key", "k", *HOST_TIER_FLAGS]
+    srv = Serve(flags, cache, model="smollm2-135m").ready()
+    admin = {"Authorization": "Bearer k"}
     try:
-        srv.complete(prompt, 1)  # 2000 tokens cached: past 512 they go to the host tier
-        srv.complete([9, 9, 9] * 200, 1)  # (pushes the first prompt off the device)
+        prompt = spill_to_host_tier(srv)
         if phase == "wake":
             httpx.post(srv.url + "/admin/sleep", json={"model": "m"}, headers=admin,
                        timeout=120).raise_for_status()  # fmt: skip
@@ -334,20 +349,13 @@ def _sigterm_during(cache: str, phase: str, delay: float, deadline: float) -> di
 def _restore_probe(cache: str) -> float:
     """The host tier's restores in the restore phase's setup, run without a signal (that
     phase's prompt does come back from the host tier)."""
-    import numpy as np
-
-    srv = Serve(["--memory", "1GiB", "--host-cache-tokens", "8192", "--max-cached-tokens",
-                 "512"], cache, model="smollm2-135m").ready()  # fmt: skip
-    prompt = np.random.default_rng(1).integers(100, 40000, 2000).tolist()
+    srv = Serve(["--memory", "1GiB", *HOST_TIER_FLAGS], cache, model="smollm2-135m").ready()
     try:
-        srv.complete(prompt, 1)
-        srv.complete([9, 9, 9] * 200, 1)
-        srv.complete(prompt, 1)
+        srv.complete(spill_to_host_tier(srv), 1)
         metrics = httpx.get(srv.url + "/metrics").text
     finally:
         srv.stop()
-    return sum(float(ln.split()[-1]) for ln in metrics.splitlines()
-               if ln.startswith("kvcached_host_hit_tokens_total"))  # fmt: skip
+    return metric_total(metrics, "kvcached_host_hit_tokens_total")
 
 
 def case_sigterm(cache: str, delays: list[float], deadline: float = 10.0) -> dict:
@@ -372,9 +380,8 @@ def _latencies(srv: Serve, n: int) -> list[float]:
     return out
 
 
-def _slowloris(url: str, stop: threading.Event, socks: list) -> None:
-    host, port = url.split("//")[1].split(":")
-    s = socket.create_connection((host, int(port)))
+def _slowloris(port: int, stop: threading.Event, socks: list) -> None:
+    s = socket.create_connection(("127.0.0.1", port))
     socks.append(s)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
               b"\r\nContent-Length: 100000\r\n\r\n{")  # fmt: skip
@@ -386,9 +393,8 @@ def _slowloris(url: str, stop: threading.Event, socks: list) -> None:
         stop.wait(1.0)
 
 
-def _never_reader(url: str, socks: list) -> None:
-    host, port = url.split("//")[1].split(":")
-    s = socket.create_connection((host, int(port)))
+def _never_reader(port: int, socks: list) -> None:
+    s = socket.create_connection(("127.0.0.1", port))
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     socks.append(s)
     body = json.dumps({"model": "m", "prompt": [1, 2, 3], "max_tokens": 4000, "stream": True,
@@ -406,12 +412,12 @@ def case_slow_clients(cache: str, slow: int = 64, never: int = 8, n: int = 30) -
         _latencies(srv, 5)  # warm
         base = _latencies(srv, n)
         rss0 = srv.rss_mib()
-        threads = [threading.Thread(target=_slowloris, args=(srv.url, stop, socks), daemon=True)
+        threads = [threading.Thread(target=_slowloris, args=(srv.port, stop, socks), daemon=True)
                    for _ in range(slow)]  # fmt: skip
         for t in threads:
             t.start()
         for _ in range(never):
-            _never_reader(srv.url, socks)
+            _never_reader(srv.port, socks)
         time.sleep(3.0)  # the never-readers' streams fill their socket buffers
         loaded = _latencies(srv, n)
         time.sleep(5.0)

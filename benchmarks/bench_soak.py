@@ -40,6 +40,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ADMIN = {"Authorization": "Bearer soak"}
 
 
+def kv_groups(url: str) -> list[dict[str, Any]]:
+    """Every KV cache group of every served model, as ``/admin/memory`` reports it."""
+    memory = httpx.get(url + "/admin/memory", headers=ADMIN, timeout=60).json()
+    return [g for m in memory["models"].values() for g in m["kv_cache_groups"]]
+
+
 class SoakServer(Process):
     def __init__(self, models: list[str], cache: str, extra: list[str]) -> None:
         super().__init__()
@@ -53,9 +59,7 @@ class SoakServer(Process):
         pid = self.proc.pid
         with open(f"/proc/{pid}/status") as f:
             status = dict(ln.split(":", 1) for ln in f if ":" in ln)
-        memory = httpx.get(self.url + "/admin/memory", headers=ADMIN, timeout=60).json()
-        mapped = sum(g["mapped_bytes"] for m in memory["models"].values()
-                     for g in m["kv_cache_groups"])  # fmt: skip
+        mapped = sum(g["mapped_bytes"] for g in kv_groups(self.url))
         mib = {k: int(status[k].split()[0]) / 1024 for k in ("VmRSS", "RssAnon", "RssShmem")}
         return {
             "rss_mib": mib["VmRSS"],
@@ -163,13 +167,10 @@ def idle(srv: SoakServer, settle: float = 12.0) -> dict[str, float]:
 def accounting(srv: SoakServer) -> dict[str, Any]:
     """Idle: blocks in use are exactly the cached ones in every KV cache group; after a
     prefix-cache reset nothing is mapped."""
-    memory = httpx.get(srv.url + "/admin/memory", headers=ADMIN, timeout=60).json()
-    groups = [g for m in memory["models"].values() for g in m["kv_cache_groups"]]
+    groups = kv_groups(srv.url)
     only_cached = all(g["used_blocks"] == g["cached_blocks"] for g in groups)
     httpx.post(srv.url + "/reset_prefix_cache", headers=ADMIN, timeout=60).raise_for_status()
-    after = httpx.get(srv.url + "/admin/memory", headers=ADMIN, timeout=60).json()
-    left = sum(g["mapped_bytes"] for m in after["models"].values()
-               for g in m["kv_cache_groups"])  # fmt: skip
+    left = sum(g["mapped_bytes"] for g in kv_groups(srv.url))
     return {"only_cached_blocks_in_use": only_cached, "mapped_bytes_after_reset": left}
 
 
