@@ -154,6 +154,30 @@ def test_overload_unknown_model_bad_prompt_and_stop():
     pool.close()
 
 
+def test_samples_of_a_prompt_are_queued_together_and_fork_it():
+    """n samples of one prompt reach the engine in one round: one prefill, n - 1 forks,
+    whatever runs beside them; all or none are queued (a group past the limit is refused
+    whole, nothing left in flight)."""
+    pool = make_pool(256)
+    engs = engines(pool, max_batch=5)
+    loop = ServingLoop(engs, max_queue=1).start()
+    busy = submit_all(loop, "llama", prompts(5, 2), SamplingParams(max_tokens=40,
+                                                                   ignore_eos=True))  # fmt: skip
+    forks = engs["llama"].forks
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True)
+              for s in (1, 2, 3)]  # fmt: skip
+    cols = [Collector() for _ in params]
+    reqs = loop.submit_samples("llama", prompts(6, 1)[0], params, cols)
+    wait(cols + busy)
+    assert engs["llama"].forks - forks == 2 and reqs[1].fork_of is reqs[0]
+    assert all(len(c.tokens) == 6 for c in cols)
+    with pytest.raises(Overloaded):  # 7 at once > max_batch 5 + max_queue 1
+        loop.submit_samples("llama", [1, 2, 3], [PARAMS] * 7, [Collector() for _ in range(7)])
+    assert loop.stats()["llama"]["outstanding"] == 0
+    loop.stop()
+    pool.close()
+
+
 def test_cancel_frees_the_request():
     pool = make_pool(256)
     engs = engines(pool, max_batch=2, prefix_caching=False)

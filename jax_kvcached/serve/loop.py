@@ -215,27 +215,58 @@ class ServingLoop:
         """Queues a request. Raises UnknownModel, ValueError (bad prompt), Overloaded or
         Unavailable; never blocks. A :class:`Prompt` of the model's engine is not
         validated again. ``fork_of``: a request of the same model and prompt submitted
-        just before; this one shares its prompt's KV (one prefill for n samples)."""
-        engine = self.engine(model)
-        ids = engine.prompt(prompt)
+        just before; this one shares its prompt's KV (one prefill for n samples) if the
+        loop has not computed that prompt yet (:meth:`submit_samples` makes sure)."""
+        ids = self._prompt(model, prompt)
+        req = Request(model, ids, params, on_event, fork_of=fork_of)
+        self._queue(model, [req])
+        return req
+
+    def submit_samples(
+        self,
+        model: str,
+        prompt: str | Sequence[int] | Prompt,
+        params: Sequence[SamplingParams],
+        on_events: Sequence[EventCallback],
+    ) -> list[Request]:
+        """Queues ``len(params)`` samples of one prompt at once (``n`` / ``best_of``): the
+        first computes the prompt, the others fork it. All are handed to the engine in the
+        same round of the loop, so every fork finds its parent's prompt not yet computed
+        (one prefill however loaded the machine is); all or none are queued. Raises as
+        :meth:`submit`."""
+        if not params or len(params) != len(on_events):
+            raise ValueError("submit_samples: one event callback per sample, at least one")
+        ids = self._prompt(model, prompt)
+        first = Request(model, ids, params[0], on_events[0])
+        reqs = [first] + [Request(model, ids, p, cb, fork_of=first)
+                          for p, cb in zip(params[1:], on_events[1:], strict=True)]  # fmt: skip
+        self._queue(model, reqs)
+        return reqs
+
+    def _prompt(self, model: str, prompt: str | Sequence[int] | Prompt) -> Any:
+        """The engine's prompt, once the model may take requests."""
+        ids = self.engine(model).prompt(prompt)
         if not self.running:
             raise Unavailable("the serving loop is not running")
         if model in self.failed:
             raise Unavailable(f"model {model!r} is unavailable: {self.failed[model]}")
-        req = Request(model, ids, params, on_event, fork_of=fork_of)
+        return ids
+
+    def _queue(self, model: str, reqs: list[Request]) -> None:
+        """Hands ``reqs`` to the loop in one command batch (all or none)."""
+        engine = self.engine(model)
         with self._lock:
             if not self._accepting:
                 raise Unavailable("the server is shutting down")
             limit = engine.max_batch + self.max_queue
-            if self._outstanding[model] >= limit:
+            if self._outstanding[model] + len(reqs) > limit:
                 raise Overloaded(
                     f"model {model!r} has {self._outstanding[model]} requests in flight "
                     f"(limit {limit}); retry later"
                 )
-            self._outstanding[model] += 1
-            self._commands.append(("add", req))
+            self._outstanding[model] += len(reqs)
+            self._commands.extend(("add", req) for req in reqs)
         self._wake.set()
-        return req
 
     def fail_all(self, reason: str) -> None:
         """Ends every request (running, queued) with Unavailable(``reason``) and takes

@@ -2,8 +2,8 @@
 
 One HTTP request becomes one engine request per choice: ``best_of`` (or ``n``) samples of
 each prompt (completions take a batch of prompts). The samples of a prompt share its KV:
-the first computes the prompt, the others fork its blocks (``ServingLoop.submit``'s
-``fork_of``); sample ``i`` uses seed ``seed + i``.
+the first computes the prompt, the others fork its blocks, all handed to the loop at
+once (``ServingLoop.submit_samples``); sample ``i`` uses seed ``seed + i``.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def start(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[_C
     choices: list[_Choice] = []
     try:
         for i, prompt in enumerate(prompts):
-            first = None
+            samples = []
             for j in range(req.best_of):
                 try:  # (Engine.add_request clips top_k to the vocabulary)
                     params = req.sampling(max_tokens, j, m.defaults)
@@ -136,9 +136,13 @@ def start(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[_C
                 if (field := params.outside_vocabulary(vocab)) is not None:
                     raise APIError(400, f"'{field}' names token ids outside the vocabulary "
                                    f"[0, {vocab})", param=field)  # fmt: skip
-                gen = _Generation(ctx.loop, aio)
-                gen.handle = ctx.loop.submit(req.model, prompt, params, gen.on_event, first)
-                first = first or gen.handle
+                samples.append((params, _Generation(ctx.loop, aio)))
+            # The samples of one prompt go to the loop together: one prefill, the rest fork.
+            handles = ctx.loop.submit_samples(
+                req.model, prompt, [p for p, _ in samples], [g.on_event for _, g in samples]
+            )
+            for j, ((_, gen), handle) in enumerate(zip(samples, handles, strict=True)):
+                gen.handle = handle
                 choices.append(_Choice(i, j, prompt, gen))
     except Overloaded as e:
         _cancel(choices)
