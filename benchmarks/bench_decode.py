@@ -489,8 +489,8 @@ def bench_write(backend: str, rounds: int, steps: int = 50) -> list[dict]:
     slots = jax.device_put(jnp.asarray(c.slot_mapping(ids, np.arange(32))), pool.device)
     k = jax.device_put(jnp.ones((30, 32, 3, 64), jnp.float32), pool.device)
     fns = {
-        "write_kv": jax.jit(lambda k, s, t: kv.ops.write_kv(c, 0, k, k, s, t)),
-        "write_kv_async": jax.jit(lambda k, s, t: kv.ops.write_kv_async(c, 0, k, k, s, t)),
+        "write_kv": jax.jit(lambda c, k, s, t: kv.ops.write_kv(c, 0, k, k, s, t)),
+        "write_kv_async": jax.jit(lambda c, k, s, t: kv.ops.write_kv_async(c, 0, k, k, s, t)),
     }
     times: dict[str, list[float]] = {n: [] for n in fns}
     token = jax.device_put(kv.ops.new_token(), pool.device)
@@ -498,7 +498,7 @@ def bench_write(backend: str, rounds: int, steps: int = 50) -> list[dict]:
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(steps):
-                token = fn(k, slots, token)
+                token = fn(c, k, slots, token)
             jax.block_until_ready(token)
             times[name].append((time.perf_counter() - t0) / steps)
     c.free(ids)

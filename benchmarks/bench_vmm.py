@@ -98,7 +98,7 @@ def bench_write(
 
     def make_ffi(side_effect: bool, one_call: bool = False):
         @jax.jit
-        def ffi_write(keys, vals, slots, token):
+        def ffi_write(cache, keys, vals, slots, token):
             if one_call:
                 return ops.write_kv(cache, 0, keys, vals, slots, token)
             for layer in range(layers):
@@ -112,7 +112,7 @@ def bench_write(
         args = (keys, vals) if one_call else (key_list, val_list)
 
         def run():
-            state["token"] = ffi_write(*args, slots, state["token"])
+            state["token"] = ffi_write(cache, *args, slots, state["token"])
             state["token"].block_until_ready()
 
         return run

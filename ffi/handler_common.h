@@ -50,6 +50,37 @@ inline ffi::Error find_buffer(const std::string& op, uint64_t handle, int32_t de
   return ffi::Error::Success();
 }
 
+inline bool dtype_matches(ffi::DataType t, DType d);
+inline std::string dims_text(ffi::AnyBuffer::Dimensions d);
+
+// The Host handlers' cache: the shard whose virtual range the view operand is, on the
+// device the call runs on; the operand must be the whole view of that shard
+// (layers, planes, blocks, block_size, kv_heads, head_dim) of the cache's dtype.
+inline ffi::Error find_view_buffer(const std::string& op, ffi::AnyBuffer view, int32_t device,
+                                   std::shared_ptr<KVBuffer>* out) {
+  std::string why;
+  *out = lookup_view(view.untyped_data(), device, &why);
+  if (!*out) return invalid(op, why);
+  if ((*out)->pool().backend().device_kind() != DeviceKind::kHost) {
+    return invalid(op, "the view operand belongs to the '" + (*out)->pool().backend().name() +
+                           "' backend, not this platform");
+  }
+  const KVLayout& l = (*out)->layout();
+  const auto d = view.dimensions();
+  const int64_t want[6] = {l.num_layers, l.planes_per_layer, (*out)->num_blocks(), l.block_size, l.num_kv_heads,
+                           l.head_dim};
+  bool same = d.size() == 6 && dtype_matches(view.element_type(), l.dtype);
+  for (size_t i = 0; same && i < 6; ++i) same = d[i] == want[i];
+  if (!same) {
+    return invalid(op, "the view operand " + dims_text(d) + " is not the whole view of its KV cache (" +
+                           std::to_string(want[0]) + ", " + std::to_string(want[1]) + ", " +
+                           std::to_string(want[2]) + ", " + std::to_string(want[3]) + ", " +
+                           std::to_string(want[4]) + ", " + std::to_string(want[5]) + ") of " +
+                           dtype_name(l.dtype));
+  }
+  return ffi::Error::Success();
+}
+
 inline bool dtype_matches(ffi::DataType t, DType d) {
   switch (d) {
     case DType::kFloat32:

@@ -1,7 +1,9 @@
 // XLA FFI handlers for the Host platform: write_kv, copy_blocks, map_pages, unmap_pages,
 // paged_attention.
-// Each takes the KV cache handle as an attribute, an ordering token, then any number of
-// "after" operands (never read: they only order the call after their producers), and
+// Each takes the cache's view as its first operand (the handler finds the cache by the
+// view's address, so a compiled step holds no handle and is the same program for every
+// cache of its layout; a copy of the view is refused), an ordering token, then any number
+// of "after" operands (never read: they only order the call after their producers), and
 // returns a fresh int32 token whose value is always 0.
 #include <algorithm>
 #include <cstring>
@@ -35,11 +37,11 @@ ffi::Error write_kv_on_host(const std::shared_ptr<KVBuffer>& buf, int64_t layer,
   return finish(token_out);
 }
 
-ffi::Error WriteKvCpu(int32_t device, uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key, ffi::AnyBuffer value,
+ffi::Error WriteKvCpu(int32_t device, ffi::AnyBuffer view, ffi::AnyBuffer layer, ffi::AnyBuffer key, ffi::AnyBuffer value,
                       ffi::AnyBuffer slots, ffi::AnyBuffer /*token*/,
                       ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("write_kv", handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = find_view_buffer("write_kv", view, device, &buf); e.failure()) return e;
   int64_t num_layers = 0;
   if (auto e = check_write_shapes(*buf, layer, key, value, slots, &num_layers); e.failure()) return e;
   return write_kv_on_host(buf, *static_cast<const int32_t*>(layer.untyped_data()), num_layers, key, value,
@@ -48,17 +50,17 @@ ffi::Error WriteKvCpu(int32_t device, uint64_t handle, ffi::AnyBuffer layer, ffi
 
 // write_kv_async: the same operands as write_kv (the CUDA version validates the layer
 // and the slots on the device; here the host validates them, as in write_kv).
-ffi::Error WriteKvAsyncCpu(int32_t device, uint64_t handle, ffi::AnyBuffer layer, ffi::AnyBuffer key,
+ffi::Error WriteKvAsyncCpu(int32_t device, ffi::AnyBuffer view, ffi::AnyBuffer layer, ffi::AnyBuffer key,
                            ffi::AnyBuffer value, ffi::AnyBuffer slots, ffi::AnyBuffer token,
                            ffi::RemainingArgs after, ffi::Result<ffi::AnyBuffer> token_out) {
-  return WriteKvCpu(device, handle, layer, key, value, slots, token, after, token_out);
+  return WriteKvCpu(device, view, layer, key, value, slots, token, after, token_out);
 }
 
-ffi::Error CopyBlocksCpu(int32_t device, uint64_t handle, int64_t group, ffi::AnyBuffer src, ffi::AnyBuffer dst,
+ffi::Error CopyBlocksCpu(int32_t device, int64_t group, ffi::AnyBuffer view, ffi::AnyBuffer src, ffi::AnyBuffer dst,
                          ffi::AnyBuffer /*token*/,
                          ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer("copy_blocks", handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = find_view_buffer("copy_blocks", view, device, &buf); e.failure()) return e;
   if (auto e = check_copy_shapes(src, dst); e.failure()) return e;
   if (auto e = check_token_out("copy_blocks", token_out); e.failure()) return e;
   try {
@@ -74,10 +76,10 @@ ffi::Error CopyBlocksCpu(int32_t device, uint64_t handle, int64_t group, ffi::An
 // map_pages and unmap_pages: validate, then call KVBuffer::map_pages_op / unmap_pages_op
 // (the ops own the pages they map; the allocator's pages are refused).
 template <void (KVBuffer::*Method)(const int32_t*, size_t)>
-ffi::Error PageOpCpu(const char* op, int32_t device, uint64_t handle, ffi::AnyBuffer ids,
+ffi::Error PageOpCpu(const char* op, int32_t device, ffi::AnyBuffer view, ffi::AnyBuffer ids,
                      ffi::Result<ffi::AnyBuffer> token_out) {
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer(op, handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = find_view_buffer(op, view, device, &buf); e.failure()) return e;
   if (auto e = check_ids_shape(op, "page_ids", ids); e.failure()) return e;
   if (auto e = check_token_out(op, token_out); e.failure()) return e;
   try {
@@ -89,27 +91,27 @@ ffi::Error PageOpCpu(const char* op, int32_t device, uint64_t handle, ffi::AnyBu
   return finish(token_out);
 }
 
-ffi::Error MapPagesCpu(int32_t device, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
+ffi::Error MapPagesCpu(int32_t device, ffi::AnyBuffer view, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                        ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCpu<&KVBuffer::map_pages_op>("map_pages", device, handle, ids, token_out);
+  return PageOpCpu<&KVBuffer::map_pages_op>("map_pages", device, view, ids, token_out);
 }
 
 // Pass the reads of the pages as "after" operands so XLA finishes them before the unmap.
-ffi::Error UnmapPagesCpu(int32_t device, uint64_t handle, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
+ffi::Error UnmapPagesCpu(int32_t device, ffi::AnyBuffer view, ffi::AnyBuffer ids, ffi::AnyBuffer /*token*/,
                          ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> token_out) {
-  return PageOpCpu<&KVBuffer::unmap_pages_op>("unmap_pages", device, handle, ids, token_out);
+  return PageOpCpu<&KVBuffer::unmap_pages_op>("unmap_pages", device, view, ids, token_out);
 }
 
 // paged_attention: ragged causal attention of the query rows of several sequences over
 // their cached tokens, read in place through the block tables (see attention_cpu.h); the
 // token orders it after the writes (this step's new K/V included).
-ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, uint64_t handle, float scale,
+ffi::Error PagedAttentionCpu(ffi::ThreadPool pool, int32_t device, float scale, ffi::AnyBuffer view,
                              ffi::AnyBuffer layer_buf, ffi::AnyBuffer window_buf, ffi::AnyBuffer q, ffi::AnyBuffer tables, ffi::AnyBuffer kv_lens,
                              ffi::AnyBuffer q_start, ffi::AnyBuffer q_lens, ffi::AnyBuffer sinks,
                              ffi::AnyBuffer /*token*/, ffi::Result<ffi::AnyBuffer> out) {
   const char* op = "paged_attention";
   std::shared_ptr<KVBuffer> buf;
-  if (auto e = find_buffer(op, handle, device, DeviceKind::kHost, &buf); e.failure()) return e;
+  if (auto e = find_view_buffer(op, view, device, &buf); e.failure()) return e;
   const KVLayout& L = buf->layout();
   const auto qd = q.dimensions();
   if (q.element_type() != ffi::DataType::F32 || qd.size() != 4 || qd[1] != L.num_kv_heads ||
@@ -165,8 +167,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_paged_attention_cpu, PagedAttentionCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<uint64_t>("handle")
                                   .Attr<float>("scale")
+                                  .Arg<ffi::AnyBuffer>()  // the cache's view
                                   .Arg<ffi::AnyBuffer>()  // layer (int32 scalar)
                                   .Arg<ffi::AnyBuffer>()  // window (int32 scalar; 0: none)
                                   .Arg<ffi::AnyBuffer>()  // q
@@ -181,7 +183,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_paged_attention_cpu, PagedAttentionCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cpu, WriteKvCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<uint64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()  // the cache's view
                                   .Arg<ffi::AnyBuffer>()  // layer
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Arg<ffi::AnyBuffer>()  // value
@@ -193,7 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_cpu, WriteKvCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cpu, WriteKvAsyncCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<uint64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()  // the cache's view
                                   .Arg<ffi::AnyBuffer>()  // layer
                                   .Arg<ffi::AnyBuffer>()  // key
                                   .Arg<ffi::AnyBuffer>()  // value
@@ -205,8 +207,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_write_kv_async_cpu, WriteKvAsyncCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cpu, CopyBlocksCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<uint64_t>("handle")
                                   .Attr<int64_t>("group")
+                                  .Arg<ffi::AnyBuffer>()  // the cache's view
                                   .Arg<ffi::AnyBuffer>()  // src
                                   .Arg<ffi::AnyBuffer>()  // dst
                                   .Arg<ffi::AnyBuffer>()  // token
@@ -216,7 +218,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_copy_blocks_cpu, CopyBlocksCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_map_pages_cpu, MapPagesCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<uint64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()  // the cache's view
                                   .Arg<ffi::AnyBuffer>()  // page ids
                                   .Arg<ffi::AnyBuffer>()  // token
                                   .RemainingArgs()        // after
@@ -225,7 +227,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_map_pages_cpu, MapPagesCpu,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kvcached_unmap_pages_cpu, UnmapPagesCpu,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<uint64_t>("handle")
+                                  .Arg<ffi::AnyBuffer>()  // the cache's view
                                   .Arg<ffi::AnyBuffer>()  // page ids
                                   .Arg<ffi::AnyBuffer>()  // token
                                   .RemainingArgs()        // after

@@ -105,6 +105,28 @@ std::shared_ptr<KVBuffer> lookup_buffer(uint64_t handle, int device_ordinal, std
   return nullptr;
 }
 
+std::shared_ptr<KVBuffer> lookup_view(const void* data, int device_ordinal, std::string* why) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const auto addr = reinterpret_cast<uintptr_t>(data);
+  for (const auto& [handle, shards] : r.buffers) {
+    for (const auto& s : shards) {
+      if (s->base() != addr) continue;
+      if (s->device_ordinal() == device_ordinal) return s;
+      if (why) {
+        *why = "the view operand is KV cache " + std::to_string(handle) + "'s shard on device ordinal " +
+               std::to_string(s->device_ordinal()) + ", not on " + std::to_string(device_ordinal);
+      }
+      return nullptr;
+    }
+  }
+  if (why) {
+    *why = "the view operand is not an open KV cache's view (a copy, or a closed cache): pass the "
+           "cache (or cache.view) to the jitted function as an argument, do not close over it";
+  }
+  return nullptr;
+}
+
 bool is_registered(uint64_t handle) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);

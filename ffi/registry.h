@@ -22,6 +22,11 @@ uint64_t register_buffers(std::vector<std::shared_ptr<KVBuffer>> shards, const s
 // The shard on `device_ordinal`, or nullptr with *why set (unknown handle, or no shard on
 // that device).
 std::shared_ptr<KVBuffer> lookup_buffer(uint64_t handle, int device_ordinal, std::string* why = nullptr);
+// The shard of an open cache whose virtual range starts at `data` on `device_ordinal`: how
+// the Host handlers find their cache (the view is their operand, so compiled steps do not
+// depend on the handle), or nullptr with *why set (not the start of an open cache's range,
+// e.g. a copy of a view, or another device's shard).
+std::shared_ptr<KVBuffer> lookup_view(const void* data, int device_ordinal, std::string* why = nullptr);
 // Whether the handle is registered.
 bool is_registered(uint64_t handle);
 // Returns false if the handle was not registered.

@@ -29,6 +29,7 @@ _LAZY = {
     "SamplingParams": "jax_kvcached.engine.sampling",
     "EngineConfig": "jax_kvcached.engine.config",
     "paged_attention": "jax_kvcached.engine.attention",
+    "dense_causal_attention": "jax_kvcached.engine.attention",
     "Ragged": "jax_kvcached.engine.attention",
     "ServingLoop": "jax_kvcached.serve.loop",
 }
@@ -57,6 +58,7 @@ __all__ = [
     "Ragged",
     "RequestOutput",
     "SamplingParams",
+    "dense_causal_attention",
     "device_memory_bytes",
     "ServingLoop",
     "ops",

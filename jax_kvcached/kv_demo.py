@@ -43,7 +43,8 @@ def _make_step(cache: KVCache, batch: int, max_blocks: int):
         mask = (pos[None, :] < lengths[:, None]).astype(jnp.float32)
         checks = []
         for layer in range(cache.num_layers):
-            token = ops.write_kv(cache, layer, keys[layer], values[layer], slots, token)
+            token = ops.write_kv(cache, layer, keys[layer], values[layer], slots, token,
+                                 view=view)  # fmt: skip
             t = ops.after(tables, token)
             k = view[layer, 0, t].reshape(batch, -1, cache.num_kv_heads, cache.head_dim)
             checks.append(jnp.einsum("bthd,bt->b", k.astype(jnp.float32), mask))

@@ -23,7 +23,6 @@ intermediate dimension (gate / up by outputs, down by inputs) and run per device
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
 import jax
@@ -187,8 +186,9 @@ def route(logits: jax.Array, bias: jax.Array | None, m: MoEConfig) -> tuple[jax.
 
 
 def _kernel(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
-    # The target lives in the C++ core (see quant_linear._kernel): loaded, not imported.
-    importlib.import_module("jax_kvcached.memory.ops")
+    # The custom call's target lives in the C++ core: importing ffi_targets registers it
+    # (the one import of the memory layer a model may make, here where the call is built).
+    from jax_kvcached.memory import ffi_targets  # noqa: F401
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32)
     if w.dtype not in (jnp.float32, jnp.bfloat16):
         w = w.astype(jnp.float32)

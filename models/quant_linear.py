@@ -16,7 +16,6 @@ per device under ``jax.shard_map`` (inputs: a ``psum`` of the partial products).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import jax
@@ -46,9 +45,9 @@ Weight = tuple  # (q, scales, mins or None) of one packed weight
 
 
 def _kernel(x, weights: list, fmt: QuantFormat) -> list:
-    # The custom call's target lives in the C++ core; loading it registers every target
-    # (idempotent). A plug-in, not an import: the models work without it elsewhere.
-    importlib.import_module("jax_kvcached.memory.ops")
+    # The custom call's target lives in the C++ core: importing ffi_targets registers it
+    # (the one import of the memory layer a model may make, here where the call is built).
+    from jax_kvcached.memory import ffi_targets  # noqa: F401
     rows = x.shape[0]
     outs = [jax.ShapeDtypeStruct((rows, q.shape[0]), jnp.float32) for q, _, _ in weights]
     operands = [x.astype(jnp.float32)]

@@ -31,7 +31,7 @@ class TwoTenants(RuleBasedStateMachine):
         ]
         self.live = [set(), set()]
         self.writers = [
-            jax.jit(lambda k, s, t, c=c: ops.write_kv(c, c.num_layers - 1, k, k, s, t))
+            jax.jit(lambda c, k, s, t: ops.write_kv(c, c.num_layers - 1, k, k, s, t))
             for c in self.caches
         ]
 
@@ -64,7 +64,7 @@ class TwoTenants(RuleBasedStateMachine):
             vals = np.zeros(32, np.float32)
             vals[:n] = ids
             k = jnp.broadcast_to(jnp.asarray(vals)[:, None, None], (32, 2, 64))
-            self.writers[which](k, jnp.asarray(slots), ops.new_token()).block_until_ready()
+            self.writers[which](c, k, jnp.asarray(slots), ops.new_token()).block_until_ready()
 
     @precondition(lambda self: any(self.live))
     @rule(which=st.integers(0, 1), data=st.data())

@@ -258,7 +258,10 @@ def test_host_attention_validates_its_inputs():
     with pytest.raises(ValueError, match="float32"):
         run(blocks.tolist(), 20, q=q.astype(jnp.bfloat16))
     c.free(blocks)
+    view = c.view
     c.close()
-    with pytest.raises(FFI_ERRORS, match="unknown or closed"):
+    with pytest.raises(kv.KVCacheError, match="is closed"):
         run(blocks.tolist(), 20)
+    with pytest.raises(FFI_ERRORS, match="not an open KV cache's view"):  # its old view
+        jax.block_until_ready(ops.paged_attention(c, 0, q, *args, ops.new_token(), view=view))
     pool.close()

@@ -112,16 +112,17 @@ def test_store_of_a_tensor_parallel_cache_copies_every_device():
     P = jax.sharding.PartitionSpec
 
     @jax.jit
-    def write(k, v):
-        def body(k, v):
+    def write(cache, k, v):
+        def body(cache, k, v):  # (this device's buffer and heads)
             return ops.write_kv(cache, 0, k, v, slots, ops.new_token())[None]
 
         return jax.shard_map(
-            body, mesh=cache.mesh, in_specs=(P(None, None, "tp"), P(None, None, "tp")),
+            body, mesh=cache.mesh,
+            in_specs=(cache.sharding.spec, P(None, None, "tp"), P(None, None, "tp")),
             out_specs=P("tp"), check_vma=False,
-        )(k, v)  # fmt: skip
+        )(cache, k, v)  # fmt: skip
 
-    jax.block_until_ready(write(k, v))
+    jax.block_until_ready(write(cache, k, v))
     before = [np.asarray(s.data) for s in cache.view.addressable_shards]
     store.copy_out(blocks, store.alloc(3))
     cache.free(blocks)

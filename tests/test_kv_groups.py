@@ -50,11 +50,11 @@ def test_groups_map_only_their_layers_planes(pool):
     slot = int(a[0]) * 16
 
     @jax.jit
-    def write(layer, k, slots, token):
+    def write(cache, layer, k, slots, token):
         return ops.write_kv(cache, layer, k, k, slots, token)
 
-    jax.block_until_ready(write(0, k, jnp.array([slot], jnp.int32), ops.new_token()))
-    jax.block_until_ready(write(1, 2 * k, jnp.array([slot], jnp.int32), ops.new_token()))
+    jax.block_until_ready(write(cache, 0, k, jnp.array([slot], jnp.int32), ops.new_token()))
+    jax.block_until_ready(write(cache, 1, 2 * k, jnp.array([slot], jnp.int32), ops.new_token()))
     view = np.asarray(cache.view)
     assert view[0, 0, a[0], 0, 0, 0] == 7.0 and view[1, 0, a[0], 0, 0, 0] == 14.0
     assert view[2, 0, a[0], 0, 0, 0] == 0.0  # layer 2 (group 0) was not written
@@ -146,14 +146,14 @@ def test_the_host_tier_copies_a_groups_own_planes(pool):
     rng = np.random.default_rng(0)
 
     @jax.jit
-    def write(layer, k, v, slots, token):
+    def write(cache, layer, k, v, slots, token):
         return ops.write_kv(cache, layer, k, v, slots, token)
 
     for group, blocks in ((0, a), (1, b)):
         slots = jnp.asarray([x * 16 + t for x in blocks for t in range(16)], jnp.int32)
         for layer in planes[group]:
             k, v = (jnp.asarray(rng.standard_normal((32, 2, 64)), jnp.float32) for _ in "kv")
-            jax.block_until_ready(write(layer, k, v, slots, ops.new_token()))
+            jax.block_until_ready(write(cache, layer, k, v, slots, ops.new_token()))
     before = np.asarray(cache.view).copy()
 
     def group_bytes(view, group, block):

@@ -21,10 +21,10 @@ def test_rss_tracks_mapped_pages_over_a_reservation_larger_than_ram():
     pool = kv.Pool(limit, backend="host", min_reserved_pages=0, max_reserved_pages=0)
     c = pool.create_kv_cache("big", 1, 8, 128, "float32")  # 64 KiB blocks, 32 per page
     assert c.virtual_bytes > ram
-    write = jax.jit(lambda k, s, t: ops.write_kv(c, 0, k, k, s, t))
+    write = jax.jit(lambda k, s, t, view: ops.write_kv(c, 0, k, k, s, t, view=view))
     chunk = 1024
     k = jnp.ones((chunk, 8, 128), jnp.float32)
-    write(k, jnp.full((chunk,), -1, jnp.int32), ops.new_token()).block_until_ready()  # compile
+    write(k, jnp.full((chunk,), -1, jnp.int32), ops.new_token(), c.view).block_until_ready()
 
     n_kv_pages = 32  # 64 physical pages = 128 MiB
     base = _rss()
@@ -36,7 +36,7 @@ def test_rss_tracks_mapped_pages_over_a_reservation_larger_than_ram():
     for i in range(0, len(slots), chunk):
         part = np.full(chunk, -1, np.int32)
         part[: len(slots[i : i + chunk])] = slots[i : i + chunk]
-        token = write(k, jnp.asarray(part), token)
+        token = write(k, jnp.asarray(part), token, c.view)
     token.block_until_ready()
     grown = _rss() - base
     expected = 2 * n_kv_pages * pool.page_size  # the K and V planes of 32 KV pages

@@ -122,12 +122,12 @@ def test_ops_under_shard_map_write_each_devices_heads_into_its_own_buffer():
         slots = np.array([ids[0] * 16 + 3, ids[1] * 16], np.int32)
         k = jnp.arange(2 * 2 * 4 * 64, dtype=jnp.float32).reshape(2, 2, 4, 64)
 
-        def write(k, v, slots, token):
-            return ops.write_kv_async(c, 0, k, v, slots, token)
+        def write(cache, k, v, slots, token):  # cache: this device's buffer and heads
+            return ops.write_kv_async(cache, 0, k, v, slots, token)
 
-        sm = jax.shard_map(write, mesh=c.mesh, in_specs=(HEADS, HEADS, P(), P()),
+        sm = jax.shard_map(write, mesh=c.mesh, in_specs=(c.sharding.spec, HEADS, HEADS, P(), P()),
                            out_specs=P(), check_vma=False)  # fmt: skip
-        jax.block_until_ready(jax.jit(sm)(k, -k, slots, ops.new_token()))
+        jax.block_until_ready(jax.jit(sm)(c, k, -k, slots, ops.new_token()))
         view = np.asarray(c.view)
         np.testing.assert_array_equal(view[:, 0, ids[0], 3], k[:, 0])
         np.testing.assert_array_equal(view[:, 1, ids[1], 0], -k[:, 1])
@@ -139,17 +139,19 @@ def test_ops_under_shard_map_write_each_devices_heads_into_its_own_buffer():
         # Outside shard_map, with every head: a clear error, nothing written.
         with pytest.raises(ValueError, match="inside jax.shard_map"):
             ops.write_kv_async(c, 0, k, k, slots, ops.new_token())
-        # On devices the cache has no shard on: the handler refuses, per device.
-        other = Mesh(np.array([CPUS[0], CPUS[1]]), ("tp",))
+        # On devices the cache has no shard on: JAX moves the view there only by copying
+        # it, and each device's handler refuses the copy.
         with tp_pool(2) as p2:
             c2 = p2.create_kv_cache("n", 2, 2, 64, jnp.float32)
             ids2 = c2.alloc(1)
+            other = Mesh(np.array(CPUS[2:4]), ("tp",))
             sm2 = jax.shard_map(
-                lambda k, v, s, t: ops.write_kv_async(c2, 0, k, v, s, t), mesh=Mesh(
-                    np.array(CPUS[2:4]), ("tp",)), in_specs=(HEADS, HEADS, P(), P()),
-                out_specs=P(), check_vma=False,
+                lambda view, k, v, s, t: ops.write_kv_async(c2, 0, k, v, s, t, view=view),
+                mesh=other, in_specs=(c2.sharding.spec, HEADS, HEADS, P(), P()), out_specs=P(),
+                check_vma=False,
             )  # fmt: skip
             k2 = jnp.ones((2, 1, 2, 64), jnp.float32)
-            with pytest.raises(FFI_ERRORS, match="no shard on device ordinal 2"):
-                jax.block_until_ready(jax.jit(sm2)(k2, k2, ids2[:1] * 16, ops.new_token()))
-            assert other.devices.size == 2
+            moved = jax.device_put(c2.view, jax.sharding.NamedSharding(other, c2.sharding.spec))
+            with pytest.raises(FFI_ERRORS, match="not an open KV cache's view"):
+                jax.block_until_ready(jax.jit(sm2)(moved, k2, k2, ids2[:1] * 16, ops.new_token()))
+            assert not np.asarray(c2.view).any()  # nothing written

@@ -21,13 +21,13 @@ def test_write_then_read_in_one_step(pool, dtype):
     k, v = _rand((n, 2, 64), dtype, 0), _rand((n, 2, 64), dtype, 1)
 
     @jax.jit
-    def step(view, k, v, slots, token):
-        token = ops.write_kv(c, 2, k, v, slots, token)
+    def step(cache, k, v, slots, token):  # the cache an argument: its view a buffer
+        token = ops.write_kv(cache, 2, k, v, slots, token)
         s = ops.after(slots, token)
         blocks, offs = s // c.block_size, s % c.block_size
-        return view[2, 0, blocks, offs], view[2, 1, blocks, offs], token
+        return cache.view[2, 0, blocks, offs], cache.view[2, 1, blocks, offs], token
 
-    rk, rv, _ = step(c.view, k, v, jnp.asarray(slots), ops.new_token())
+    rk, rv, _ = step(c, k, v, jnp.asarray(slots), ops.new_token())
     np.testing.assert_array_equal(np.asarray(rk), np.asarray(k))
     np.testing.assert_array_equal(np.asarray(rv), np.asarray(v))
     # Other layers and other slots stay zero.
@@ -41,14 +41,14 @@ def test_write_then_read_in_one_step(pool, dtype):
 def test_writes_persist_across_steps_and_skip_padding(pool):
     c = make_cache(pool)
     ids = c.alloc(2)
-    write = jax.jit(lambda k, v, s, t: ops.write_kv(c, 1, k, v, s, t))
+    write = jax.jit(lambda c, k, v, s, t: ops.write_kv(c, 1, k, v, s, t))
     token = ops.new_token()
     expected = np.zeros((32, 2, 64), np.float32)
     for pos in range(32):
         slot = c.slot_mapping(ids, np.array([pos]))
         slots = jnp.asarray(np.array([slot[0], -1], np.int32))  # second token is padding
         k = jnp.full((2, 2, 64), pos + 1.0)
-        token = write(k, -k, slots, token)
+        token = write(c, k, -k, slots, token)
         expected[pos] = pos + 1.0
     token.block_until_ready()
     got = np.asarray(c.view[1, 0, ids]).reshape(32, 2, 64)
@@ -78,12 +78,12 @@ def test_map_and_unmap_pages_inside_jit(pool):
     k = jnp.ones((16, 2, 64))
 
     @jax.jit
-    def step(view, token):
-        token = ops.map_pages(c, jnp.array([page]), token)
-        token = ops.write_kv(c, 0, k, k, slots, token)
+    def step(view, token):  # (the view alone as the argument, given to each op)
+        token = ops.map_pages(c, jnp.array([page]), token, view=view)
+        token = ops.write_kv(c, 0, k, k, slots, token, view=view)
         b = ops.after(jnp.array([block]), token)
         total = view[0, 0, b].sum()
-        token = ops.unmap_pages(c, jnp.array([page]), token, total)
+        token = ops.unmap_pages(c, jnp.array([page]), token, total, view=view)
         return total, token
 
     total, token = step(c.view, ops.new_token())
@@ -136,7 +136,8 @@ def test_write_kv_rejects_bad_layer_shape_dtype(pool):
 
 
 def test_handlers_validate_shapes_themselves(pool):
-    """Calls the custom call directly, bypassing the Python checks."""
+    """Calls the custom call directly, bypassing the Python checks. On the host backend
+    the view is the first operand: the handler finds the cache by its address."""
     c = make_cache(pool)
     ids = c.alloc(1)
     s = jnp.asarray(c.slot_mapping(ids, np.arange(2)))
@@ -144,15 +145,17 @@ def test_handlers_validate_shapes_themselves(pool):
     call = jax.ffi.ffi_call("kvcached_write_kv", token_type, has_side_effect=True)
     bad_k = jnp.ones((2, 2, 32))
     with pytest.raises(FFI_ERRORS, match="shape"):
-        _run(
-            lambda: call(jnp.int32(0), bad_k, bad_k, s, ops.new_token(), handle=np.uint64(c.handle))
-        )
+        _run(lambda: call(c.view, jnp.int32(0), bad_k, bad_k, s, ops.new_token()))
     k16 = jnp.ones((2, 2, 64), jnp.float16)
     with pytest.raises(FFI_ERRORS, match="dtype"):
-        _run(lambda: call(jnp.int32(0), k16, k16, s, ops.new_token(), handle=np.uint64(c.handle)))
+        _run(lambda: call(c.view, jnp.int32(0), k16, k16, s, ops.new_token()))
     k = jnp.ones((2, 2, 64))
-    with pytest.raises(FFI_ERRORS, match="unknown or closed"):
-        _run(lambda: call(jnp.int32(0), k, k, s, ops.new_token(), handle=np.uint64(12345)))
+    # a copy of the view (what a closure would bake into a program), or any other array
+    with pytest.raises(FFI_ERRORS, match="not an open KV cache's view"):
+        _run(lambda: call(c.view + 0, jnp.int32(0), k, k, s, ops.new_token()))
+    with pytest.raises(FFI_ERRORS, match="not an open KV cache's view"):
+        _run(lambda: call(jnp.ones(4), jnp.int32(0), k, k, s, ops.new_token()))
+    assert float(jnp.abs(c.view).sum()) == 0.0  # nothing written
 
 
 def test_bad_handle_page_and_copy_errors(pool):
@@ -193,9 +196,13 @@ def test_closed_cache_handle_is_rejected(pool):
     c = make_cache(pool)
     c.alloc(1)
     k = jnp.ones((1, 2, 64))
+    view = c.view
     c.close()
-    with pytest.raises(FFI_ERRORS, match="unknown or closed"):
-        _run(lambda: ops.write_kv(c, 0, k, k, jnp.array([16], jnp.int32), ops.new_token()))
+    with pytest.raises(kv.KVCacheError, match="'a' is closed"):
+        ops.write_kv(c, 0, k, k, jnp.array([16], jnp.int32), ops.new_token())
+    with pytest.raises(FFI_ERRORS, match="not an open KV cache's view"):  # its old view
+        _run(lambda: ops.write_kv(c, 0, k, k, jnp.array([16], jnp.int32), ops.new_token(),
+                                  view=view))  # fmt: skip
 
 
 def test_after_rejects_float_arrays():
@@ -214,16 +221,16 @@ def test_unused_token_lets_xla_drop_a_pure_write_but_not_a_side_effecting_one(po
     s = jnp.asarray(c.slot_mapping(ids, np.arange(1)))
     k = jnp.ones((1, 2, 64))
 
-    def dropped(k, s):
+    def dropped(c, k, s):
         ops.write_kv(c, 0, k, k, s, ops.new_token())
         return k.sum()
 
-    def kept(k, s):
+    def kept(c, k, s):
         ops.write_kv(c, 0, k, k, s, ops.new_token(), side_effect=True)
         return k.sum()
 
-    assert "kvcached_write_kv" not in jax.jit(dropped).lower(k, s).compile().as_text()
-    jax.jit(kept)(k, s).block_until_ready()
+    assert "kvcached_write_kv" not in jax.jit(dropped).lower(c, k, s).compile().as_text()
+    jax.jit(kept)(c, k, s).block_until_ready()
     assert float(c.view[0, 0, ids[0], 0].sum()) == 2 * 64
 
 
@@ -256,16 +263,16 @@ def test_write_kv_async_writes_like_write_kv_and_validates(pool):
     ops.write_kv_async(b, 1, k, -k, jnp.asarray(slots), ops.new_token()).block_until_ready()
     np.testing.assert_array_equal(np.asarray(a.view), np.asarray(b.view))
     # The layer as an operand: traced (a scanned model's loop index) writes the same.
-    traced = jax.jit(lambda i, k, v, s, t: ops.write_kv_async(b, i, k, v, s, t))
-    traced(jnp.int32(1), k[1], k[0], jnp.asarray(slots), ops.new_token()).block_until_ready()
+    traced = jax.jit(lambda i, k, v, s, t, c: ops.write_kv_async(c, i, k, v, s, t))
+    traced(jnp.int32(1), k[1], k[0], jnp.asarray(slots), ops.new_token(), b).block_until_ready()
     view = np.asarray(b.view)
     blocks, offs = slots // 16, slots % 16
     np.testing.assert_array_equal(view[1, 0][blocks, offs], np.asarray(k[1]))
     np.testing.assert_array_equal(view[1, 1][blocks, offs], np.asarray(k[0]))
     with pytest.raises(FFI_ERRORS, match="layer 3 out of range"):
-        _run(lambda: traced(jnp.int32(3), k[0], k[0], jnp.asarray(slots), ops.new_token()))
+        _run(lambda: traced(jnp.int32(3), k[0], k[0], jnp.asarray(slots), ops.new_token(), b))
     with pytest.raises(FFI_ERRORS, match="layer -1 out of range"):
-        _run(lambda: traced(jnp.int32(-1), k[0], k[0], jnp.asarray(slots), ops.new_token()))
+        _run(lambda: traced(jnp.int32(-1), k[0], k[0], jnp.asarray(slots), ops.new_token(), b))
     with pytest.raises(TypeError, match="layer must be int32"):
         ops.write_kv_async(b, jnp.int16(0), k[0], k[0], jnp.asarray(slots), ops.new_token())
     with pytest.raises(TypeError, match="layer must be an int"):
@@ -288,3 +295,27 @@ def test_write_kv_async_writes_like_write_kv_and_validates(pool):
     with pytest.raises(ValueError, match="block 1 of 'b' is not allocated"):
         b.check_writable([1])
     a.free(ids_a)
+
+
+def test_a_view_closed_over_in_jit_is_refused_at_trace_time(pool):
+    """A jitted function that closes over the cache would read a constant snapshot of its
+    buffer: every op refuses it, naming the fix; passed as an argument it runs."""
+    c = make_cache(pool)
+    ids = c.alloc(1)
+    s = jnp.asarray(c.slot_mapping(ids, np.arange(2)))
+    k = jnp.ones((2, 2, 64))
+    closures = [
+        lambda k, s, t: ops.write_kv(c, 0, k, k, s, t),
+        lambda k, s, t: ops.write_kv_async(c, 0, k, k, s, t),
+        lambda k, s, t: ops.copy_blocks(c, s[:1] // 16, s[:1] // 16 + 1, t),
+        lambda k, s, t: ops.map_pages(c, s[:1] * 0 + 7, t),
+        lambda k, s, t: ops.unmap_pages(c, s[:1] * 0 + 7, t),
+        lambda k, s, t: ops.paged_attention(c, 0, k[:, :, None], (s // 16)[None], s[:1] + 1,
+                                            s[:1] * 0, s[:1] * 0 + 1, t),  # fmt: skip
+    ]
+    for fn in closures:
+        with pytest.raises(ValueError, match="pass the cache to the function as an argument"):
+            jax.jit(fn)(k, s, ops.new_token())
+    arg = jax.jit(lambda c, k, s, t: ops.write_kv(c, 0, k, k, s, t))(c, k, s, ops.new_token())
+    arg.block_until_ready()
+    assert float(c.view[0, 0, ids[0], :2].sum()) == 2 * 2 * 64

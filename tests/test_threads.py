@@ -19,7 +19,7 @@ def test_concurrent_tenants_keep_exact_accounting():
 
     def worker(c: kv.KVCache, seed: int) -> None:
         rng = np.random.default_rng(seed)
-        write = jax.jit(lambda k, s, t: ops.write_kv(c, 0, k, k, s, t))
+        write = jax.jit(lambda c, k, s, t: ops.write_kv(c, 0, k, k, s, t))
         read = jax.jit(lambda view, ids: view[0, 0, ids, 0, 0, 0])
         held: list[np.ndarray] = []
         try:
@@ -43,7 +43,7 @@ def test_concurrent_tenants_keep_exact_accounting():
                     vals = np.zeros(300, np.float32)
                     vals[: len(ids)] = ids
                     k = jnp.broadcast_to(jnp.asarray(vals)[:, None, None], (300, 2, 64))
-                    write(k, jnp.asarray(slots), ops.new_token()).block_until_ready()
+                    write(c, k, jnp.asarray(slots), ops.new_token()).block_until_ready()
                     held.append(ids)
                 s = pool.stats()
                 peak[0] = max(peak[0], s["mapped_pages"] + s["reserved_pages"])

@@ -53,7 +53,7 @@ def test_unmap_op_runs_after_its_after_operands(pool):
     @jax.jit
     def step(view, ids, x, token):
         total = _slow_read(view, ids, x)
-        token = ops.unmap_pages(c, jnp.array([page], jnp.int32), token, total)
+        token = ops.unmap_pages(c, jnp.array([page], jnp.int32), token, total, view=view)
         return total, token
 
     x = jnp.full((1024, 1024), 1e-3, jnp.float32)

@@ -31,7 +31,7 @@ def test_unmapped_ranges_read_zeros(pool, dtype):
 
 def _step(cache):
     def step(view, key, value, slots, table, token):
-        token = ops.write_kv(cache, 0, key, value, slots, token)
+        token = ops.write_kv(cache, 0, key, value, slots, token, view=view)
         table = ops.after(table, token)
         return view[0, 0, table].sum() + view[0, 1, table].sum(), token
 

@@ -195,7 +195,18 @@ def paged_attention(
     sees only its last ``window`` positions (masked here: the portable path gathers every
     block of the table; the host call and the Pallas kernel skip the blocks below). A
     latent view (one plane: MLA) is read as both keys and values. ``sinks`` ``(H,)``: a
-    logit per head in each row's softmax denominator (attention sinks, GPT-OSS)."""
+    logit per head in each row's softmax denominator (attention sinks, GPT-OSS).
+
+    Inside a jitted function ``view`` must be an argument of it (pass the cache, or its
+    view): a view closed over is a constant snapshot of the buffer, refused here."""
+    from jax_kvcached.memory.ops import staging
+
+    if not isinstance(view, jax.core.Tracer) and staging((q,)):
+        raise ValueError(
+            "paged_attention: the KV view is a constant of this jitted function (a snapshot "
+            "of the buffer, not what write_kv writes): pass the cache (or cache.view) to the "
+            "function as an argument"
+        )
     t, h, d = q.shape
     nb = lay.tables.shape[1]
     bs, kvh = view.shape[3], view.shape[4]
@@ -255,5 +266,5 @@ def host_paged_attention(
     kvh = view.shape[4]
     qg = q.reshape(t, kvh, h // kvh, d).astype(jnp.float32)
     o = ops.paged_attention(cache, layer, qg, lay.tables, lay.kv_lens, lay.q_start, lay.q_lens,
-                            token, window, sinks)  # fmt: skip
+                            token, window, sinks, view=view)  # fmt: skip
     return o.reshape(t, h, d).astype(q.dtype)

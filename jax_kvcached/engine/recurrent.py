@@ -218,5 +218,5 @@ def recurrence(
     ).reshape(-1)
     k = both[:, 0].reshape(-1, heads, dim)
     v = both[:, 1].reshape(-1, heads, dim)
-    chain = ops.write_kv_async(cache, layer, k, v, slots, chain)
+    chain = ops.write_kv_async(cache, layer, k, v, slots, chain, view=view)
     return jax.tree.map(lambda a: a[None], ys), chain

@@ -231,10 +231,13 @@ class ModelRunner:
         self.store = executables.ExecutableStore(folder) if folder else None
         if self.store is not None:  # what the programs depend on beyond their arguments
             self._store_extra = executables.stable_repr((
-                self.graphdef, cache.handle, cache.view.shape, str(cache.dtype),
+                # (a host cache's programs find it by its view: the same for every cache)
+                self.graphdef, cache.handle if cache.backend != "host" else "view",
+                cache.view.shape, str(cache.dtype),
                 cache.block_size, str(cache.view.sharding), self.attention, max_batch, budget,
                 prefill, self.max_blocks, num_candidates, str(self._device), cache.layer_groups,
-                sorted(self.compiler_options.items()),
+                sorted(self.compiler_options.items()), spec.fuse, spec.windows.tolist(),
+                self.scan_layers,
             ))  # fmt: skip
             # The devices a stored program is loaded on (those it was compiled for).
             self._store_devices = (
@@ -251,10 +254,12 @@ class ModelRunner:
         self._jitted_process = jax.jit(self._per_device(process_rows, (None,) * 6, None))
         self._jitted_logprobs = jax.jit(self._per_device(logprob_rows, (None,) * 3, None))
         # One block copy per KV cache group (a fork's copy-on-write of a partial block).
+        view_spec = None if self.mesh is None else cache.sharding.spec
         self._jitted_copy = [
             jax.jit(self._per_device(
-                lambda src, dst, token, g=g: ops.copy_blocks(cache, src, dst, token, group=g),
-                (None,) * 3, None,
+                lambda view, src, dst, token, g=g: ops.copy_blocks(cache, src, dst, token,
+                                                                   group=g, view=view),
+                (view_spec, None, None, None), None,
             ))
             for g in range(cache.num_groups)
         ]  # fmt: skip
@@ -399,7 +404,7 @@ class ModelRunner:
         real call's."""
         if isinstance(key, tuple) and key[0] == "copy":  # ("copy", group): a block of it
             one = np.zeros(1, np.int32)
-            return self._jitted_copy[key[1]], (one, one, self.token)
+            return self._jitted_copy[key[1]], (self.cache.view, one, one, self.token)
         rows = key if isinstance(key, int) else key[1]
         if isinstance(key, int) or isinstance(key[0], str):
             logits = np.zeros((rows, self.config.vocab_size), np.float32)  # a step's
@@ -529,5 +534,5 @@ class ModelRunner:
         copy = self._program(("copy", group))
         ids = np.asarray([src], np.int32), np.asarray([dst], np.int32)
         with self._context():
-            self.token = copy(*ids, self.token)
+            self.token = copy(self.cache.view, *ids, self.token)
         return self.token

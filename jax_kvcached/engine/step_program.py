@@ -117,9 +117,11 @@ def make_step(spec: StepSpec) -> Callable:
         tokens = tokens.at[q_start].set(fed, mode="drop")  # unused slots: past the axis
         model = nnx.merge(graphdef, state)
         kv_heads = None if cache.latent else heads  # a latent cache is replicated
+        view_spec = cache.sharding.spec if spec.on_mesh else None
         write = per_device(
-            lambda i, k, v, slots, token: ops.write_kv_async(cache, i, k, v, slots, token),
-            (None, kv_heads, kv_heads, None, None), None,
+            lambda view, i, k, v, slots, token: ops.write_kv_async(cache, i, k, v, slots, token,
+                                                                   view=view),
+            (view_spec, None, kv_heads, kv_heads, None, None), None,
         )  # fmt: skip
         # sinks (heads,): split with the heads; None (no sinks) is an empty argument
         sink_spec = None if heads is None else jax.sharding.PartitionSpec(heads[1])
@@ -127,8 +129,7 @@ def make_step(spec: StepSpec) -> Callable:
             lambda q, view, i, lay, token, w, s: attention_fn(spec.attention, cache, nb, token)(
                 q, view, i, lay, window=w, sinks=s
             ),
-            (heads, cache.sharding.spec if spec.on_mesh else None,
-             None, None, None, None, sink_spec),
+            (heads, view_spec, None, None, None, None, sink_spec),
             heads,
         )  # fmt: skip
 
@@ -139,7 +140,8 @@ def make_step(spec: StepSpec) -> Callable:
             # (unrolled, i is a Python int: the group is static; scanned, an index)
             g = groups[i] if isinstance(i, int) else jnp.asarray(groups)[i]
             slots, tables = group_slots[g], group_tables[g]
-            chain = write(i, k[0].astype(cache.dtype), v[0].astype(cache.dtype), slots, chain)
+            chain = write(view, i, k[0].astype(cache.dtype), v[0].astype(cache.dtype), slots,
+                          chain)  # fmt: skip
             after = dataclasses.replace(lay, tables=ops.after(tables, chain))
             window = jnp.asarray(windows)[i] if any(windows) else jnp.int32(0)
             return attention(q[0], view, i, after, chain, window, sinks)[None], chain

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -49,6 +50,7 @@ class _DLPackExport:
         return self._buffer.dlpack_device
 
 
+@jax.tree_util.register_pytree_node_class
 class KVCache:
     """A fixed virtual KV range of shape
     ``(num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim)``: ``planes``
@@ -70,6 +72,12 @@ class KVCache:
     ``jax.shard_map``); each device's call finds its own buffer. A latent cache is not
     split: every device holds the whole latent (its attention heads are split), as vLLM
     and SGLang keep MLA's cache under tensor parallelism.
+
+    A KVCache is a pytree whose one leaf is its view: pass it to a jitted function as an
+    argument and its view enters the program as the buffer itself (no copy), so the ops
+    inside read and write the memory the pages are mapped in. Closed over instead, the
+    view would be a constant of the program, a snapshot; the ops refuse that at trace
+    time.
     """
 
     def __init__(
@@ -124,6 +132,7 @@ class KVCache:
         self.page_size: int = buffer.page_size
         self._view: jax.Array | None = None
         self._closed = False
+        self._origin = self  # the cache itself (a bound copy inside jit: the cache it binds)
         self._lock = threading.RLock()  # alloc / free / close from several threads
         # Each layer's KV cache group (kv_group.py); one group unless the buffer has more.
         self.layer_groups: tuple[int, ...] = check_layer_groups(layer_groups, num_layers)
@@ -343,10 +352,14 @@ class KVCache:
 
     @property
     def closed(self) -> bool:
+        if self._origin is not self:  # a bound copy: the cache it binds
+            return self._origin.closed
         return self._closed
 
     def close(self) -> None:
         """Unmaps every page and unregisters the handle. Views stay valid and read zeros."""
+        if self._origin is not self:
+            return self._origin.close()
         with self._lock:
             if self._closed:
                 return
@@ -357,8 +370,24 @@ class KVCache:
             self._on_close(self)
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self.closed:
             raise KVCacheError(f"KV cache {self.name!r} is closed")
+
+    # -- as a jit argument: a pytree whose one leaf is the view -------------------------
+    def with_view(self, view: Any) -> KVCache:
+        """This cache with ``view`` as its view (inside a jitted function: the function's
+        traced argument), everything else shared: what a KVCache passed to a jitted
+        function is inside it."""
+        bound = copy.copy(self)
+        bound.__dict__.update(_view=view)
+        return bound
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array], KVCache]:
+        return (self.view,), self._origin
+
+    @classmethod
+    def tree_unflatten(cls, origin: KVCache, leaves: Sequence[Any]) -> KVCache:
+        return origin.with_view(leaves[0])
 
     def __repr__(self) -> str:
         return (

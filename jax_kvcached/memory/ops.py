@@ -25,6 +25,14 @@ lockstep, all or nothing.
 
 ``write_kv`` and ``copy_blocks`` are dataflow ops by default: XLA keeps them because their
 token is used. ``map_pages`` and ``unmap_pages`` are always side-effecting calls.
+
+Inside a jitted function the ops need the cache's *view as an argument* of that function
+(``view=``; eagerly ``cache.view`` is used): a view closed over would enter the program
+as a constant, a snapshot of the buffer, so it is refused at trace time. On the host
+backend the view is the custom calls' first operand and the handlers find the cache by
+its address: a compiled step holds no handle, so every cache of one layout runs (and the
+persistent compilation cache keeps) the same program; a copy of the view is refused. On
+CUDA the handlers take the cache's handle as an attribute.
 """
 
 from __future__ import annotations
@@ -36,32 +44,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_kvcached.memory import _C
+from jax_kvcached.memory import _C, ffi_targets
+
+ffi_targets.register()  # (done on import; named here: the ops need the targets)
 
 if TYPE_CHECKING:
     from jax_kvcached.memory.kv_cache import KVCache
 
 _TOKEN = jax.ShapeDtypeStruct((), jnp.int32)
-_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
-_registered = False
 
 # The CUDA handlers XLA may capture into a command buffer (CUDA graph), declared with
 # ``kCmdBufferCompatible``: those whose every call launches the same device work (all
 # per-step checks on the device). See :func:`handler_traits`.
 COMMAND_BUFFER_OPS = frozenset({"write_kv_async"})
-
-
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
-    for platform, table in _C.handlers.items():
-        for op, capsule in table.items():
-            jax.ffi.register_ffi_target(f"kvcached_{op}", capsule, platform=_PLATFORMS[platform])
-    _registered = True
-
-
-_register()
 
 
 def handler_traits(platform: str) -> dict[str, dict[str, Any]]:
@@ -110,12 +105,56 @@ def _handle(op: str, cache: KVCache) -> np.uint64:
     return np.uint64(h)
 
 
+def staging(operands: tuple) -> bool:
+    """Whether an op with these operands is being traced into a program (jit, shard_map):
+    a concrete array used there becomes a constant of the program. Eager ``vmap`` is not
+    (its unbatched arrays stay the buffers they are). Without JAX's trace-stack query, any
+    traced operand counts (never missing a snapshot)."""
+    if not any(isinstance(x, jax.core.Tracer) for x in operands):
+        return False
+    try:
+        from jax._src.core import unsafe_am_i_under_a_jit
+    except ImportError:  # pragma: no cover - another JAX
+        return True
+    return unsafe_am_i_under_a_jit()
+
+
+def _view_operand(op: str, cache: KVCache, view: Any, operands: tuple) -> Any:
+    """The view an op reads or writes: ``view``, or eagerly ``cache.view``. Inside a
+    traced program the view must be traced too, an argument of the jitted function."""
+    if view is None:
+        view = cache.view
+    if not isinstance(view, jax.core.Tracer) and staging(operands):
+        raise ValueError(
+            f"jax_kvcached.{op}: the KV cache's view would be a constant of this jitted "
+            f"function (a snapshot of {cache.name!r}'s buffer, not what the ops write): pass "
+            "the cache to the function as an argument (or cache.view, given to the op as "
+            "view=)"
+        )
+    return view
+
+
 def _call(
-    op: str, cache: KVCache, *operands: Any, side_effect: bool = True, **attrs: Any
+    op: str,
+    cache: KVCache,
+    view: Any,
+    *operands: Any,
+    side_effect: bool = True,
+    result: Any = None,
+    **attrs: Any,
 ) -> jax.Array:
+    """The custom call ``kvcached_<op>``: on the host backend the view leads its operands;
+    on CUDA the handle is an attribute."""
+    view = _view_operand(op, cache, view, operands)
+    handle = _handle(op, cache)  # (checked on every backend)
+    if cache.backend == "host":
+        operands = (view, *operands)
+    else:
+        attrs["handle"] = handle
     return jax.ffi.ffi_call(
-        f"kvcached_{op}", _TOKEN, has_side_effect=side_effect, vmap_method=VMAP_METHOD
-    )(*operands, handle=_handle(op, cache), **attrs)
+        f"kvcached_{op}", _TOKEN if result is None else result, has_side_effect=side_effect,
+        vmap_method=VMAP_METHOD,
+    )(*operands, **attrs)  # fmt: skip
 
 
 def _ids(x: Any, name: str) -> jax.Array:
@@ -164,6 +203,7 @@ def write_kv(
     token: jax.Array,
     *after: jax.Array,
     side_effect: bool = False,
+    view: Any = None,
 ) -> jax.Array:
     """Scatters new K/V into ``slots``: one layer's, ``(n, num_kv_heads, head_dim)`` each,
     or ``m`` consecutive layers' from ``layer`` on, ``(m, n, num_kv_heads, head_dim)``
@@ -183,7 +223,7 @@ def write_kv(
     if layer.ndim != 0:
         raise ValueError("write_kv: layer must be a scalar")
     return _call(
-        "write_kv", cache, layer, key, value, slots, token, *after, side_effect=side_effect
+        "write_kv", cache, view, layer, key, value, slots, token, *after, side_effect=side_effect
     )
 
 
@@ -195,6 +235,7 @@ def write_kv_async(
     slots: Any,
     token: jax.Array,
     *after: jax.Array,
+    view: Any = None,
 ) -> jax.Array:
     """:func:`write_kv` for a step loop that never waits for the device: on CUDA the
     layer and the slots are checked by the kernel (against the cache's layers and device
@@ -207,9 +248,8 @@ def write_kv_async(
     num_layers = key.shape[0] if key.ndim == 4 else 1
     layer = _layer_operand("write_kv_async", cache, layer, num_layers)
     slots = _check_kv(cache, key, value, slots)
-    return jax.ffi.ffi_call(
-        "kvcached_write_kv_async", _TOKEN, has_side_effect=False, vmap_method=VMAP_METHOD
-    )(layer, key, value, slots, token, *after, handle=_handle("write_kv_async", cache))
+    return _call("write_kv_async", cache, view, layer, key, value, slots, token, *after,
+                 side_effect=False)  # fmt: skip
 
 
 def _layer_operand(op: str, cache: KVCache, layer: Any, num_layers: int = 1) -> jax.Array:
@@ -270,6 +310,7 @@ def copy_blocks(
     *after: jax.Array,
     side_effect: bool = False,
     group: int = 0,
+    view: Any = None,
 ) -> jax.Array:
     """Copies whole blocks ``src[i] -> dst[i]`` of KV cache group ``group`` in every
     plane of its layers (block ids are per group; an all-full-attention cache has one).
@@ -284,26 +325,30 @@ def copy_blocks(
         raise TypeError(f"copy_blocks: group must be an int, got {group!r}")
     if not 0 <= group < cache.num_groups:
         raise ValueError(f"copy_blocks: group {group} out of range [0, {cache.num_groups})")
-    return _call("copy_blocks", cache, src, dst, token, *after, side_effect=side_effect,
+    return _call("copy_blocks", cache, view, src, dst, token, *after, side_effect=side_effect,
                  group=np.int64(group))  # fmt: skip
 
 
-def map_pages(cache: KVCache, page_ids: Any, token: jax.Array, *after: jax.Array) -> jax.Array:
+def map_pages(
+    cache: KVCache, page_ids: Any, token: jax.Array, *after: jax.Array, view: Any = None
+) -> jax.Array:
     """Maps KV pages (each in all layer planes) from the pool, inside a computation.
 
     For callers that manage pages themselves: pages mapped here are not known to the
     cache's block allocator (:meth:`KVCache.alloc` maps its own pages).
     """
-    return _call("map_pages", cache, _ids(page_ids, "page_ids"), token, *after)
+    return _call("map_pages", cache, view, _ids(page_ids, "page_ids"), token, *after)
 
 
-def unmap_pages(cache: KVCache, page_ids: Any, token: jax.Array, *after: jax.Array) -> jax.Array:
+def unmap_pages(
+    cache: KVCache, page_ids: Any, token: jax.Array, *after: jax.Array, view: Any = None
+) -> jax.Array:
     """Unmaps KV pages once ``token`` and every array in ``after`` are computed.
 
     Pass the results of reads of those pages as ``after`` so the unmap cannot overtake
     them. The pages read zeros afterwards.
     """
-    return _call("unmap_pages", cache, _ids(page_ids, "page_ids"), token, *after)
+    return _call("unmap_pages", cache, view, _ids(page_ids, "page_ids"), token, *after)
 
 
 def paged_attention(
@@ -317,6 +362,7 @@ def paged_attention(
     token: jax.Array,
     window: Any = 0,
     sinks: Any = None,
+    view: Any = None,
 ) -> jax.Array:
     """Ragged causal attention over the paged cache: a host-platform custom call,
     multi-threaded, that reads K/V in place (no gathered copy). All float32.
@@ -359,11 +405,13 @@ def paged_attention(
             raise ValueError(f"paged_attention: sinks must hold one float per query head "
                              f"({kvh * g}), got {sinks.dtype} {tuple(sinks.shape)}")  # fmt: skip
         sinks = sinks.reshape(-1).astype(jnp.float32)
+    if cache.backend != "host":
+        raise ValueError(f"paged_attention: {cache.name!r} is a {cache.backend} cache; this "
+                         "custom call runs on the host backend (CPU)")  # fmt: skip
     i32 = jnp.int32
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    return jax.ffi.ffi_call("kvcached_paged_attention", out, vmap_method=VMAP_METHOD)(
-        layer, window, q, jnp.asarray(block_tables, i32), jnp.asarray(kv_lens, i32),
-        jnp.asarray(q_start, i32), jnp.asarray(q_lens, i32), sinks, token,
-        handle=_handle("paged_attention", cache),
-        scale=np.float32(1 / np.sqrt(d)),
+    return _call(
+        "paged_attention", cache, view, layer, window, q, jnp.asarray(block_tables, i32),
+        jnp.asarray(kv_lens, i32), jnp.asarray(q_start, i32), jnp.asarray(q_lens, i32), sinks,
+        token, side_effect=False, result=out, scale=np.float32(1 / np.sqrt(d)),
     )  # fmt: skip
