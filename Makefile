@@ -5,7 +5,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
-BUILD_DEPS := scikit-build-core>=0.10 nanobind>=2.4 jax>=0.6 jaxlib>=0.6
+# The build's own tools come from PyPI (CMake and Ninja too): a machine needs only Python
+# and a C++ compiler.
+BUILD_DEPS := scikit-build-core>=0.10 nanobind>=2.4 jax>=0.6 jaxlib>=0.6 cmake>=3.18 ninja>=1.11
 
 .PHONY: install install-test demo test lint bench clean
 

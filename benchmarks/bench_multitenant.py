@@ -309,12 +309,6 @@ def plot(path, runs, budget, args) -> None:
 PROC_MODELS = {"llama": "tiny-llama", "qwen": "tiny-qwen2", "llama-b": "tiny-llama"}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_servers(config: str, budget: int, page: int, max_batch: int, group: str) -> dict:
@@ -324,11 +318,12 @@ def start_servers(config: str, budget: int, page: int, max_batch: int, group: st
     import sys
 
     import httpx
+    from bench_serving import free_port
 
     share = budget // len(PROC_MODELS) // page * page
     servers = {}
     for i, (name, preset) in enumerate(PROC_MODELS.items()):
-        port = _free_port()
+        port = free_port()
         cmd = [
             sys.executable, "-m", "jax_kvcached.cli", "serve", "--model", f"{name}={preset}",
             "--memory", str(budget if config == "elastic" else share), "--page-size", str(page),

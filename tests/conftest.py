@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 # On a GPU, JAX would otherwise preallocate 75% of device memory and leave the CUDA
 # backend's physical pages no room.
@@ -9,10 +12,42 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
     os.environ["XLA_FLAGS"] = flags.strip()
 
-import jax
-import pytest
+# One JAX compilation cache for the whole session, fresh each session (the cold run is
+# what CI pays): every program compiles once, later engines and `serve` subprocesses of
+# the same shapes load it. xdist workers inherit the controller's folder; whoever made
+# the folder removes it. Tests whose subject is a cold or broken cache pass their own.
+SESSION_CACHE_ENV = "KVCACHED_TEST_COMPILE_CACHE"
+if not os.environ.get(SESSION_CACHE_ENV):
+    os.environ[SESSION_CACHE_ENV] = tempfile.mkdtemp(prefix="kvcached-test-xla-")
+    atexit.register(shutil.rmtree, os.environ[SESSION_CACHE_ENV], ignore_errors=True)
+COMPILE_CACHE = os.environ[SESSION_CACHE_ENV]
+os.environ["KVCACHED_COMPILE_CACHE"] = COMPILE_CACHE  # `serve`'s default folder
 
-import jax_kvcached as kv
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+import jax_kvcached as kv  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", COMPILE_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# Modules whose module-scoped fixtures are costly (a server, replicas, a real model, a
+# transformers model or tokenizer): under pytest-xdist (`--dist loadgroup`, pyproject's
+# addopts) each runs on one worker, so the fixture is made once; the other tests spread
+# over the workers one by one.
+ONE_WORKER = {
+    "test_router.py", "test_gemma3.py", "test_gguf.py", "test_server.py", "test_hardening.py",
+    "test_openai_sdk.py", "test_reliability.py", "test_sleep_serving.py", "test_recurrent.py",
+    "test_quant.py", "test_mla.py", "test_moe.py", "test_gpt_oss.py",
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in ONE_WORKER:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 @pytest.fixture(autouse=True)
@@ -25,27 +60,84 @@ def _cpu_default_device(request):
         yield
 
 
+def host_pool(memory="64MiB", page_size=None, **kw) -> kv.Pool:
+    """A host pool with no pre-created reserve (unless ``kw`` asks), so page counts are
+    exact: the pool most tests use."""
+    kw.setdefault("min_reserved_pages", 0)
+    kw.setdefault("max_reserved_pages", 0)
+    if page_size is not None:
+        kw["page_size"] = page_size
+    return kv.Pool(memory, backend="host", **kw)
+
+
 @pytest.fixture
 def pool():
     """A small host pool with no pre-created reserve, so page counts are exact."""
-    p = kv.Pool("64MiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
+    p = host_pool()
     yield p
     p.close()
 
 
-def dense_greedy(model, prompt, n):
-    """``n`` greedy tokens of ``model`` after ``prompt`` with no KV cache (the reference
-    every layer's window and sinks included)."""
+def gpus() -> list:
+    """The GPUs JAX sees (none on a machine without one)."""
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def needs_gpu(what: str):
+    """The mark of a GPU test module: skipped where no GPU is present, saying so."""
+    return pytest.mark.skipif(not gpus(), reason=f"no GPU present: {what} need one")
+
+
+def free_port() -> int:
+    """A free loopback TCP port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_DENSE: dict[int, tuple] = {}  # id(model) -> (model, graphdef, jitted logits_at)
+
+
+def dense_greedy(model, prompt, n, width=None, with_logits=False):
+    """``n`` greedy tokens of ``model`` after ``prompt`` with no KV cache (the reference:
+    every layer's window and sinks included). One jitted program per model and width: the
+    tokens are padded at the end to ``width`` (default: the next multiple of 64; causal,
+    so the padding changes no earlier logit) and the weights are an argument, so every
+    step, and every model of one config, runs the same compiled program.
+    ``with_logits``: also each step's logits at the last position."""
     import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
 
     from jax_kvcached.engine.attention import no_cache_attention
 
-    attend = no_cache_attention(model.config)
-    toks = list(prompt)
-    for _ in range(n):
-        logits = model(jnp.asarray([toks]), jnp.arange(len(toks))[None], attend)
-        toks.append(int(jnp.argmax(logits[0, -1])))
-    return toks[len(prompt) :]
+    if id(model) not in _DENSE or _DENSE[id(model)][0] is not model:
+        graphdef, _ = nnx.split(model)
+        attend = no_cache_attention(model.config)
+
+        @jax.jit
+        def logits_at(state, toks, i):
+            pos = jnp.arange(toks.shape[0])[None]
+            return nnx.merge(graphdef, state)(toks[None], pos, attend)[0, i]
+
+        _DENSE[id(model)] = (model, logits_at)
+    logits_at = _DENSE[id(model)][1]
+    state = nnx.state(model)
+    width = width or -(-(len(prompt) + n) // 64) * 64
+    toks = np.zeros(width, np.int32)
+    toks[: len(prompt)] = prompt
+    out = []
+    for i in range(len(prompt) - 1, len(prompt) + n - 1):
+        logits = logits_at(state, toks, i)
+        toks[i + 1] = int(jnp.argmax(logits))
+        out.append(np.asarray(logits))
+    tokens = toks[len(prompt) : len(prompt) + n].tolist()
+    return (tokens, out) if with_logits else tokens
 
 
 def hf_greedy(hf, prompt, n):
@@ -137,3 +229,28 @@ def hold_prefix(pc, cache, toks, extra=b""):
         if not pc.is_cached(b):
             pc.insert(h, b)
     return blocks
+
+
+# -- the suite's durations ---------------------------------------------------------------
+# Every test's setup + call + teardown seconds, written after the session (by the
+# controller under xdist) to test-durations.tsv beside pyproject.toml, slowest first, and
+# the 25 slowest printed.
+_DURATIONS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput") or not _DURATIONS:
+        return  # an xdist worker: the controller writes the file
+    rows = sorted(_DURATIONS.items(), key=lambda kv: -kv[1])
+    path = session.config.rootpath / "test-durations.tsv"
+    path.write_text("".join(f"{s:.2f}\t{n}\n" for n, s in rows))
+    total = sum(_DURATIONS.values())
+    tw = session.config.get_terminal_writer()
+    tw.sep("=", f"the 25 slowest of {len(rows)} tests (setup + call + teardown)")
+    for n, sec in rows[:25]:
+        tw.line(f"{sec:8.2f}s {n}")
+    tw.line(f"{total:.0f} s of tests in all (summed over workers); each in {path.name}")

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+from conftest import free_port
+
 from jax_kvcached.cli import main
 from jax_kvcached.demo import run_demo
 from jax_kvcached.kv_demo import run_kv_demo
@@ -53,12 +55,6 @@ def test_cli_rejects_bad_arguments(capsys):
         assert err.startswith("error: " + msg) and err.count("\n") == 1, err
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_serve(args: list[str], cwd) -> tuple[subprocess.Popen, str]:
@@ -67,7 +63,7 @@ def start_serve(args: list[str], cwd) -> tuple[subprocess.Popen, str]:
 
     import httpx
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "jax_kvcached.cli", "serve", *args, "--port", str(port)],
@@ -281,7 +277,7 @@ def test_serve_answers_from_the_start_and_logs_every_request(tmp_path):
 
     import httpx
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "jax_kvcached.cli", "serve", "--model", "tiny-llama",

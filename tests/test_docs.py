@@ -84,3 +84,45 @@ def test_python_blocks_run(page, capsys):
 def test_the_shell_check_can_fail():
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(shell_commands("jax-kvcached serve --no-such-flag 1")[0])
+
+
+def _report():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("report", ROOT / "benchmarks" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_figure_is_what_the_committed_json_says(page):
+    """The generated regions (docs/benchmarks.md's tables, the figures the pages quote)
+    are what `benchmarks/report.py --write` makes of benchmarks/results/."""
+    text = (ROOT / page).read_text()
+    assert _report().render(text) == text, f"{page}: run python benchmarks/report.py --write"
+
+
+def test_the_figures_follow_the_json():
+    """A figure changed in the JSON changes the page: the check can fail."""
+    import copy
+
+    report = _report()
+    load = report.results_loader()
+
+    def changed(name):
+        data = load(name)
+        if name == "bench_sleep.json":
+            data = copy.deepcopy(data)
+            data["runs"]["4096"]["wake_detail"][3]["seconds"] = 9.0
+        return data
+
+    regions = sum(t.count("<!-- fig ") + t.count("<!-- table ") + t.count("<!-- report ")
+                  for t in ((ROOT / p).read_text() for p in PAGES))  # fmt: skip
+    assert regions >= 40
+    readme = (ROOT / "README.md").read_text()
+    assert "<!-- fig smollm2_wake_ms -->" in readme
+    new = report.render(readme, changed)
+    assert new != readme and "125-9000<!-- /fig --> ms" in new
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert report.render(bench, changed) != bench

@@ -1,12 +1,10 @@
 """The paged engine against a dense, no-cache forward of the same model."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import dense_greedy, host_pool
 
 import jax_kvcached as kv
-from jax_kvcached.engine.attention import no_cache_attend
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.runner import StepInput
 from jax_kvcached.engine.sampling import SamplingParams
@@ -21,20 +19,9 @@ PROMPTS = [
 
 
 def _reference(model, prompt, n):
-    """Greedy tokens and per-step last-position logits, recomputing everything each step."""
-    fwd = jax.jit(lambda ids: model(ids, jnp.arange(ids.shape[1])[None], _dense))
-    toks, logits = list(prompt), []
-    width = 128  # padded at the end: causal attention keeps earlier positions exact
-    for _ in range(n):
-        ids = np.zeros((1, width), np.int32)
-        ids[0, : len(toks)] = toks
-        out = np.asarray(fwd(jnp.asarray(ids))[0, len(toks) - 1])
-        logits.append(out)
-        toks.append(int(out.argmax()))
-    return toks[len(prompt) :], logits
-
-
-_dense = no_cache_attend
+    """Greedy tokens and per-step last-position logits, recomputing everything each step
+    (conftest.dense_greedy: one padded, jitted program)."""
+    return dense_greedy(model, prompt, n, with_logits=True)
 
 
 @pytest.fixture(params=["tiny-llama", "tiny-qwen2"])
@@ -56,12 +43,10 @@ def assert_only_cached_blocks_hold_pages(eng, pool):
     assert pool.stats()["mapped_pages"] == 0
 
 
-def _pool(limit="128MiB"):
-    return kv.Pool(limit, backend="host", min_reserved_pages=0, max_reserved_pages=0)
 
 
 def test_greedy_matches_dense_reference(model):
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=8)
     outs = eng.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
     for prompt, out in zip(PROMPTS, outs, strict=True):
@@ -75,7 +60,7 @@ def test_greedy_matches_dense_reference(model):
 @pytest.mark.parametrize("kv_dtype,atol", [("float32", 1e-4), ("bfloat16", 0.15)])
 def test_logits_close_for_prefill_and_every_decode_step(kv_dtype, atol):
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1)
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, kv_dtype=kv_dtype)
     prompt = PROMPTS[1]
     ref_tokens, ref_logits = _reference(model, prompt, 10)
@@ -99,7 +84,7 @@ def test_logits_close_for_prefill_and_every_decode_step(kv_dtype, atol):
 
 def test_steady_state_decode_never_recompiles():
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=32)
     shapes, seqs = [], []
     run = eng.runner.execute
@@ -128,7 +113,7 @@ def test_steady_state_decode_never_recompiles():
 def test_preemption_under_a_tiny_budget_gives_the_same_outputs():
     model = build_model(BUILTIN_CONFIGS["tiny-qwen2"], seed=2)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
-    big = _pool("64MiB")
+    big = host_pool("64MiB")
     ref = Engine(model, big, max_batch=4).generate(PROMPTS, params)
     # 3 layers -> 6 pages per KV page. A block (16 tokens x 1 KV head x 32 x 4 B) is
     # 2 KiB, so a 16 KiB page holds 8: one KV page, 7 usable blocks, for 15 needed.
@@ -147,7 +132,7 @@ def test_preemption_under_a_tiny_budget_gives_the_same_outputs():
 
 def test_seeded_sampling_is_independent_of_batching():
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=4)
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=4)
     p = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, top_k=50, seed=7, ignore_eos=True)
     alone = eng.generate([PROMPTS[0]], p)[0].token_ids
@@ -162,7 +147,7 @@ def test_seeded_sampling_is_independent_of_batching():
 
 def test_stop_tokens_max_tokens_and_streaming():
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool)
     free = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     stop = free.token_ids[3]
@@ -181,7 +166,7 @@ def test_stop_tokens_max_tokens_and_streaming():
 
 def test_bad_requests_raise_clear_errors():
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_model_len=64)
     with pytest.raises(ValueError, match="empty prompt"):
         eng.generate([[]])

@@ -17,6 +17,7 @@ from conftest import (
     gguf_write,
     gguf_writer,
     hf_greedy,
+    host_pool,
     tp_pool,
 )
 from test_engine import assert_only_cached_blocks_hold_pages
@@ -37,16 +38,13 @@ from jax_kvcached.models.loader import load_checkpoint
 PAGE = 16384
 
 
-def _pool(memory=2048 * PAGE, page=PAGE):
-    return kv.Pool(memory, page_size=page, backend="host", min_reserved_pages=0,
-                   max_reserved_pages=0)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_latent_cache_maps_one_plane_per_layer_by_the_formula(dtype):
     """Mapped bytes = blocks x layers x block_size x latent x itemsize, rounded to pages:
     one plane per layer (no V), a KV page is ``layers`` physical pages."""
-    pool = _pool()
+    pool = host_pool(2048 * PAGE, page_size=PAGE)
     layers, latent, bs = 3, 72, 16
     c = pool.create_kv_cache("mla", layers, 1, latent, dtype, block_size=bs, latent=True)
     item = jnp.dtype(dtype).itemsize
@@ -71,7 +69,7 @@ def test_a_latent_cache_maps_one_plane_per_layer_by_the_formula(dtype):
 def test_the_three_attention_paths_read_the_latent_as_keys_and_values():
     """Host custom call, XLA and the Pallas kernel (interpreted) over one latent plane:
     softmax(q . c / sqrt(D)) c, against a dense reference; a bad query shape is refused."""
-    pool = _pool()
+    pool = host_pool(2048 * PAGE, page_size=PAGE)
     c = pool.create_kv_cache("mla", 2, 1, 40, "float32", block_size=16, latent=True)
     ids = c.alloc(3)
     t, h, d = 37, 8, 40
@@ -175,7 +173,7 @@ def test_deepseek_engine_greedy_matches_transformers_generate(hf_v3, tmp_path, f
 
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     want = [hf_greedy(hf, p, 6) for p in prompts]
-    pool = _pool()
+    pool = host_pool(2048 * PAGE, page_size=PAGE)
     eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16)
     assert eng.cache.latent and eng.cache.view.shape[1] == 1
     assert [o.token_ids for o in eng.generate(prompts[:3], params)] == want[:3]
@@ -189,7 +187,8 @@ def test_deepseek_engine_greedy_matches_transformers_generate(hf_v3, tmp_path, f
     assert_only_cached_blocks_hold_pages(eng, pool)
     eng.close()
     pool.close()
-    small = _pool(3 * PAGE)  # one KV page: 5 usable blocks for the 9 the three need
+    # one KV page: 5 usable blocks for the 9 the three need
+    small = host_pool(3 * PAGE, page_size=PAGE)
     eng = Engine(model, small, max_batch=3, max_num_batched_tokens=16)
     assert [o.token_ids for o in eng.generate(prompts[:3], params)] == want[:3]
     assert eng.scheduler.num_preemptions > 0
@@ -202,7 +201,7 @@ def test_a_latent_prefix_survives_sleep_through_the_host_tier():
     """The preset's latent blocks go to the host tier on a sleep (one plane a layer in a
     slot), the follow-up turn restores them and gives the reference's tokens."""
     model = build_model(BUILTIN_CONFIGS["tiny-deepseek-v3"], seed=0)
-    pool = _pool()
+    pool = host_pool(2048 * PAGE, page_size=PAGE)
     eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, host_cache_tokens=512)
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     base = [256, *range(30, 80)]
@@ -347,7 +346,7 @@ def test_many_heads_over_one_latent_run_in_chunks_in_the_pallas_kernel():
     from jax_kvcached.engine.pallas_attention import item_tile
     from jax_kvcached.engine.runner import resolve_attention
 
-    pool = _pool()
+    pool = host_pool(2048 * PAGE, page_size=PAGE)
     c = pool.create_kv_cache("mla", 1, 1, 32, "float32", block_size=16, latent=True)
     ids = c.alloc(2)
     t, h = 20, 128

@@ -8,8 +8,8 @@ import numpy as np
 import openai
 import pytest
 import test_server
+from conftest import host_pool
 
-import jax_kvcached as kv
 from jax_kvcached.engine.attention import no_cache_attend
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams
@@ -24,8 +24,6 @@ def _model():
     return build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1)
 
 
-def _pool():
-    return kv.Pool("64MiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
 
 
 class Server(test_server.Server):
@@ -48,7 +46,7 @@ def server():
 @pytest.fixture(scope="module")
 def alone():
     """The same model in an engine of its own: what one request gives by itself."""
-    pool = _pool()
+    pool = host_pool()
     eng = Engine(_model(), pool, name="alone", max_batch=8, tokenizer=ByteTokenizer())
 
     def run(prompt, **params):

@@ -6,7 +6,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FFI_ERRORS
+from conftest import FFI_ERRORS, host_pool
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_engine import PROMPTS, _reference, assert_only_cached_blocks_hold_pages
@@ -20,9 +20,6 @@ from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 PAGE = 64 << 10
 
 
-def _pool(pages=64):
-    return kv.Pool(pages * PAGE, page_size=PAGE, backend="host", min_reserved_pages=0,
-                   max_reserved_pages=0)  # fmt: skip
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
@@ -34,7 +31,7 @@ def _pool(pages=64):
     layers=st.integers(1, 2),
 )
 def test_packed_blocks_fill_pages_and_account_exactly(heads, head_dim, dtype, block_size, layers):
-    pool = _pool(48)
+    pool = host_pool(48 * PAGE, page_size=PAGE)
     c = pool.create_kv_cache("t", layers, heads, head_dim, dtype, block_size=block_size)
     bb = block_size * heads * head_dim * jnp.dtype(dtype).itemsize
     assert c.block_bytes == bb and c.blocks_per_page == PAGE // bb
@@ -72,7 +69,7 @@ def test_packed_blocks_fill_pages_and_account_exactly(heads, head_dim, dtype, bl
 
 
 def test_a_straddling_block_is_never_written_or_handed_out():
-    pool = _pool(16)
+    pool = host_pool(16 * PAGE, page_size=PAGE)
     c = pool.create_kv_cache("t", 1, 3, 64, "bfloat16", block_size=16)  # 6 KiB blocks
     bb = c.block_bytes
     straddler = next(
@@ -106,7 +103,7 @@ def test_engine_with_three_kv_heads_matches_the_dense_reference():
     cfg = dataclasses.replace(BUILTIN_CONFIGS["tiny-llama"], num_heads=6, num_kv_heads=3,
                               head_dim=32, hidden_size=192)  # fmt: skip
     model = build_model(cfg, seed=5)
-    pool = _pool(64)  # 1.5 KiB blocks (fp32) on 64 KiB pages: 42 + a tail
+    pool = host_pool(64 * PAGE, page_size=PAGE)  # 1.5 KiB blocks on 64 KiB pages: 42 + a tail
     eng = Engine(model, pool, name="m", max_batch=4, max_cached_tokens=-1)
     assert PAGE % eng.cache.block_bytes != 0
     params = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -6,18 +6,14 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import host_pool
 
-import jax_kvcached as kv
 from jax_kvcached.engine.compile_events import compile_events
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.runner import ModelRunner, StepInput
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.serve.loop import ServingLoop
-
-
-def _pool(size="64MiB"):
-    return kv.Pool(size, backend="host", min_reserved_pages=0, max_reserved_pages=0)
 
 
 @pytest.mark.parametrize("impl", ["host", "xla", "pallas-interpret"])
@@ -30,7 +26,7 @@ def test_a_mixed_step_gives_the_logits_of_separate_steps(impl):
     prompts = [rng.integers(1, 250, n).tolist() for n in (23, 9, 40, 17)]
     outs = []
     for mixed in (False, True):
-        pool = _pool()
+        pool = host_pool()
         c = pool.create_kv_cache("a", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32")
         r = ModelRunner(model, c, attention=impl, max_batch=4, max_num_batched_tokens=64)
         blocks = [c.alloc(4).tolist() for _ in prompts]
@@ -55,7 +51,7 @@ def test_a_running_stream_gets_a_token_in_every_step_while_a_long_prompt_prefill
     """Decode rows never wait for a prefill: while a 700-token prompt is prefilled in
     chunks, every step also samples a token for each running stream."""
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
-    pool = _pool()
+    pool = host_pool()
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=32, max_model_len=1024)
     got: dict[int, int] = {}
 
@@ -97,7 +93,7 @@ def test_nothing_compiles_after_warm_up_for_prompts_up_to_3000_tokens_mixed_with
     """Warm-up compiles the token buckets; prompts of 1..3000 tokens arriving while others
     decode compile nothing more (not even a retrace)."""
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
-    pool = _pool("128MiB")
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16, max_prefill_tokens=64,
                  max_model_len=3200)  # fmt: skip
     info = eng.compile()

@@ -18,12 +18,10 @@ from conftest import (
     gguf_write,
     gguf_writer,
     hf_greedy,
+    host_pool,
     tp_pool,
 )
-from flax import nnx
 
-import jax_kvcached as kv
-from jax_kvcached.engine.attention import no_cache_attention
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.kv_groups import RECURRENT, kv_cache_groups
 from jax_kvcached.engine.sampling import SamplingParams
@@ -43,9 +41,6 @@ PAGE = 16384
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def _pool(pages=2048):
-    return kv.Pool(pages * PAGE, page_size=PAGE, backend="host", min_reserved_pages=0,
-                   max_reserved_pages=0)  # fmt: skip
 
 
 def _next_config(**kw):
@@ -131,7 +126,7 @@ def test_granite_engine_greedy_matches_generate_with_three_block_slots(hf_granit
     prompts = [rng.integers(0, 300, n).tolist() for n in (60, 5, 41)]
     prompts.append(prompts[0][:40] + [7, 7, 7])
     want = [hf_greedy(hf, p, 6) for p in prompts]
-    pool = _pool()
+    pool = host_pool(2048 * PAGE, page_size=PAGE)
     eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16,
                  state_checkpoint_tokens=32)  # fmt: skip
     group, pc, mgr = _state_group(eng)
@@ -325,7 +320,7 @@ def test_engine_greedy_matches_generate_with_state_checkpoints(hf_next):
     prompts = [rng.integers(0, 300, n).tolist() for n in (60, 5, 41)]
     shared = prompts[0][:40] + [7, 7, 7]
     want = [hf_greedy(hf, p, 6) for p in [*prompts, shared]]
-    pool = _pool()
+    pool = host_pool(2048 * PAGE, page_size=PAGE)
     eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16,
                  state_checkpoint_tokens=32)  # fmt: skip
     group, pc, mgr = _state_group(eng)
@@ -364,7 +359,7 @@ def test_preemption_recomputes_or_restores_the_state_and_keeps_the_tokens():
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     outs = {}
     for pages in (2048, 10):  # 10: 2 pages of 4 attention blocks, 1 of 4 state blocks
-        pool = _pool(pages)
+        pool = host_pool(pages * PAGE, page_size=PAGE)
         eng = Engine(model, pool, max_batch=3, max_num_batched_tokens=16,
                      state_checkpoint_tokens=16)  # fmt: skip
         outs[pages] = [o.token_ids for o in eng.generate(prompts, params)]
@@ -378,32 +373,15 @@ def test_preemption_recomputes_or_restores_the_state_and_keeps_the_tokens():
     assert outs[10] == outs[2048]
 
 
-def padded_greedy(model, prompt, n, length=128):
-    """``n`` greedy tokens with no cache, as ``conftest.dense_greedy``, the tokens padded
-    to ``length`` (causal: the padding changes no earlier logit) so one program serves
-    every step."""
-    graphdef, state = nnx.split(model)
-    attend = no_cache_attention(model.config)
-
-    @jax.jit
-    def logits_at(state, toks, i):
-        return nnx.merge(graphdef, state)(toks[None], jnp.arange(length)[None], attend)[0, i]
-
-    toks = np.zeros(length, np.int32)
-    toks[: len(prompt)] = prompt
-    for i in range(len(prompt) - 1, len(prompt) + n - 1):
-        toks[i + 1] = int(jnp.argmax(logits_at(state, toks, i)))
-    return toks[len(prompt) : len(prompt) + n].tolist()
-
-
 @pytest.fixture(scope="module")
 def follow_up():
     """The preset, a first turn, its follow-up turn and the follow-up's reference tokens."""
     model = build_model(BUILTIN_CONFIGS["tiny-qwen3-next"], seed=0)
     base = [256, *range(30, 80)]
-    follow = [*base, *padded_greedy(model, base, 6), 5, 6, 7]
-    assert padded_greedy(model, base, 1) == dense_greedy(model, base, 1)
-    return model, base, follow, padded_greedy(model, follow, 6)
+    follow = [*base, *dense_greedy(model, base, 6), 5, 6, 7]
+    # (the reference's padding changes nothing: the same token unpadded)
+    assert dense_greedy(model, base, 1) == dense_greedy(model, base, 1, width=len(base) + 1)
+    return model, base, follow, dense_greedy(model, follow, 6)
 
 
 @pytest.mark.parametrize("how", ["evicted", "sleep"])
@@ -411,7 +389,7 @@ def test_a_state_checkpoint_comes_back_from_the_host_tier(how, follow_up):
     """A follow-up turn after its checkpoint left the device (evicted to the host tier,
     or spilled by a sleep) restores it from there: the reference's tokens."""
     model, base, follow, want = follow_up
-    pool = _pool()
+    pool = host_pool(2048 * PAGE, page_size=PAGE)
     eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, host_cache_tokens=512)
     assert eng.generate([base], PARAMS)[0].token_ids == follow[len(base) : -3]
     group, pc, _ = _state_group(eng)
@@ -507,7 +485,7 @@ def test_the_server_reports_the_recurrent_group_and_restores_state():
     from jax_kvcached.serve.top import render, scrape
 
     model = build_model(BUILTIN_CONFIGS["tiny-qwen3-next"], seed=0)
-    pool = _pool()
+    pool = host_pool(2048 * PAGE, page_size=PAGE)
     eng = Engine(model, pool, name="q", max_batch=2, tokenizer=ByteTokenizer())
     loop = ServingLoop({"q": eng}).start()
     app = create_app(loop, {"q": ServedModel(eng, ByteTokenizer())},

@@ -11,9 +11,9 @@ import time
 
 import httpx
 import pytest
+from conftest import free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_cli import _free_port
 from test_hardening import ADMIN, API, H, assert_in_service, assert_no_leak, assert_openai_error
 from test_server import Server
 
@@ -271,7 +271,7 @@ def test_the_shutdown_deadline_holds_while_a_step_compiles(tmp_path):
     """--no-warmup and a cold cache: the first request's step compiles (seconds for the
     30 layers of SmolLM2) when SIGTERM arrives; the process exits within the deadline + 1 s
     and the request gets an answer."""
-    port, deadline_s = _free_port(), 0.5
+    port, deadline_s = free_port(), 0.5
     proc = subprocess.Popen(
         [sys.executable, "-m", "jax_kvcached.cli", "serve", "--model", "smollm2-135m",
          "--no-warmup", "--compile-cache", "off", "--backend", "host", "--memory", "256MiB",

@@ -18,18 +18,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "benchmarks"))
 from bench_router import ADMIN, Router, counters, port_pair, smg, vllm_router  # noqa: E402
 from bench_serving import Server, free_port  # noqa: E402
+from conftest import COMPILE_CACHE  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("smg") or os.path.exists(os.path.join(os.path.dirname(sys.executable),
-                                                            "smg"))),  # fmt: skip
-    reason="smg (the test extra) is not installed",
-)
+# smg and vllm-router come with the test extra: a missing one fails the tests that need it
+# (CI must not pass without them), naming what to install.
+SMG = shutil.which("smg") or os.path.join(os.path.dirname(sys.executable), "smg")
+VLLM_ROUTER = shutil.which("vllm-router") or os.path.join(os.path.dirname(sys.executable),
+                                                          "vllm-router")  # fmt: skip
+for _exe in (SMG, VLLM_ROUTER):
+    assert os.path.exists(_exe), f"{_exe} is not installed: pip install -e '.[test]'"
 HEADS = [f"Family {f}: " + " ".join(["alpha beta gamma delta"] * 30) for f in "AB"]
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("cc"))
+def replicas():
+    cache = COMPILE_CACHE  # the session's: the second replica starts from the first's
     events = [port_pair(), port_pair()]
     out = []
     try:

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import host_pool
 
-import jax_kvcached as kv
 from jax_kvcached.engine.attention import no_cache_attend
 from jax_kvcached.engine.compile_events import compile_events
 from jax_kvcached.engine.engine import Engine
@@ -111,8 +111,6 @@ def _log_softmax(x):
     return x - np.log(np.exp(x - x.max()).sum()) - x.max()
 
 
-def _pool():
-    return kv.Pool("128MiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
 
 
 def _accounting_exact(eng, pool):
@@ -127,7 +125,7 @@ def _accounting_exact(eng, pool):
 
 
 def test_greedy_with_penalties_biases_and_min_tokens_matches_a_reference(model, dense):
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16)
     eos = model.config.eos_ids[0]
     cases = [
@@ -163,7 +161,7 @@ def test_greedy_with_penalties_biases_and_min_tokens_matches_a_reference(model, 
 
 
 def test_logprobs_and_prompt_logprobs_equal_the_log_softmax(model, dense):
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16)
     eng.generate([PROMPT], SamplingParams(max_tokens=2))  # the prompt's blocks are cached
     p = SamplingParams(max_tokens=5, temperature=0.8, seed=4, logprobs=3, prompt_logprobs=True)
@@ -188,7 +186,7 @@ def test_logprobs_and_prompt_logprobs_equal_the_log_softmax(model, dense):
 
 @pytest.mark.parametrize("caching", [True, False])
 def test_n_samples_fork_the_prompt_and_equal_single_seeded_runs(model, caching):
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=6, max_num_batched_tokens=16, prefix_caching=caching)
 
     def params(i):
@@ -218,7 +216,7 @@ def test_n_samples_fork_the_prompt_and_equal_single_seeded_runs(model, caching):
 
 
 def test_a_fork_copies_the_partial_block_and_shares_the_full_ones(model):
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=64, prefix_caching=False)
     p = SamplingParams(max_tokens=3, ignore_eos=True)
     first = eng.add_request(PROMPT, p)
@@ -242,7 +240,7 @@ def test_a_fork_copies_the_partial_block_and_shares_the_full_ones(model):
 
 
 def test_forks_of_an_aborted_parent_run_on_their_own(model):
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=16)
     p = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
     want = eng.generate([PROMPT], p)[0].token_ids
@@ -258,7 +256,7 @@ def test_forks_of_an_aborted_parent_run_on_their_own(model):
 
 
 def test_processing_and_logprobs_compile_nothing_after_warm_up(model):
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=2, max_num_batched_tokens=16, max_model_len=256)
     eng.compile()
     events = compile_events()
@@ -277,7 +275,7 @@ def test_processing_and_logprobs_compile_nothing_after_warm_up(model):
 
 
 def test_bad_logit_bias_and_stop_ids_are_refused(model):
-    pool = _pool()
+    pool = host_pool("128MiB")
     eng = Engine(model, pool, max_batch=2)
     v = model.config.vocab_size
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -309,7 +307,7 @@ def test_fused_sampling_is_one_dispatch_and_samples_as_the_separate_programs(mod
         (SamplingParams(max_tokens=5, ignore_eos=True, presence_penalty=0.5), 3, 3),
         (SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={3: 1.0}, logprobs=1), 4, 4),
     ]
-    pool = _pool()
+    pool = host_pool("128MiB")
     outputs = {}
     for fuse in (True, False):
         eng = Engine(model, pool, name=f"m{fuse}", max_batch=2, max_num_batched_tokens=16,
@@ -347,7 +345,7 @@ def test_a_fused_prefill_step_scores_its_prompt_as_a_separate_one(model):
     samples behind the step."""
     params = SamplingParams(max_tokens=4, temperature=0.7, seed=5, logprobs=2,
                             prompt_logprobs=True)  # fmt: skip
-    pool = _pool()
+    pool = host_pool("128MiB")
     got = []
     for fuse in (True, False):
         eng = Engine(model, pool, name=f"p{fuse}", max_batch=8, max_num_batched_tokens=16,

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import host_pool
 
 import jax_kvcached as kv
 import jax_kvcached.engine.prefix_cache as prefix_cache_module
@@ -19,10 +20,6 @@ from jax_kvcached.engine.sampling import CHUNK, SamplingParams, gumbel_noise, sa
 from jax_kvcached.engine.step_shapes import ladder
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.serve.loop import ServingLoop
-
-
-def _pool(size="64MiB", **kw):
-    return kv.Pool(size, backend="host", min_reserved_pages=0, max_reserved_pages=0, **kw)
 
 
 # -- sampling ---------------------------------------------------------------------------
@@ -158,7 +155,7 @@ def test_stop_token_while_the_next_step_is_in_flight():
     """A stop token found when step n completes, after step n+1 already computed that
     sequence's next row: the extra token is dropped and its blocks are freed."""
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
-    pool = _pool()
+    pool = host_pool()
     eng = Engine(model, pool, max_batch=2)
     free = eng.generate([PROMPTS[1]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     stop = free.token_ids[5]
@@ -176,7 +173,7 @@ def test_stop_token_while_the_next_step_is_in_flight():
 
 def test_unseeded_requests_get_a_fresh_reported_seed_that_replays():
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=4)
-    pool = _pool()
+    pool = host_pool()
     eng = Engine(model, pool, max_batch=4)
     p = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
     a, b = eng.generate([PROMPTS[0], PROMPTS[0]], p)
@@ -223,7 +220,7 @@ def test_buckets_step_by_at_most_a_quarter_and_are_few():
     assert all(b / a <= 1.25 or b - a == 8 for a, b in zip(widths, widths[1:], strict=False))
     assert len(ladder(1, 256)) <= 25 and len(widths) <= 25
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
-    pool = _pool()
+    pool = host_pool()
     eng = Engine(model, pool, max_batch=32, max_num_batched_tokens=128, max_model_len=2048)
     r = eng.runner
     # Token buckets x one width (the host kernel walks only the context): no batch x chunk
@@ -244,7 +241,7 @@ def test_a_served_run_compiles_nothing_after_warm_up():
     """Warm-up compiles the runner's whole shape set; then prompts of every length from
     1 to 200 tokens, alone and in bursts, with prefix hits, compile nothing."""
     model = build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0)
-    pool = _pool()
+    pool = host_pool()
     eng = Engine(model, pool, max_batch=4, max_num_batched_tokens=32, max_model_len=256)
     eng.runner.compile()
     compiled = eng.runner.num_compiled

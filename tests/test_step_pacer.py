@@ -100,14 +100,17 @@ def test_a_paced_engine_measures_its_steps_and_every_step_serves_both():
     assert eng.pacer.decode_time(1) is not None  # decode-only steps were measured
     long = eng.add_request(list(range(1, 301)), SamplingParams(max_tokens=2), on_token)
     seq = next(s for s in eng.scheduler.waiting if s.request_id == long)
-    chunks = []
+    chunks, paced = [], []
     while long not in got:
         before, done = got[stream], seq.num_computed
+        paced.append(min(eng.pacer.budget(1) - 1, 300 - done))  # the pacer's chunk now
         eng.complete(eng.dispatch())
         assert got[stream] == before + 1  # a token in this very step
         chunks.append(seq.num_computed - done)
     assert all(1 <= c <= eng.max_num_batched_tokens - 1 for c in chunks[:-1])
-    assert len(set(chunks)) > 1  # sized by what the steps cost, not one fixed chunk
+    # Every chunk is the one the pacer sized from the steps measured so far (one decode
+    # row), and that size moved: the chunk follows measured step times.
+    assert chunks == paced and len(set(chunks)) > 1
     for r in (stream, long):
         eng.abort(r)
     eng.drain()

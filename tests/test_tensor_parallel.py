@@ -6,7 +6,6 @@ processes (jax.distributed, gloo) equal to one."""
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import tp_pool
+from conftest import free_port, tp_pool
 from jax.sharding import Mesh
 
 import jax_kvcached as kv
@@ -207,15 +206,11 @@ WORKER = textwrap.dedent(
 )
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_two_processes_with_gloo_equal_one_process(tmp_path):
     changes = json.dumps({"num_heads": 8, "num_kv_heads": 4, "head_dim": 16})
-    addr = f"127.0.0.1:{_free_port()}"
+    addr = f"127.0.0.1:{free_port()}"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(

@@ -6,20 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import FFI_ERRORS
+from conftest import FFI_ERRORS, gpus, needs_gpu
 
 import jax_kvcached as kv
 from jax_kvcached.memory import _C, ops
 
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: CUDA backend tests need one")
+pytestmark = needs_gpu("CUDA backend tests")
 
 
 @pytest.fixture
@@ -30,7 +22,7 @@ def gpool():
 
 
 def _on_gpu(x):
-    return jax.device_put(x, _gpus()[0])
+    return jax.device_put(x, gpus()[0])
 
 
 def test_cuda_backend_is_built():

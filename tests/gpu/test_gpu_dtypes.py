@@ -6,29 +6,22 @@ points KVCACHED_MODEL_CACHE at a copy)."""
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import gpus, needs_gpu
 
 import jax_kvcached as kv
 from jax_kvcached import Engine, SamplingParams
 from jax_kvcached.demo import CHATS
 from jax_kvcached.models import default_dtype, download
 
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU dtype tests need one")
+pytestmark = needs_gpu("GPU dtype tests")
 
 
 def test_bf16_default_agrees_with_fp32_on_the_demo_prompts():
-    assert default_dtype(_gpus()[0]) == jnp.bfloat16
+    assert default_dtype(gpus()[0]) == jnp.bfloat16
     if download.find("smollm2-135m") is None:
         pytest.fail("smollm2-135m is not on this machine: copy it into $KVCACHED_MODEL_CACHE")
     tokens = {}
-    with jax.default_device(_gpus()[0]):
+    with jax.default_device(gpus()[0]):
         pool = kv.Pool("1GiB", backend="cuda")
         for dtype in (jnp.float32, jnp.bfloat16):
             eng = Engine.from_pretrained("smollm2-135m", pool, dtype=dtype, name=str(dtype))

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gpus, needs_gpu
 
 import jax_kvcached as kv
 from jax_kvcached.engine.attention import Ragged, paged_attention, ragged_layout
@@ -13,15 +14,7 @@ from jax_kvcached.engine.pallas_attention import pallas_paged_attention
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU engine tests need one")
+pytestmark = needs_gpu("GPU engine tests")
 
 PROMPTS = [[256, 72, 101, 108, 108, 111], [256, *range(40, 77)], [256, 9], [256, *range(1, 70)]]
 
@@ -54,8 +47,8 @@ def _run(backend, device, attention="auto", devices=None, host_cache_tokens=0,
 
 def test_engine_on_cuda_matches_the_cpu_run():
     cpu = _run("host", jax.devices("cpu")[0])
-    assert _run("cuda", _gpus()[0]) == cpu  # the Pallas kernel (auto on CUDA)
-    assert _run("cuda", _gpus()[0], attention="xla") == cpu
+    assert _run("cuda", gpus()[0]) == cpu  # the Pallas kernel (auto on CUDA)
+    assert _run("cuda", gpus()[0], attention="xla") == cpu
 
 
 def test_steps_replayed_as_cuda_graphs_match_ordinary_launches():
@@ -63,21 +56,21 @@ def test_steps_replayed_as_cuda_graphs_match_ordinary_launches():
     loop captured) and off: the same tokens as the CPU run; a replay sees each step's
     new slots, tables and pages (the write checks them on the device)."""
     cpu = _run("host", jax.devices("cpu")[0])
-    assert _run("cuda", _gpus()[0], command_buffers=True) == cpu
-    assert _run("cuda", _gpus()[0], command_buffers=False) == cpu
+    assert _run("cuda", gpus()[0], command_buffers=True) == cpu
+    assert _run("cuda", gpus()[0], command_buffers=False) == cpu
 
 
 def test_host_tier_on_cuda_restores_what_it_evicted():
     cpu = _run("host", jax.devices("cpu")[0])
-    assert _run("cuda", _gpus()[0], host_cache_tokens=4096) == cpu
+    assert _run("cuda", gpus()[0], host_cache_tokens=4096) == cpu
 
 
 def test_tensor_parallel_engine_on_cuda_matches_the_cpu_run():
     # tiny-llama has 2 KV heads: TP over two GPUs where present, else a mesh of one (the
     # mesh path: shard_map, the FFI handlers finding the buffer by the GPU's ordinal).
-    gpus = _gpus()[:2]
+    two = gpus()[:2]
     cpu = _run("host", jax.devices("cpu")[0])
-    assert _run("cuda", gpus[0], devices=gpus) == cpu
+    assert _run("cuda", two[0], devices=two) == cpu
 
 
 @pytest.mark.parametrize("window", [0, 48])
@@ -87,7 +80,7 @@ def test_pallas_kernel_matches_the_xla_path_on_gpu(dtype, bs, groups, splits, ti
     """Ragged steps on the GPU: decode rows and chunks of several sequences, the kernel
     against the XLA path over the same layout, with and without a sliding window, the
     layer (1 of 2) a traced operand (the flat-view ids the compiled kernel uses)."""
-    with jax.default_device(_gpus()[0]):
+    with jax.default_device(gpus()[0]):
         pool = kv.Pool("512MiB", backend="cuda", min_reserved_pages=0, max_reserved_pages=0)
         c = pool.create_kv_cache("a", 2, 2, 64, dtype, block_size=bs)
         rng = np.random.default_rng(bs)
@@ -144,7 +137,7 @@ def _features(backend, device):
 
 def test_forks_penalties_and_logprobs_on_cuda_match_the_cpu_run():
     cpu_toks, cpu_lps = _features("host", jax.devices("cpu")[0])
-    gpu_toks, gpu_lps = _features("cuda", _gpus()[0])
+    gpu_toks, gpu_lps = _features("cuda", gpus()[0])
     assert gpu_toks == cpu_toks and len({tuple(t) for t in cpu_toks}) == 1  # greedy forks
     np.testing.assert_allclose(gpu_lps, cpu_lps, atol=2e-2)
 
@@ -179,10 +172,10 @@ def test_kv_cache_groups_on_cuda_match_the_cpu_run():
         return outs
 
     cpu = run("host", jax.devices("cpu")[0])
-    assert run("cuda", _gpus()[0]) == cpu
-    assert run("cuda", _gpus()[0], attention="xla") == cpu
-    assert run("cuda", _gpus()[0], free=False) == cpu
-    assert run("cuda", _gpus()[0], host=4096) == cpu
+    assert run("cuda", gpus()[0]) == cpu
+    assert run("cuda", gpus()[0], attention="xla") == cpu
+    assert run("cuda", gpus()[0], free=False) == cpu
+    assert run("cuda", gpus()[0], host=4096) == cpu
 
 
 def test_forks_of_a_hybrid_model_on_cuda_match_the_cpu_run():
@@ -211,4 +204,4 @@ def test_forks_of_a_hybrid_model_on_cuda_match_the_cpu_run():
 
     cpu = run("host", jax.devices("cpu")[0])
     assert len({tuple(t) for t in cpu}) == 1  # greedy: every fork samples the same
-    assert run("cuda", _gpus()[0]) == cpu
+    assert run("cuda", gpus()[0]) == cpu

@@ -8,6 +8,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from conftest import gpus, needs_gpu
 
 import jax_kvcached as kv
 from jax_kvcached.engine.engine import Engine
@@ -15,20 +16,12 @@ from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.models.moe import grouped_matmul
 
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU MoE tests need one")
+pytestmark = needs_gpu("GPU MoE tests")
 
 
 @pytest.mark.parametrize("rows", [8, 256])
 def test_ragged_dot_computes_only_each_experts_rows(rows):
-    dev = _gpus()[0]
+    dev = gpus()[0]
     e, k, n = 64, 256, 512
     rng = np.random.default_rng(0)
     sizes = np.bincount(rng.integers(0, e, rows), minlength=e).astype(np.int32)
@@ -52,7 +45,7 @@ def test_the_tiny_moe_preset_gives_the_cpus_tokens_on_the_gpu():
     cfg = BUILTIN_CONFIGS["tiny-qwen3-moe"]
     prompts = [[256, *range(20, 60)], [256, 9, 8, 7]]
     outs = {}
-    for backend, device in (("host", jax.devices("cpu")[0]), ("cuda", _gpus()[0])):
+    for backend, device in (("host", jax.devices("cpu")[0]), ("cuda", gpus()[0])):
         with jax.default_device(device):
             pool = kv.Pool("64MiB", backend=backend)
             eng = Engine(build_model(cfg, seed=0), pool, max_batch=2, max_model_len=128)

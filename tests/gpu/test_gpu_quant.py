@@ -8,19 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import gpus, needs_gpu
 
 from jax_kvcached.models.quant_format import INT4_MIN, INT8, QuantFormat, quantize
 from jax_kvcached.models.quant_linear import quant_matmul
 
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU quant tests need one")
+pytestmark = needs_gpu("GPU quant tests")
 
 FORMATS = [INT8, INT4_MIN, QuantFormat(4), QuantFormat(4, 128, True)]
 
@@ -46,7 +39,7 @@ def materialized(hlo: str, out: int, inputs: int) -> list[str]:
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows", [1, 32])
 def test_the_dequantization_fuses_into_the_matmul(fmt, rows):
-    dev = _gpus()[0]
+    dev = gpus()[0]
     out, inputs = 1536, 576
     rng = np.random.default_rng(0)
     p = quantize(rng.standard_normal((out, inputs)).astype(np.float32), fmt)
@@ -68,7 +61,7 @@ def test_an_engine_over_packed_weights_runs_on_the_gpu():
     from jax_kvcached import Engine, SamplingParams
     from jax_kvcached.models import load_pretrained
 
-    with jax.default_device(_gpus()[0]):
+    with jax.default_device(gpus()[0]):
         pre = load_pretrained("tiny-llama", dtype=jnp.bfloat16, quantization="int4")
         with kv.Pool("256MiB", backend="cuda") as pool:
             eng = Engine(pre.model, pool, max_batch=4, max_model_len=256)

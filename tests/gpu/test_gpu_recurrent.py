@@ -7,21 +7,14 @@ is present."""
 
 import jax
 import pytest
+from conftest import gpus, needs_gpu
 
 import jax_kvcached as kv
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 
-
-def _gpus():
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
-
-
-pytestmark = pytest.mark.skipif(not _gpus(), reason="no GPU present: GPU recurrent tests need one")
+pytestmark = needs_gpu("GPU recurrent tests")
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen3-next", "tiny-granite-4.0-h"])
@@ -30,8 +23,8 @@ def test_the_recurrent_presets_give_the_cpus_tokens_on_the_gpu(name):
     prompts = [[256, *range(20, 120)], [256, 9, 8, 7]]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outs = {}
-    runs = (("host", "host", jax.devices("cpu")[0]), ("cuda", "pallas", _gpus()[0]),
-            ("cuda", "xla", _gpus()[0]))  # fmt: skip
+    runs = (("host", "host", jax.devices("cpu")[0]), ("cuda", "pallas", gpus()[0]),
+            ("cuda", "xla", gpus()[0]))  # fmt: skip
     for backend, attention, device in runs:
         with jax.default_device(device):
             pool = kv.Pool("64MiB", backend=backend)
