@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -207,3 +208,42 @@ def test_a_closure_over_the_cache_is_refused(pool):
     with pytest.raises(ValueError, match="pass the cache"):
         jax.jit(lambda q: kv.paged_attention(q, t.cache.view, 0, lay))(q)
     t.cache.close()
+
+
+def test_under_nnx_jit_the_view_is_a_parameter_read_in_place(pool):
+    """Under ``nnx.jit`` too, the cache is an argument like any pytree: the same logits as
+    ``jax.jit``. In the compiled program the view is an entry parameter that the custom
+    calls take as it is: no copy of the buffer (a snapshot would be one)."""
+    from flax import nnx
+
+    shape = SHAPES[1]
+    a, b = Tenant(pool, "nnx", shape, 6), Tenant(pool, "jax", shape, 6)
+    step = nnx.jit(lambda *x, **k: _step(*x, shape=shape, **k))
+    assert a.run_loop(step, steps=1, decode=2) < 1e-4
+    b.run_loop(_jitted(shape), steps=1, decode=2)
+    assert a.seqs == b.seqs and a.errors == pytest.approx(b.errors, abs=1e-6)
+
+    def hlo(step):
+        lay = kv.Ragged.of([1, 1], [1, 1], np.zeros((2, a.width), np.int32))
+        args = (a.params, a.cache, np.zeros(2, np.int32), np.zeros(2, np.int32), lay, a.token)
+        return jax.jit(step).lower(*args).compile().as_text()
+
+    dims = ",".join(map(str, a.cache.view.shape))
+    text = hlo(functools.partial(_step, shape=shape))
+    entry = text[text.index("ENTRY") :]
+    params = re.findall(rf"(\S+) = f32\[{dims}\][^ ]* parameter\(", entry)
+    assert len(params) == 1, params  # the view: one parameter of the program
+    calls = [x for x in entry.splitlines() if "custom-call(" in x and "kvcached_" in x]
+    assert all(params[0] in x for x in calls)  # each call takes it as it is
+    # (kv.paged_attention is the XLA path: its gathers read the blocks, no view copied)
+    assert {re.search(r'custom_call_target="(\w+)"', x).group(1) for x in calls} == {
+        "kvcached_write_kv"}  # fmt: skip
+    copy = re.compile(rf"= f32\[{dims}\][^ ]* (copy|fusion)\(")
+    assert not copy.search(text)
+    # the check can fail: a step whose calls get a computed copy of the view holds it
+    # (compiled only: run, the calls would refuse a buffer that is not the cache's)
+    copied = hlo(lambda p, c, *x: _step(p, c.with_view(c.view + 1), *x, shape=shape))
+    assert copy.search(copied)
+    for t in (a, b):
+        t.close()
+        t.cache.close()
