@@ -1,5 +1,7 @@
 import atexit
+import functools
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -42,21 +44,30 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-# Modules whose module-scoped fixtures are costly (a server, replicas, a real model, a
-# transformers model or tokenizer): under pytest-xdist (`--dist loadgroup`, pyproject's
-# addopts) each runs on one worker, so the fixture is made once; the other tests spread
-# over the workers one by one.
-ONE_WORKER = {
-    "test_router.py", "test_gemma3.py", "test_gguf.py", "test_server.py", "test_hardening.py",
-    "test_openai_sdk.py", "test_reliability.py", "test_sleep_serving.py", "test_recurrent.py",
-    "test_quant.py", "test_mla.py", "test_moe.py", "test_gpt_oss.py",
-}  # fmt: skip
+# Under pytest-xdist (pyproject's addopts: -n 2), a module that makes a module-scoped
+# fixture (a server, replicas, a real model, a transformers model or tokenizer) runs on
+# one worker, so the fixture is made once; the other tests spread over the workers one
+# by one. (A scheduler of our own: xdist's loadgroup marks do not reach pytest 9.2's node
+# ids, and its loadfile would pin every module.)
+@functools.cache
+def shares_a_fixture(path: str) -> bool:
+    """Whether the test module at ``path`` defines a module-scoped fixture."""
+    text = pathlib.Path(path).read_text()
+    return 'scope="module"' in text or "scope='module'" in text
 
 
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in ONE_WORKER:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleOrTest(LoadScopeScheduling):
+        """Work units: a whole module where it shares a fixture, else one test."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            full = config.rootpath / path
+            return path if full.is_file() and shares_a_fixture(str(full)) else nodeid
+
+    return ModuleOrTest(config, log)
 
 
 @pytest.fixture(autouse=True)
