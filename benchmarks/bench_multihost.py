@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import re
 import signal
 import subprocess
@@ -35,9 +36,14 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                    "bench_multihost.json")  # fmt: skip
 
 
+# The ranks' shared secret (the step channel admits only ranks that hold it): one per run.
+SECRET = secrets.token_hex(16)
+
+
 def env() -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out["JAX_PLATFORMS"] = "cpu"
+    out.setdefault("KVCACHED_DIST_SECRET", SECRET)
     return out
 
 

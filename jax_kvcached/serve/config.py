@@ -115,6 +115,11 @@ class ServeConfig:
     dist_timeout: float = option(
         120.0, "seconds a rank waits for the others at start before failing", metavar="SECONDS"
     )
+    dist_secret_file: str | None = option(
+        None, "a file (mode 600) holding the secret every rank shares, at least 16 bytes: "
+        "the step channel admits only ranks that hold it (else KVCACHED_DIST_SECRET; one "
+        "of the two is required with --nnodes > 1)", metavar="PATH",
+    )  # fmt: skip
     max_queue: int = option(64, "waiting requests per model")
     idle_sleep: float | None = option(
         None,
@@ -228,6 +233,12 @@ class ServeConfig:
                               f"carries the steps), got {addr!r}")  # fmt: skip
         if not self.dist_timeout > 0:
             raise ConfigError("dist_timeout", f"must be > 0, got {self.dist_timeout}")
+        from jax_kvcached.serve.step_channel import load_secret
+
+        try:
+            load_secret(self.dist_secret_file)
+        except ValueError as e:
+            raise ConfigError("dist_secret_file", f": {e}") from None
         if len(self.model_sources) > 1:
             raise ConfigError("nnodes", "serves one model across hosts (several given)")
         if self.idle_sleep is not None:
