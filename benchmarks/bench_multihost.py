@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import re
+import secrets
 import signal
 import subprocess
 import sys

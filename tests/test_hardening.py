@@ -27,7 +27,7 @@ from jax_kvcached.models import ByteTokenizer
 from jax_kvcached.serve.app import AuthConfig
 
 API, ADMIN = "sk-test-api", "sk-test-admin"
-H = {"Authorization": f"Bearer {API}"}
+H = {"Authorization": f"Bearer {API}", "Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")

@@ -127,7 +127,7 @@ def test_every_route_answers_bad_input_with_an_openai_error(server):
 
     models = {n: ServedModel(e, ByteTokenizer()) for n, e in server.engines.items()}
     app = create_app(server.loop, models, auth=AuthConfig(api_key=API, admin_key=ADMIN))
-    routes = app.app.routes  # (inside the access log)
+    routes = app.app.app.routes  # (inside the access log and the request guard)
     assert len(routes) >= 10
     with httpx.Client() as client:
         for route in routes:

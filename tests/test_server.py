@@ -254,7 +254,8 @@ def test_vllm_request_extensions(server):
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, param):
-    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kw = ({"content": body, "headers": {"Content-Type": "application/json"}}
+          if isinstance(body, bytes) else {"json": body})  # fmt: skip
     r = httpx.post(f"{server.url}/v1/completions", **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]

@@ -77,44 +77,33 @@ def test_a_peer_without_the_secret_is_refused_both_ways():
 
 def test_malformed_oversized_tampered_and_replayed_frames_are_refused():
     leader, follower = _pair()
-    raw = follower._sock
+    raw = follower.socket
     raw.sendall(struct.pack(">I", MAX_FRAME + 1))  # the length alone: nothing more read
     with pytest.raises(ChannelError, match="exceeds"):
         leader.recv()
     # a frame made by hand as the sender would: accepted as it is, refused altered
     leader, follower = _pair()
     data = b'["x",1]'
-    follower._sock.sendall(_frame(follower, data))
+    follower.socket.sendall(follower.frame(data))
     assert leader.recv() == ["x", 1]
-    frame = bytearray(_frame(follower, data))
+    frame = bytearray(follower.frame(data))
     frame[-2] ^= 1  # one bit of the body changed in transit
-    follower._sock.sendall(bytes(frame))
+    follower.socket.sendall(bytes(frame))
     with pytest.raises(ChannelError, match="authentication"):
         leader.recv()
     # a replay: a frame sent again is out of sequence
     leader, follower = _pair()
     follower.send(["step", 1])
-    first = leader._sock.recv(4 + 32 + 64, socket.MSG_PEEK)
+    first = leader.socket.recv(4 + 32 + 64, socket.MSG_PEEK)
     assert leader.recv() == ["step", 1]
-    follower._sock.sendall(first)
+    follower.socket.sendall(first)
     with pytest.raises(ChannelError, match="authentication"):
         leader.recv()
     # valid authentication, bytes that are not JSON
     leader, follower = _pair()
-    follower._sock.sendall(_frame(follower, b"\x80not json"))
+    follower.socket.sendall(follower.frame(b"\x80not json"))
     with pytest.raises(ChannelError, match="not JSON"):
         leader.recv()
-
-
-def _frame(ch: Channel, data: bytes) -> bytes:
-    """The frame the sending end would send for ``data`` (a peer that holds the secret),
-    counted as sent."""
-    import hashlib
-    import hmac
-
-    tag = hmac.new(ch._send_key, struct.pack(">Q", ch._sent) + data, hashlib.sha256).digest()
-    ch._sent += 1
-    return struct.pack(">I", len(data)) + tag + data
 
 
 def test_the_secret_is_required_strong_and_private(tmp_path, monkeypatch):
@@ -185,10 +174,10 @@ def test_rank_0_refuses_a_pickle_and_a_stranger_then_admits_its_follower(tmp_pat
 def test_a_step_message_is_checked_for_its_form():
     params = SamplingParams(max_tokens=5, temperature=0.7, seed=3, stop=["x"],
                             logit_bias={7: -1.5}, stop_token_ids=[9])  # fmt: skip
-    op = distributed._encode_op(("add", 4, [1, 2, 3], params, {"cache_salt": "s"}))
+    op = distributed.encode_op(("add", 4, [1, 2, 3], params, {"cache_salt": "s"}))
     import json
 
-    (back,) = distributed._decode_ops(json.loads(json.dumps([op])))
+    (back,) = distributed.decode_ops(json.loads(json.dumps([op])))
     assert back == ("add", 4, [1, 2, 3], params, {"cache_salt": "s"})
     bad = [
         "not a list", [["add", 1, [1, "x"], {}, {}]], [["add", 1, [1], {"bogus": 1}, {}]],
@@ -197,4 +186,4 @@ def test_a_step_message_is_checked_for_its_form():
     ]  # fmt: skip
     for ops in bad:
         with pytest.raises(ChannelError):
-            distributed._decode_ops(ops)
+            distributed.decode_ops(ops)

@@ -13,6 +13,7 @@ unless unauthenticated admin is allowed explicitly. ``/health`` and ``/metrics``
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -26,10 +27,13 @@ from starlette.responses import JSONResponse, Response
 from jax_kvcached.serve.access_log import AccessLog
 from jax_kvcached.serve.auth import AuthConfig
 from jax_kvcached.serve.context import AppContext, ServedModel
+from jax_kvcached.serve.guard import RequestGuard
 from jax_kvcached.serve.loop import ServingLoop
 from jax_kvcached.serve.metrics import ServerMetrics
 from jax_kvcached.serve.protocol import APIError, error_body
 from jax_kvcached.serve.routes import admin, generate, health, models, tokens
+
+log = logging.getLogger("jax_kvcached.serve")
 
 __all__ = ["AuthConfig", "BackgroundServer", "ServedModel", "create_app"]
 
@@ -43,11 +47,14 @@ def create_app(
     max_body_bytes: int = 1 << 20,
     auth: AuthConfig | None = None,
     allowed_origins: list[str] | None = None,
+    allowed_hosts: list[str] | None = None,
     access_log: bool = True,
 ) -> Any:
     """The ASGI app. ``loop`` must be started (and stopped) by the caller.
     ``allowed_origins``: browser origins allowed by CORS (``["*"]``: any; None: CORS
-    off). ``access_log``: one INFO line per request (logger ``jax_kvcached.access``)."""
+    off; a request with another Origin is refused). ``allowed_hosts``: the Host header
+    names one of these (None: any; serve.guard). ``access_log``: one INFO line per
+    request (logger ``jax_kvcached.access``)."""
     ctx = AppContext(loop, served, auth or AuthConfig(), ServerMetrics(loop), max_body_bytes)
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
@@ -61,7 +68,9 @@ def create_app(
         return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
 
     async def on_crash(request: Request, exc: Exception) -> Response:
-        return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), 500)
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal error (the server's log has the details)",
+                                       "server_error"), 500)  # fmt: skip
 
     app: Any = Starlette(
         routes=[r for module in ROUTE_MODULES for r in module.routes(ctx)],
@@ -78,6 +87,7 @@ def create_app(
             app, allow_origins=allowed_origins, allow_methods=["GET", "POST", "OPTIONS"],
             allow_headers=["*"],
         )  # fmt: skip
+    app = RequestGuard(app, allowed_hosts, allowed_origins)
     return AccessLog(app) if access_log else app
 
 

@@ -3,6 +3,9 @@ our executable store inside it, :mod:`jax_kvcached.engine.executables`).
 
 A folder that cannot be written (read-only, a full disk) never stops a server: it is said
 once at WARNING and serving goes on, loading what the folder holds and compiling the rest.
+What the folder holds runs as code (compiled executables, the store's entries), so a
+folder owned by another user, or one others may write, is not used at all: said once,
+every step compiles. A new folder is made private (0700).
 JAX warns once per cache entry it fails to write or read (a truncated file); those warnings
 become one line each.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import tempfile
 import warnings
 
@@ -27,6 +31,17 @@ def default_compile_cache() -> str:
     from jax_kvcached.models.download import user_cache_dir
 
     return user_cache_dir("xla", COMPILE_CACHE_ENV)
+
+
+def untrusted(path: str) -> str | None:
+    """Why the folder at ``path`` may hold another user's code (None: it may not): it
+    belongs to another user, or others may write it."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
 
 
 def _write_probe(path: str) -> None:
@@ -73,10 +88,16 @@ def enable_compile_cache(path: str | None) -> str | None:
     if path in ("", "off", "none"):
         return None
     try:
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(path, mode=0o700, exist_ok=True)
     except OSError as e:
         log.warning("no compilation cache: %s cannot be made (%s: %s); every start compiles",
                     path, type(e).__name__, e)  # fmt: skip
+        return None
+    why = untrusted(path)
+    if why:
+        log.warning("no compilation cache: %s %s, and what it holds would run as code; "
+                    "every start compiles (use a folder of your own, mode 700)", path,
+                    why)  # fmt: skip
         return None
     said = False
     try:

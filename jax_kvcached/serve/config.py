@@ -117,8 +117,8 @@ class ServeConfig:
     )
     dist_secret_file: str | None = option(
         None, "a file (mode 600) holding the secret every rank shares, at least 16 bytes: "
-        "the step channel admits only ranks that hold it (else KVCACHED_DIST_SECRET; one "
-        "of the two is required with --nnodes > 1)", metavar="PATH",
+        "the step channel admits only ranks that hold it (default: $KVCACHED_DIST_SECRET; "
+        "one of the two is required with --nnodes > 1)", metavar="PATH",
     )  # fmt: skip
     max_queue: int = option(64, "waiting requests per model")
     idle_sleep: float | None = option(
@@ -165,8 +165,12 @@ class ServeConfig:
         "required on /admin/* (default: $KVCACHED_ADMIN_KEY); without one the admin routes "
         "are disabled",
     )  # fmt: skip
+    admin_key_file: str | None = option(
+        None, "read the admin key from this file (keys on the command line are visible to "
+        "other users in the process list; default: none)", metavar="FILE",
+    )  # fmt: skip
     allow_unauthenticated_admin: bool = option(
-        False, "serve /admin/* without a key (only behind a trusted proxy or on loopback)"
+        False, "serve /admin/* without a key: only with a loopback --host (127.0.0.1, ::1)"
     )
     shutdown_timeout: float = option(
         10.0, "seconds in-flight requests get after SIGTERM/SIGINT before they are cancelled"
@@ -182,6 +186,11 @@ class ServeConfig:
         None,
         "browser origins allowed by CORS, comma-separated, or * (default: none, CORS off)",
         metavar="ORIGIN,...",
+    )  # fmt: skip
+    allowed_hosts: str | None = option(
+        None, "host names the Host header may name, comma-separated, or * (default: with a "
+        "loopback --host, localhost, 127.0.0.1 and ::1, against DNS rebinding; else any)",
+        metavar="HOST,...",
     )  # fmt: skip
     max_body_bytes: int = option(1 << 20, "the largest request body", cli=False)
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
@@ -264,21 +273,50 @@ class ServeConfig:
             return None
         return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
+    @property
+    def hosts(self) -> list[str] | None:
+        """``--allowed-hosts`` as a list (None: any host)."""
+        if self.allowed_hosts:
+            hosts = [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
+            return None if "*" in hosts else hosts
+        return list(_LOOPBACK) if self.host in _LOOPBACK else None
+
     def auth(self) -> Any:
         """The server's keys (``serve.auth.AuthConfig``): flags first, then the key file,
         then the environment."""
         from jax_kvcached.serve.auth import AuthConfig
 
-        api_key = self.api_key
-        if api_key is None and self.api_key_file is not None:
-            with open(self.api_key_file, encoding="utf-8") as f:
-                api_key = f.read().strip()
-            if not api_key:
-                raise ConfigError("api_key_file", f"{self.api_key_file} is empty")
-        if api_key is None:
-            api_key = os.environ.get("KVCACHED_API_KEY") or None
-        admin_key = self.admin_key or os.environ.get("KVCACHED_ADMIN_KEY") or None
-        for what, key in (("API key", api_key), ("admin key", admin_key)):
-            if key is not None and (not key.isprintable() or " " in key):
-                raise ValueError(f"the {what} must be printable and contain no spaces")
+        api_key = _key(self.api_key, self.api_key_file, "api_key", "KVCACHED_API_KEY")
+        admin_key = _key(self.admin_key, self.admin_key_file, "admin_key", "KVCACHED_ADMIN_KEY")
+        if self.allow_unauthenticated_admin and admin_key is None and self.host not in _LOOPBACK:
+            raise ConfigError("allow_unauthenticated_admin", f"only with a loopback --host "
+                              f"(127.0.0.1 or ::1), got {self.host!r}: set --admin-key-file "
+                              "instead")  # fmt: skip
         return AuthConfig(api_key, admin_key, self.allow_unauthenticated_admin)
+
+
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def _key(given: str | None, path: str | None, field: str, env: str) -> str | None:
+    """A key from its flag, else its file, else the environment (None: no key). An empty
+    key (which a bare ``Authorization: Bearer`` would match) or one with spaces is a
+    ConfigError naming the flag."""
+    key, where = given, field
+    if key is None and path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise ConfigError(field + "_file", f"{path}: {e.strerror}") from None
+        where = field + "_file"
+    if key is None:
+        key, where = os.environ.get(env), env
+        if key is None:
+            return None
+    if not key.strip():
+        raise ConfigError(field, f"is empty (from {where}): a bare 'Authorization: Bearer' "
+                          "would pass; give a key or none")  # fmt: skip
+    if not key.isprintable() or " " in key:
+        raise ConfigError(field, "must be printable and contain no spaces")
+    return key

@@ -86,7 +86,13 @@ class AppContext:
     max_body_bytes: int
 
     async def read_json(self, request: Request) -> Any:
-        """The body, read chunk by chunk and refused (413) as soon as it is too large."""
+        """The body, read chunk by chunk and refused (413) as soon as it is too large; a
+        body not declared ``application/json`` is refused (415: a browser page can send
+        other types cross-site with no preflight)."""
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json" and not kind.endswith("+json"):
+            raise APIError(415, "the body must be JSON with 'Content-Type: application/json' "
+                           f"(got {kind[:64]!r})")  # fmt: skip
         too_large = APIError(413, f"request body over {self.max_body_bytes} bytes")
         length = request.headers.get("content-length")
         if length is not None:

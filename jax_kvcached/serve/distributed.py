@@ -47,6 +47,7 @@ log = logging.getLogger("jax_kvcached.serve")
 _LOCAL = {"node_rank", "host", "port", "api_key", "api_key_file", "admin_key",
           "admin_key_file", "dist_secret_file",
           "allow_unauthenticated_admin", "access_log", "log_level", "allowed_origins",
+          "allowed_hosts",
           "shutdown_timeout", "compile_cache", "max_queue", "dist_timeout"}  # fmt: skip
 
 
@@ -108,14 +109,14 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _encode_op(op: tuple) -> list:
+def encode_op(op: tuple) -> list:
     if op[0] == "add":
         _, rid, ids, params, kw = op
         return ["add", rid, ids, dataclasses.asdict(params), kw]
     return list(op)
 
 
-def _decode_ops(ops: Any) -> list[tuple]:
+def decode_ops(ops: Any) -> list[tuple]:
     """The engine changes of a step message (ChannelError naming what is malformed)."""
     if not isinstance(ops, list):
         raise ChannelError("a step's changes are not a list")
@@ -303,7 +304,7 @@ class MirroredEngine:
         with self._lock:
             rid = self._engine.add_request(ids, params, on_token, **kw)
             kw.pop("on_logprobs", None)
-            self._ops.append(_encode_op(("add", rid, ids, params, kw)))
+            self._ops.append(encode_op(("add", rid, ids, params, kw)))
         return rid
 
     def abort(self, request_id: int) -> bool:
@@ -436,11 +437,11 @@ def follow(c: ServeConfig, conn: Channel, engine: Any) -> None:
                 raise RuntimeError(f"rank {c.node_rank}: rank 0 went away (its connection "
                                    "closed)")  # fmt: skip
             if msg[0] == "drain" and len(msg) == 2:
-                _apply(engine, _decode_ops(msg[1]))
+                _apply(engine, decode_ops(msg[1]))
                 engine.drain()
             elif msg[0] == "step" and len(msg) == 4:
                 _, ops, digest, chunk = msg
-                ops = _decode_ops(ops)
+                ops = decode_ops(ops)
                 if chunk is not None and (not isinstance(chunk, (int, float))
                                           or isinstance(chunk, bool) or not chunk >= 0):
                     raise ChannelError("a step's chunk is not a number of tokens")

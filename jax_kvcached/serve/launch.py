@@ -308,7 +308,7 @@ def serve(config: ServeConfig) -> None:
                 return
             gate.open(create_app(
                 loop, models, auth=auth, max_body_bytes=c.max_body_bytes,
-                allowed_origins=c.origins, access_log=c.access_log,
+                allowed_origins=c.origins, allowed_hosts=c.hosts, access_log=c.access_log,
             ))  # fmt: skip
             log.info(
                 "serving %s on http://%s:%d (pool %.0f MiB on %s%s%s)",

@@ -63,6 +63,7 @@ class Request:
     cancelled: bool = False
     closed: bool = False  # done, failed or cancelled: no more events
     fork_of: Request | None = None  # shares this earlier request's prompt KV (n samples)
+    cache_salt: str | None = None  # shares cached prefixes only with the same salt
 
 
 class ServingLoop:
@@ -211,14 +212,17 @@ class ServingLoop:
         params: SamplingParams,
         on_event: EventCallback,
         fork_of: Request | None = None,
+        cache_salt: str | None = None,
     ) -> Request:
         """Queues a request. Raises UnknownModel, ValueError (bad prompt), Overloaded or
         Unavailable; never blocks. A :class:`Prompt` of the model's engine is not
         validated again. ``fork_of``: a request of the same model and prompt submitted
         just before; this one shares its prompt's KV (one prefill for n samples) if the
-        loop has not computed that prompt yet (:meth:`submit_samples` makes sure)."""
+        loop has not computed that prompt yet (:meth:`submit_samples` makes sure).
+        ``cache_salt``: the request shares cached prefix blocks only with requests of the
+        same salt (OpenAI's / vLLM's ``cache_salt``)."""
         ids = self._prompt(model, prompt)
-        req = Request(model, ids, params, on_event, fork_of=fork_of)
+        req = Request(model, ids, params, on_event, fork_of=fork_of, cache_salt=cache_salt)
         self._queue(model, [req])
         return req
 
@@ -228,6 +232,7 @@ class ServingLoop:
         prompt: str | Sequence[int] | Prompt,
         params: Sequence[SamplingParams],
         on_events: Sequence[EventCallback],
+        cache_salt: str | None = None,
     ) -> list[Request]:
         """Queues ``len(params)`` samples of one prompt at once (``n`` / ``best_of``): the
         first computes the prompt, the others fork it. All are handed to the engine in the
@@ -237,8 +242,8 @@ class ServingLoop:
         if not params or len(params) != len(on_events):
             raise ValueError("submit_samples: one event callback per sample, at least one")
         ids = self._prompt(model, prompt)
-        first = Request(model, ids, params[0], on_events[0])
-        reqs = [first] + [Request(model, ids, p, cb, fork_of=first)
+        first = Request(model, ids, params[0], on_events[0], cache_salt=cache_salt)
+        reqs = [first] + [Request(model, ids, p, cb, fork_of=first, cache_salt=cache_salt)
                           for p, cb in zip(params[1:], on_events[1:], strict=True)]  # fmt: skip
         self._queue(model, reqs)
         return reqs
@@ -457,7 +462,7 @@ class ServingLoop:
         try:
             rid = engine.add_request(
                 req.prompt, req.params, self._streamer(req), fork_of=parent,
-                on_logprobs=on_lp,
+                on_logprobs=on_lp, cache_salt=req.cache_salt,
             )  # fmt: skip
         except Exception as e:  # validated in submit(); never stop the loop for it
             self._close(req, "error", e)

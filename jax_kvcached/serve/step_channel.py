@@ -123,13 +123,21 @@ class Channel:
         return cls(sock, _mac(secret, b"session", theirs, mine), listening=False)
 
     # -- frames -----------------------------------------------------------------------------
-    def send(self, msg: Any) -> None:
-        data = json.dumps(msg, separators=(",", ":")).encode()
+    @property
+    def socket(self) -> socket.socket:
+        """The connection's socket (its bytes are the frames)."""
+        return self._sock
+
+    def frame(self, data: bytes) -> bytes:
+        """The next frame carrying ``data`` (counted as sent)."""
         if len(data) > MAX_FRAME:
             raise ChannelError(f"a message of {len(data)} bytes exceeds {MAX_FRAME}")
         tag = _mac(self._send_key, struct.pack(">Q", self._sent), data)
         self._sent += 1
-        self._sock.sendall(struct.pack(">I", len(data)) + tag + data)
+        return struct.pack(">I", len(data)) + tag + data
+
+    def send(self, msg: Any) -> None:
+        self._sock.sendall(self.frame(json.dumps(msg, separators=(",", ":")).encode()))
 
     def recv(self, max_bytes: int = MAX_FRAME) -> Any:
         (n,) = struct.unpack(">I", _read(self._sock, 4))

@@ -139,8 +139,9 @@ def start(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[_C
                 samples.append((params, _Generation(ctx.loop, aio)))
             # The samples of one prompt go to the loop together: one prefill, the rest fork.
             handles = ctx.loop.submit_samples(
-                req.model, prompt, [p for p, _ in samples], [g.on_event for _, g in samples]
-            )
+                req.model, prompt, [p for p, _ in samples], [g.on_event for _, g in samples],
+                cache_salt=req.cache_salt,
+            )  # fmt: skip
             for j, ((_, gen), handle) in enumerate(zip(samples, handles, strict=True)):
                 gen.handle = handle
                 choices.append(_Choice(i, j, prompt, gen))
@@ -350,11 +351,13 @@ class _Response:
         return {"index": index, "delta": d, "logprobs": lps, "finish_reason": reason}
 
 
-def _usage(choices: list[_Choice]) -> dict[str, int]:
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
     prompt = sum(len(c.prompt) for c in choices if c.sample == 0)
     completion = sum(c.completion_tokens for c in choices)
+    cached = sum(c.info.cached_tokens for c in choices if c.sample == 0 and c.info)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}  # fmt: skip
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}  # fmt: skip
 
 
 def _best(req: GenerationRequest, choices: list[_Choice]) -> list[_Choice]:

@@ -1,0 +1,157 @@
+"""Strangers at the server's boundaries (docs/security.md), each refused with the server
+still serving: a browser page's cross-site POST, a foreign Origin or Host (DNS
+rebinding), a prompt cached under another user's ``cache_salt``, empty keys, admin routes
+open beyond loopback, a compile cache another user could have filled, a crash's details.
+(The step channel between hosts: tests/test_step_channel.py.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import httpx
+import pytest
+
+import jax_kvcached as kv
+from jax_kvcached.engine.config import ConfigError
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.models import BUILTIN_CONFIGS, ByteTokenizer, build_model
+from jax_kvcached.serve.app import AuthConfig, BackgroundServer, ServedModel, create_app
+from jax_kvcached.serve.compile_cache import enable_compile_cache, untrusted
+from jax_kvcached.serve.config import ServeConfig
+from jax_kvcached.serve.loop import ServingLoop
+
+PROMPT = "The secret plan of the first user, long enough for several full blocks" * 2
+
+
+class Server:
+    def __init__(self) -> None:
+        self.pool = kv.Pool("8MiB", page_size="16KiB", backend="host", min_reserved_pages=0,
+                            max_reserved_pages=0)  # fmt: skip
+        self.engine = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1), self.pool,
+                             name="m", max_batch=4, tokenizer=ByteTokenizer())  # fmt: skip
+        self.loop = ServingLoop({"m": self.engine}).start()
+        app = create_app(self.loop, {"m": ServedModel(self.engine, ByteTokenizer())},
+                         auth=AuthConfig(allow_unauthenticated_admin=True),
+                         allowed_hosts=["localhost", "127.0.0.1", "::1"])  # fmt: skip
+        self.http = BackgroundServer(app).start()
+        self.url = self.http.url
+
+    def complete(self, **extra) -> httpx.Response:
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, **extra}
+        return httpx.post(self.url + "/v1/completions", json=body, timeout=120)
+
+    def assert_serving(self) -> None:
+        r = self.complete(max_tokens=1)
+        assert r.status_code == 200, r.text
+
+    def close(self) -> None:
+        self.http.stop()
+        self.loop.stop()
+        self.pool.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+def test_a_browser_pages_cross_site_requests_are_refused(server):
+    # a text/plain POST (a "simple" request: no preflight) to an admin and an API route
+    for path, body in (("/admin/sleep", '{"model": "m"}'), ("/v1/completions", "{}")):
+        r = httpx.post(server.url + path, content=body, headers={"Content-Type": "text/plain"})
+        assert r.status_code == 415, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    # a foreign Origin (CORS is off), and a rebinding DNS name in the Host header
+    r = httpx.post(server.url + "/admin/sleep", json={"model": "m"},
+                   headers={"Origin": "http://evil.example"})  # fmt: skip
+    assert r.status_code == 403 and "cross-origin" in r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v1/models", headers={"Host": "evil.example:8000"})
+    assert r.status_code == 400 and "Host header" in r.json()["error"]["message"]
+    # the loopback names pass, with or without a port
+    for host in ("localhost", f"127.0.0.1:{server.http.port}", "[::1]:80"):
+        assert httpx.get(server.url + "/v1/models", headers={"Host": host}).status_code == 200
+    server.assert_serving()
+
+
+def test_a_salted_prompt_is_missed_by_an_unsalted_request(server):
+    cached, prompt = [], "Alice's own words, which nobody else has sent yet: " + PROMPT
+    for salt in ("alice", None, "bob", "alice"):
+        r = server.complete(prompt=prompt, **({"cache_salt": salt} if salt else {}))
+        assert r.status_code == 200, r.text
+        cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+    # only alice's second request finds alice's blocks (the check can fail: it does hit)
+    assert cached[:3] == [0, 0, 0] and cached[3] >= 16 * (len(prompt) // 16 - 1), cached
+    # exact accounting, every request done (the loop idle): only cached blocks hold pages
+    c, pc = server.engine.cache, server.engine.prefix_cache
+    assert c.num_used_blocks == pc.num_cached_blocks == pc.num_evictable_blocks
+    assert set(c.mapped_page_ids()) == {c.page_of(b) for b in pc.cached_blocks()}
+    server.assert_serving()
+
+
+def test_a_crash_answers_a_generic_500_and_logs_the_details(server, monkeypatch, caplog):
+    def broken(*a, **k):
+        raise RuntimeError("detail /home/operator/secret-path")
+
+    monkeypatch.setattr(server.loop, "submit_samples", broken)
+    with caplog.at_level(logging.ERROR, logger="jax_kvcached.serve"):
+        r = server.complete()
+    assert r.status_code == 500 and "secret-path" not in r.text
+    assert r.json()["error"]["type"] == "server_error"
+    assert "secret-path" in caplog.text  # the operator still sees it
+    monkeypatch.undo()
+    server.assert_serving()
+
+
+def test_empty_keys_and_admin_beyond_loopback_are_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("KVCACHED_API_KEY", raising=False)
+    monkeypatch.delenv("KVCACHED_ADMIN_KEY", raising=False)
+    with pytest.raises(ConfigError, match="api_key is empty"):
+        ServeConfig(api_key="").auth()
+    empty = tmp_path / "k"
+    empty.write_text("\n")
+    with pytest.raises(ConfigError, match="admin_key is empty"):
+        ServeConfig(admin_key_file=str(empty)).auth()
+    monkeypatch.setenv("KVCACHED_API_KEY", "")
+    with pytest.raises(ConfigError, match="KVCACHED_API_KEY"):
+        ServeConfig().auth()
+    monkeypatch.delenv("KVCACHED_API_KEY")
+    key = tmp_path / "admin"
+    key.write_text("s3cret-admin\n")
+    assert ServeConfig(admin_key_file=str(key)).auth().admin_key == "s3cret-admin"
+    with pytest.raises(ConfigError, match="only with a loopback --host"):
+        ServeConfig(host="0.0.0.0", allow_unauthenticated_admin=True).auth()
+    assert ServeConfig(allow_unauthenticated_admin=True).auth().allow_unauthenticated_admin
+    # the Host check: on for a loopback bind, off (any host) elsewhere unless given
+    assert ServeConfig().hosts == ["127.0.0.1", "::1", "localhost"]
+    assert ServeConfig(host="0.0.0.0").hosts is None
+    assert ServeConfig(host="0.0.0.0", allowed_hosts="api.example").hosts == ["api.example"]
+
+
+def test_a_compile_cache_another_user_could_fill_is_not_used(tmp_path, caplog):
+    import jax
+
+    before = jax.config.jax_compilation_cache_dir
+    open_dir = tmp_path / "shared"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="jax_kvcached.serve"):
+        assert enable_compile_cache(str(open_dir)) is None
+    assert "writable by others (mode 777)" in caplog.text
+    if os.getuid() == 0:  # (only root can give a folder away)
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        assert "belongs to another user" in untrusted(str(theirs))
+        assert enable_compile_cache(str(theirs)) is None
+    assert jax.config.jax_compilation_cache_dir == before  # nothing of theirs is loaded
+    # a new folder is made private
+    mine = tmp_path / "mine" / "xla"
+    assert untrusted(str(tmp_path)) is None
+    try:
+        assert enable_compile_cache(str(mine)) == str(mine)
+        assert (mine.stat().st_mode & 0o777) == 0o700
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
