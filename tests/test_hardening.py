@@ -52,7 +52,8 @@ def assert_in_service(s):
     for model in ("llama", "qwen"):
         r = post(s.url, {"model": model, "prompt": "ok", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200, r.text
-    assert httpx.get(f"{s.url}/health").json()["models"] == {"llama": "ok", "qwen": "ok"}
+    health = httpx.get(f"{s.url}/health", headers=H).json()
+    assert health["status"] == "ok" and health["models"] == {"llama": "ok", "qwen": "ok"}
 
 
 def assert_no_leak(s):
@@ -165,8 +166,16 @@ def test_auth_on_every_route(server):
         r = httpx.request(method, f"{u}/admin/memory", json=body,
                           headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
         assert r.status_code == 200 and "models" in r.json()
-    assert httpx.get(f"{u}/health").status_code == 200  # open
-    assert httpx.get(f"{u}/metrics").status_code == 200  # open
+    # /health answers its status to anyone, names the models only to a caller with a key;
+    # /metrics (tenants, PIDs, prefix-hit counters) needs the API key or the admin key
+    open_health = httpx.get(f"{u}/health")
+    assert open_health.status_code == 200 and open_health.json() == {"status": "ok"}
+    assert "models" in httpx.get(f"{u}/health", headers=H).json()
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        assert_openai_error(httpx.get(f"{u}/metrics", headers=headers), 401)
+    for headers in (H, {"Authorization": f"Bearer {ADMIN}"}):
+        r = httpx.get(f"{u}/metrics", headers=headers)
+        assert r.status_code == 200 and "kvcached_prefix_cached_tokens" in r.text
 
 
 def test_admin_routes_are_disabled_without_an_admin_key():

@@ -260,3 +260,36 @@ def test_bad_endpoints_fail_at_start_naming_the_setting(pool):
         assert pool.stats()["mapped_bytes"] == 0 and not pool.stats()["caches"]  # nothing left
     finally:
         taken.close(linger=0)
+
+
+def test_hashes_only_bounded_inbound_and_rate_limited_replays(pool, caplog):
+    """--no-kv-events-token-ids: the same events and hashes, no prompt in them. A
+    stranger's oversized message is dropped and the stream goes on; replays past
+    REPLAYS_PER_S a second get only the end marker; a public endpoint is warned about."""
+    import logging
+
+    from jax_kvcached.engine.kv_event_publisher import REPLAYS_PER_S, private_endpoint
+
+    ep, rep = endpoints()
+    eng = Engine(build_model(LLAMA, seed=3), pool, max_batch=1, kv_events=ep,
+                 kv_events_replay=rep, kv_events_token_ids=False)  # fmt: skip
+    sub = subscribe(ep)
+    eng.generate([list(range(3, 53))], SamplingParams(max_tokens=2, temperature=0.0))
+    assert eng.kv_event_publisher.flush()
+    (e,) = [e for _, _, b in receive_all(sub) for e in b.events]
+    assert len(e.block_hashes) == 3 and e.token_ids == []  # hashes, no tokens
+    big = zmq.Context.instance().socket(zmq.DEALER)
+    big.connect(rep)
+    big.send_multipart((b"", b"x" * 4096))  # over MAX_INBOUND: the socket drops it
+    big.close(linger=100)
+    got = [len(replay(rep, 0)) for _ in range(int(REPLAYS_PER_S) + 1)]
+    assert got[:-1] == [1] * int(REPLAYS_PER_S) and got[-1] == 0, got  # the last refused
+    eng.close()
+    sub.close(linger=0)
+    assert private_endpoint("tcp://127.0.0.1:5557") and private_endpoint("ipc:///tmp/x")
+    assert not private_endpoint("tcp://*:5557") and not private_endpoint("tcp://10.0.0.1:1")
+    with caplog.at_level(logging.WARNING, logger="jax_kvcached.engine.kv_event_publisher"):
+        KVEventPublisher(KVEventLog(16, [0]), "tcp://127.0.0.1:0").close()
+        assert "carry every stored block's token ids" not in caplog.text
+        KVEventPublisher(KVEventLog(16, [0]), "tcp://*:0").close()
+    assert "carry every stored block's token ids" in caplog.text

@@ -23,6 +23,8 @@ from jax_kvcached.memory import shm_segment
 from jax_kvcached.memory.shared_ledger import SharedLedger
 from jax_kvcached.memory.shm_segment import GroupMismatch
 
+KVCacheError = kv.KVCacheError
+
 PAGE = "64KiB"
 ENV = {k: v for k, v in os.environ.items() if k != "KVCACHED_IPC_NAME"}
 
@@ -259,10 +261,16 @@ def test_groups_never_see_each_other_and_names_are_unique_in_a_group(group):
         shm_segment.remove(other)
 
 
+def _write_private(path: str, data: bytes, mode: int = 0o600) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(path, mode)
+
+
 def test_stale_foreign_and_mismatched_segments_are_refused(group):
     path = shm_segment.segment_path(group)
-    with open(path, "wb") as f:
-        f.write(b"somebody else's data" * 100)
+    _write_private(path, b"somebody else's data" * 100)
     with pytest.raises(GroupMismatch, match="not a jax-kvcached group"):
         kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group)
     with pytest.raises(GroupMismatch, match="not a jax-kvcached group"):
@@ -271,8 +279,7 @@ def test_stale_foreign_and_mismatched_segments_are_refused(group):
     head = np.zeros((), shm_segment.HEADER)
     head["magic"], head["version"], head["initialized"] = shm_segment.MAGIC, 0, 1
     head["max_tenants"] = shm_segment.MAX_TENANTS
-    with open(path, "wb") as f:
-        f.write(head.tobytes() + bytes(shm_segment.SIZE - head.nbytes))
+    _write_private(path, head.tobytes() + bytes(shm_segment.SIZE - head.nbytes))
     with pytest.raises(GroupMismatch, match="layout version 0"):
         kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group)
     assert open(path, "rb").read(8) == shm_segment.MAGIC  # left as it was
@@ -287,6 +294,33 @@ def test_stale_foreign_and_mismatched_segments_are_refused(group):
     with pytest.raises(KeyError, match="no group"):
         SharedLedger.attach(group + "-none")
     pool.close()
+
+
+def test_a_segment_another_user_could_read_or_made_first_is_not_joined(group, tmp_path):
+    """Pre-created by a stranger (open to all, or theirs) or a symlink to elsewhere: the
+    group refuses it, naming why, and changes nothing; a private one of ours is joined."""
+    path = shm_segment.segment_path(group)
+    _write_private(path, b"", mode=0o666)  # another user's pre-created, open to all
+    with pytest.raises(KVCacheError, match="has mode 666, not 600"):
+        kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group)
+    with pytest.raises(KVCacheError, match="has mode 666"):
+        SharedLedger.attach(group)
+    assert os.path.getsize(path) == 0  # nothing written into it
+    if os.getuid() == 0:  # (only root can give a file away)
+        os.chmod(path, 0o600)
+        os.chown(path, 65534, 65534)
+        with pytest.raises(KVCacheError, match="belongs to another user"):
+            kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group)
+    os.unlink(path)
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"")
+    os.symlink(target, path)
+    with pytest.raises(KVCacheError, match="cannot open"):
+        kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group)
+    assert target.read_bytes() == b""
+    os.unlink(path)
+    with kv.Pool(8 * 65536, page_size=PAGE, backend="host", group=group):
+        assert (os.stat(path).st_mode & 0o777) == 0o600  # made private
 
 
 def test_ctl_lists_and_changes_tenants_with_clear_errors(group, capsys):

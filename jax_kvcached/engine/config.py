@@ -206,6 +206,10 @@ class EngineConfig:
         None, "the KV events' replay socket (ZMQ ROUTER), e.g. tcp://*:5558", metavar="ENDPOINT"
     )
     kv_events_topic: str = option("", "the KV events' topic frame", metavar="TOPIC")
+    kv_events_token_ids: bool = option(
+        True, "publish BlockStored events without their token ids, hashes only (default: "
+        "with them, as vLLM does: any subscriber reads the prompts)",
+    )  # fmt: skip
     command_buffers: bool | None = option(None, "CUDA graphs (None: on on CUDA)", cli=False)
     fuse_sampling: bool | None = option(None, "sample inside decode steps (None: on CUDA)",
                                         cli=False)  # fmt: skip

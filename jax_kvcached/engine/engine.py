@@ -155,8 +155,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             )  # fmt: skip
             if self.kv_events is not None:
                 self.kv_event_publisher = KVEventPublisher(
-                    self.kv_events, c.kv_events, c.kv_events_replay, topic=c.kv_events_topic
-                )
+                    self.kv_events, c.kv_events, c.kv_events_replay, topic=c.kv_events_topic,
+                    token_ids=c.kv_events_token_ids,
+                )  # fmt: skip
         except BaseException:
             if getattr(self, "kv", None) is not None:
                 self.kv.close()

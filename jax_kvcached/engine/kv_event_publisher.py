@@ -9,6 +9,13 @@ batches (it started late, or saw a gap in the numbers) sends the first number it
 
 Endpoints as vLLM takes them: one with ``*``, ``::``, ``ipc://`` or ``inproc://`` is
 bound, any other connected to.
+
+Events carry each stored block's token ids (the prompts) to whoever subscribes: there is
+no authentication, so bind loopback or ``ipc://`` (a warning says so otherwise), or
+publish hashes only (``token_ids=False``). Bounds against a stranger's subscriber: at
+most :data:`SEND_HWM` messages queued per subscriber (then PUB drops; a subscriber
+replays), inbound messages of :data:`MAX_INBOUND` bytes, and :data:`REPLAYS_PER_S`
+replays a second (more get only the end marker).
 """
 
 from __future__ import annotations
@@ -24,6 +31,15 @@ from jax_kvcached.engine.kv_events import KVEventLog, batches, encode_batch
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SEND_HWM = 1000  # messages queued per subscriber
+MAX_INBOUND = 1024  # bytes of a message the sockets accept (a replay request is 8)
+REPLAYS_PER_S = 5.0
+
+
+def private_endpoint(endpoint: str) -> bool:
+    """Whether only this host's users can reach ``endpoint`` (loopback, ipc, inproc)."""
+    return endpoint.startswith(("ipc://", "inproc://")) or any(
+        h in endpoint for h in ("://127.0.0.1:", "://localhost:", "://[::1]:"))  # fmt: skip
 
 
 def _zmq() -> Any:
@@ -50,6 +66,7 @@ class KVEventPublisher:
       topic: the first frame of every message.
       buffer_steps: batches kept for replay.
       data_parallel_rank: sent in each batch when given (vLLM's DP rank).
+      token_ids: publish each stored block's token ids (False: hashes only).
     """
 
     def __init__(
@@ -61,8 +78,17 @@ class KVEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
         data_parallel_rank: int | None = None,
+        token_ids: bool = True,
     ) -> None:
         zmq = _zmq()
+        self._token_ids = token_ids
+        self._replays: deque[float] = deque(maxlen=max(1, int(REPLAYS_PER_S)))
+        for e in (endpoint, replay_endpoint):
+            if e is not None and token_ids and not private_endpoint(e):
+                log.warning("KV events at %s carry every stored block's token ids to any "
+                            "subscriber that can connect (no authentication): bind "
+                            "loopback or ipc://, or publish hashes only "
+                            "(--no-kv-events-token-ids); docs/security.md", e)  # fmt: skip
         self.events = events
         self.endpoint, self.replay_endpoint = endpoint, replay_endpoint
         self._topic = topic.encode()
@@ -71,11 +97,14 @@ class KVEventPublisher:
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
-        self._pub.set_hwm(100_000)
+        self._pub.set_hwm(SEND_HWM)
+        self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)
         try:
             self._pub.bind(endpoint) if _binds(endpoint) else self._pub.connect(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)
+                self._replay.set_hwm(SEND_HWM)
                 self._replay.bind(replay_endpoint)
         except zmq.ZMQError as e:
             self._close_sockets()
@@ -97,7 +126,7 @@ class KVEventPublisher:
                     log.exception("KV events: replay request failed")
             events = self.events.take(timeout=0.02)
             for batch in batches(events):
-                payload = encode_batch(time.time(), batch, self._rank)
+                payload = encode_batch(time.time(), batch, self._rank, self._token_ids)
                 seq = self.seq.to_bytes(8, "big")
                 self._pub.send_multipart((self._topic, seq, payload))
                 self._buffer.append((self.seq, payload))
@@ -113,6 +142,12 @@ class KVEventPublisher:
                         len(frames))  # fmt: skip
             return
         client, _, start = frames
+        now = time.monotonic()
+        if len(self._replays) == self._replays.maxlen and now - self._replays[0] < 1.0:
+            log.warning("KV events: a replay refused (over %g a second)", REPLAYS_PER_S)
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
+            return
+        self._replays.append(now)
         first = int.from_bytes(start, "big")
         for seq, payload in list(self._buffer):
             if seq >= first:

@@ -74,23 +74,26 @@ def external_hash(key: bytes) -> bytes:
     return key if len(key) == 32 else hashlib.sha256(key).digest()
 
 
-def _wire(e: Event) -> dict[str, Any]:
+def _wire(e: Event, token_ids: bool = True) -> dict[str, Any]:
     """An event as msgspec encodes vLLM's tagged struct: a map, ``type`` first, fields
-    at their defaults omitted."""
+    at their defaults omitted (``token_ids=False``: a BlockStored's token ids empty)."""
     out: dict[str, Any] = {"type": type(e).__name__}
     for f in dataclasses.fields(e):
         v = getattr(e, f.name)
+        if f.name == "token_ids" and not token_ids:
+            v = []
         if f.name not in ("lora_id", "lora_name", "parent_block_hash") and v is None:
             continue  # (omit_defaults; vLLM's required fields stay, as None)
         out[f.name] = v
     return out
 
 
-def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int | None = None
-                 ) -> bytes:  # fmt: skip
+def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int | None = None,
+                 token_ids: bool = True) -> bytes:  # fmt: skip
     """vLLM's ``KVEventBatch`` in msgpack: ``[ts, [event, ...]]`` (``array_like``), the
-    rank appended when there is one."""
-    batch: list[Any] = [ts, [_wire(e) for e in events]]
+    rank appended when there is one. ``token_ids=False``: hashes only (a subscriber
+    learns which blocks are cached, not the prompts)."""
+    batch: list[Any] = [ts, [_wire(e, token_ids) for e in events]]
     if data_parallel_rank is not None:
         batch.append(data_parallel_rank)
     return msgpack.packb(batch, use_bin_type=True)

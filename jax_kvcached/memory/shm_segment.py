@@ -26,6 +26,7 @@ import fcntl
 import mmap
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Iterator
@@ -192,12 +193,27 @@ class Segment:
         self.closed = False
 
     def _open(self, create: bool) -> int:
-        if not create:
-            try:
-                return os.open(self.path, os.O_RDWR)
-            except FileNotFoundError:
-                raise KeyError(f"no group {self.group!r} on this machine ({self.path})") from None
-        return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        """The segment's descriptor: never through a symlink, and only a file of this
+        user that no one else may read or write (another user who made the name first
+        would otherwise see every tenant and steer the group). KVCacheError naming it."""
+        flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            raise KeyError(f"no group {self.group!r} on this machine ({self.path})") from None
+        except OSError as e:  # (ELOOP: a symlink)
+            raise KVCacheError(f"group {self.group!r}: cannot open {self.path}: "
+                               f"{e.strerror}") from None  # fmt: skip
+        st = os.fstat(fd)
+        why = (f"belongs to another user (uid {st.st_uid})" if st.st_uid != os.getuid()
+               else f"has mode {stat.S_IMODE(st.st_mode):o}, not 600"
+               if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO) else
+               "is not a regular file" if not stat.S_ISREG(st.st_mode) else None)  # fmt: skip
+        if why:
+            os.close(fd)
+            raise KVCacheError(f"group {self.group!r}: the segment {self.path} {why}; it is "
+                               "not joined (remove it, or use another group name)")  # fmt: skip
+        return fd
 
     def _same_file(self, fd: int) -> bool:
         try:

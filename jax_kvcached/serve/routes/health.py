@@ -1,4 +1,12 @@
-"""``GET /health`` and ``GET /metrics`` (Prometheus): open, no key needed."""
+"""``GET /health`` and ``GET /metrics`` (Prometheus).
+
+With no key configured both are open, as the rest of a loopback server is. With keys,
+the detail that tells a stranger about tenants (model names, the process group's tenants
+and PIDs, prefix-hit counters: an oracle for guessing cached prompts) needs one: with an
+API key set, ``/metrics`` needs it (or the admin key; routers that poll the load figures
+send the key they forward requests with), and ``/health`` answers its status to anyone
+but names the models only to a caller with a key. (With only an admin key, ``/v1/*`` is
+open and so is ``/metrics``.)"""
 
 from __future__ import annotations
 
@@ -8,16 +16,31 @@ from starlette.routing import Route
 
 from jax_kvcached.serve.context import AppContext
 from jax_kvcached.serve.metrics import CONTENT_TYPE
+from jax_kvcached.serve.protocol import APIError
 
 
 def routes(ctx: AppContext) -> list[Route]:
+    auth = ctx.auth
+
+    def may(request: Request, admin: bool) -> bool:
+        try:
+            auth.check(request, admin)
+            return True
+        except APIError:
+            return False
+
     async def health(request: Request) -> Response:
         state = {n: "failed" if n in ctx.loop.failed else "ok" for n in ctx.models}
         ok = ctx.loop.running and any(v == "ok" for v in state.values())
-        body = {"status": "ok" if ok else "unavailable", "models": state}
+        body: dict = {"status": "ok" if ok else "unavailable"}
+        keyed = auth.api_key is not None or auth.admin_key is not None
+        if not keyed or may(request, False) or (auth.admin_key and may(request, True)):
+            body["models"] = state
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(request: Request) -> Response:
+        if auth.api_key is not None and not (auth.admin_key and may(request, True)):
+            auth.check(request, admin=False)
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     return [
