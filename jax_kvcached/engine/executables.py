@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import re
+import stat
 import tempfile
 from typing import Any
 
@@ -67,6 +68,18 @@ def default_dir() -> str | None:
     return os.path.join(base, SUBDIR) if base else None
 
 
+def untrusted(path: str) -> str | None:
+    """Why the folder at ``path`` may hold another user's code (None: it may not): it
+    belongs to another user, or others may write it. What such a folder holds is never
+    loaded (a stored executable, unpickled and run, is code)."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        return f"belongs to another user (uid {st.st_uid})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def stable_repr(x: Any) -> str:
     """``repr(x)`` without the memory addresses of functions and objects (the same in
     every process)."""
@@ -91,10 +104,18 @@ class ExecutableStore:
         self.saved = 0
         self.dropped = 0  # stored files that did not load (truncated, another jaxlib...)
         self.writable = True  # False after a write failed: nothing more is tried
+        self.trusted = True
         try:
-            os.makedirs(folder, exist_ok=True)
+            os.makedirs(folder, mode=0o700, exist_ok=True)
         except OSError as e:  # a read-only or full disk: serve on, compiling each start
             self._stop_writing(e)
+        why = next((w for d in (os.path.dirname(folder), folder) if os.path.isdir(d)
+                    and (w := untrusted(d))), None)  # fmt: skip
+        if why:
+            self.trusted = self.writable = False
+            self._say_once("untrusted", "the executable store %s is not used: its folder %s; "
+                           "every program compiles", folder, why)  # fmt: skip
+            return
         self.prune()
 
     def _say_once(self, what: str, msg: str, *args: Any) -> None:
@@ -163,6 +184,8 @@ class ExecutableStore:
         removed)."""
         from jax.experimental import serialize_executable
 
+        if not self.trusted:
+            return None
         path = self._path(key)
         try:
             with open(path, "rb") as f:

@@ -108,6 +108,11 @@ class BackgroundServer:
         )
 
     @property
+    def thread(self) -> threading.Thread:
+        """The thread the server's event loop runs in."""
+        return self._thread
+
+    @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import tempfile
 import warnings
+
+from jax_kvcached.engine.executables import untrusted
 
 log = logging.getLogger("jax_kvcached.serve")
 
@@ -31,17 +32,6 @@ def default_compile_cache() -> str:
     from jax_kvcached.models.download import user_cache_dir
 
     return user_cache_dir("xla", COMPILE_CACHE_ENV)
-
-
-def untrusted(path: str) -> str | None:
-    """Why the folder at ``path`` may hold another user's code (None: it may not): it
-    belongs to another user, or others may write it."""
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        return f"belongs to another user (uid {st.st_uid})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
-    return None
 
 
 def _write_probe(path: str) -> None:

@@ -193,6 +193,10 @@ class ServeConfig:
         metavar="HOST,...",
     )  # fmt: skip
     max_body_bytes: int = option(1 << 20, "the largest request body", cli=False)
+    max_connections: int = option(
+        1024, "concurrent connections and requests the server takes; past them it answers "
+        "503 (default 1024)", metavar="N",
+    )  # fmt: skip
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -203,6 +207,8 @@ class ServeConfig:
                               f"got {self.quantization!r}")  # fmt: skip
         if self.max_queue < 0:
             raise ConfigError("max_queue", f"must be >= 0, got {self.max_queue}")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections", f"must be >= 1, got {self.max_connections}")
         if not self.shutdown_timeout >= 0:
             raise ConfigError("shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
         if self.tensor_parallel < 1:

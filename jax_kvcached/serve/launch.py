@@ -285,6 +285,7 @@ def serve(config: ServeConfig) -> None:
     config = uvicorn.Config(
         gate, host=host, port=port, log_level="warning", lifespan="off", log_config=None,
         timeout_graceful_shutdown=shutdown_timeout + 1,  # a backstop: the loop ends first
+        limit_concurrency=c.max_connections,  # past it, 503 (no socket or task pile-up)
     )  # fmt: skip
     server = GracefulServer(config)
 

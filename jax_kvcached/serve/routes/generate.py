@@ -16,6 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -75,7 +76,7 @@ class _Choice:
         return sum(lp for _, lp, _ in self.logprobs)
 
 
-def _prompts(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[Prompt], int]:
+def prepare(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[Prompt], int]:
     """The model, the prompts (validated once, here) and the tokens each may generate."""
     m = ctx.served(req.model)
     eng = m.engine
@@ -109,10 +110,14 @@ def _prompts(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list
     return m, prompts, max_tokens
 
 
-def start(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[_Choice], int]:
+def start(
+    ctx: AppContext, req: GenerationRequest,
+    prepared: tuple[ServedModel, list[Prompt], int] | None = None,
+) -> tuple[ServedModel, list[_Choice], int]:  # fmt: skip
     """Submits every sample of every prompt; returns the choices and the tokens each may
-    generate. All or nothing: a refusal cancels what was submitted."""
-    m, prompts, max_tokens = _prompts(ctx, req)
+    generate. All or nothing: a refusal cancels what was submitted. ``prepared``: what
+    `prepare` returned for ``req`` (rendered and tokenized off the event loop)."""
+    m, prompts, max_tokens = prepared or prepare(ctx, req)
     need, cap = len(prompts) * req.best_of, m.engine.max_batch + ctx.loop.max_queue
     if need > cap:  # a 429 would say "retry later", which can never succeed
         param = "prompt" if req.best_of == 1 else ("n" if req.best_of == req.n else "best_of")
@@ -378,7 +383,10 @@ async def generate(
     req = parse(await ctx.read_json(request))
     note(request, model=req.model)
     arrival = time.perf_counter()
-    m, choices, max_tokens = start(ctx, req)
+    # The chat template and the tokenizer run in a worker thread: a large request must
+    # not stall every other connection (and /health) while it is rendered.
+    prepared = await run_in_threadpool(prepare, ctx, req)
+    m, choices, max_tokens = start(ctx, req, prepared)
     first_seen = False
 
     def first() -> None:
