@@ -3,6 +3,7 @@ reading a bounded JSON body."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import time
@@ -84,6 +85,11 @@ class AppContext:
     auth: AuthConfig
     metrics: ServerMetrics
     max_body_bytes: int
+    # Where chat templates render and prompts tokenize, off the event loop: one thread
+    # of its own (a fixed count: anyio's pool keeps as many as were ever busy at once).
+    prepare_pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvcached-prepare"))  # fmt: skip
 
     async def read_json(self, request: Request) -> Any:
         """The body, read chunk by chunk and refused (413) as soon as it is too large; a

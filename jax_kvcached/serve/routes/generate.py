@@ -16,7 +16,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -385,7 +384,8 @@ async def generate(
     arrival = time.perf_counter()
     # The chat template and the tokenizer run in a worker thread: a large request must
     # not stall every other connection (and /health) while it is rendered.
-    prepared = await run_in_threadpool(prepare, ctx, req)
+    prepared = await asyncio.get_running_loop().run_in_executor(ctx.prepare_pool, prepare,
+                                                                ctx, req)  # fmt: skip
     m, choices, max_tokens = start(ctx, req, prepared)
     first_seen = False
 
