@@ -120,7 +120,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_DENSE: dict[int, tuple] = {}  # id(model) -> (model, graphdef, jitted logits_at)
+_DENSE: dict[int, tuple] = {}  # id(model) -> (model, jitted logits_at)
 
 
 def dense_greedy(model, prompt, n, width=None, with_logits=False):
@@ -128,7 +128,8 @@ def dense_greedy(model, prompt, n, width=None, with_logits=False):
     every layer's window and sinks included). One jitted program per model and width: the
     tokens are padded at the end to ``width`` (default: the next multiple of 64; causal,
     so the padding changes no earlier logit) and the weights are an argument, so every
-    step, and every model of one config, runs the same compiled program.
+    step runs the same compiled program (another model of the same config loads it from
+    the session's compile cache).
     ``with_logits``: also each step's logits at the last position."""
     import jax.numpy as jnp
     import numpy as np

@@ -11,61 +11,40 @@ import os
 
 import httpx
 import pytest
+from test_server import Server
 
-import jax_kvcached as kv
 from jax_kvcached.engine.config import ConfigError
-from jax_kvcached.engine.engine import Engine
-from jax_kvcached.models import BUILTIN_CONFIGS, ByteTokenizer, build_model
-from jax_kvcached.serve.app import AuthConfig, BackgroundServer, ServedModel, create_app
 from jax_kvcached.serve.compile_cache import enable_compile_cache, untrusted
 from jax_kvcached.serve.config import ServeConfig
-from jax_kvcached.serve.loop import ServingLoop
 
 PROMPT = "The secret plan of the first user, long enough for several full blocks" * 2
 
 
-class Server:
-    def __init__(self) -> None:
-        self.pool = kv.Pool("8MiB", page_size="16KiB", backend="host", min_reserved_pages=0,
-                            max_reserved_pages=0)  # fmt: skip
-        self.engine = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"], seed=1), self.pool,
-                             name="m", max_batch=4, tokenizer=ByteTokenizer())  # fmt: skip
-        self.loop = ServingLoop({"m": self.engine}).start()
-        app = create_app(self.loop, {"m": ServedModel(self.engine, ByteTokenizer())},
-                         auth=AuthConfig(allow_unauthenticated_admin=True),
-                         allowed_hosts=["localhost", "127.0.0.1", "::1"])  # fmt: skip
-        self.http = BackgroundServer(app).start()
-        self.url = self.http.url
+def complete(server: Server, **extra) -> httpx.Response:
+    body = {"model": "llama", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, **extra}
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
 
-    def complete(self, **extra) -> httpx.Response:
-        body = {"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, **extra}
-        return httpx.post(self.url + "/v1/completions", json=body, timeout=120)
 
-    def assert_serving(self) -> None:
-        r = self.complete(max_tokens=1)
-        assert r.status_code == 200, r.text
-
-    def close(self) -> None:
-        self.http.stop()
-        self.loop.stop()
-        self.pool.close()
+def assert_serving(server: Server) -> None:
+    r = complete(server, max_tokens=1)
+    assert r.status_code == 200, r.text
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = Server()
+    s = Server(pages=512, allowed_hosts=["localhost", "127.0.0.1", "::1"])
     yield s
     s.close()
 
 
 def test_a_browser_pages_cross_site_requests_are_refused(server):
     # a text/plain POST (a "simple" request: no preflight) to an admin and an API route
-    for path, body in (("/admin/sleep", '{"model": "m"}'), ("/v1/completions", "{}")):
+    for path, body in (("/admin/sleep", '{"model": "llama"}'), ("/v1/completions", "{}")):
         r = httpx.post(server.url + path, content=body, headers={"Content-Type": "text/plain"})
         assert r.status_code == 415, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
     # a foreign Origin (CORS is off), and a rebinding DNS name in the Host header
-    r = httpx.post(server.url + "/admin/sleep", json={"model": "m"},
+    r = httpx.post(server.url + "/admin/sleep", json={"model": "llama"},
                    headers={"Origin": "http://evil.example"})  # fmt: skip
     assert r.status_code == 403 and "cross-origin" in r.json()["error"]["message"]
     r = httpx.get(server.url + "/v1/models", headers={"Host": "evil.example:8000"})
@@ -73,22 +52,22 @@ def test_a_browser_pages_cross_site_requests_are_refused(server):
     # the loopback names pass, with or without a port
     for host in ("localhost", f"127.0.0.1:{server.http.port}", "[::1]:80"):
         assert httpx.get(server.url + "/v1/models", headers={"Host": host}).status_code == 200
-    server.assert_serving()
+    assert_serving(server)
 
 
 def test_a_salted_prompt_is_missed_by_an_unsalted_request(server):
     cached, prompt = [], "Alice's own words, which nobody else has sent yet: " + PROMPT
     for salt in ("alice", None, "bob", "alice"):
-        r = server.complete(prompt=prompt, **({"cache_salt": salt} if salt else {}))
+        r = complete(server, prompt=prompt, **({"cache_salt": salt} if salt else {}))
         assert r.status_code == 200, r.text
         cached.append(r.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
     # only alice's second request finds alice's blocks (the check can fail: it does hit)
     assert cached[:3] == [0, 0, 0] and cached[3] >= 16 * (len(prompt) // 16 - 1), cached
     # exact accounting, every request done (the loop idle): only cached blocks hold pages
-    c, pc = server.engine.cache, server.engine.prefix_cache
+    c, pc = server.engines["llama"].cache, server.engines["llama"].prefix_cache
     assert c.num_used_blocks == pc.num_cached_blocks == pc.num_evictable_blocks
     assert set(c.mapped_page_ids()) == {c.page_of(b) for b in pc.cached_blocks()}
-    server.assert_serving()
+    assert_serving(server)
 
 
 def test_a_crash_answers_a_generic_500_and_logs_the_details(server, monkeypatch, caplog):
@@ -97,12 +76,12 @@ def test_a_crash_answers_a_generic_500_and_logs_the_details(server, monkeypatch,
 
     monkeypatch.setattr(server.loop, "submit_samples", broken)
     with caplog.at_level(logging.ERROR, logger="jax_kvcached.serve"):
-        r = server.complete()
+        r = complete(server)
     assert r.status_code == 500 and "secret-path" not in r.text
     assert r.json()["error"]["type"] == "server_error"
     assert "secret-path" in caplog.text  # the operator still sees it
     monkeypatch.undo()
-    server.assert_serving()
+    assert_serving(server)
 
 
 def test_empty_keys_and_admin_beyond_loopback_are_refused(tmp_path, monkeypatch):
@@ -183,7 +162,7 @@ def test_prompts_render_and_tokenize_off_the_event_loop(server, monkeypatch):
         return real(ctx, req)
 
     monkeypatch.setattr(generate, "prepare", spy)
-    assert server.complete(max_tokens=1).status_code == 200
+    assert complete(server, max_tokens=1).status_code == 200
     assert seen and seen[0] is not server.http.thread
     assert ServeConfig().max_connections > 0
     with pytest.raises(ConfigError, match="max_connections must be >= 1"):

@@ -41,13 +41,13 @@ def make_pool(pages=96):
 
 
 class Server:
-    def __init__(self, max_batch=4, max_queue=64, pages=96, auth=None):
+    def __init__(self, max_batch=4, max_queue=64, pages=96, auth=None, allowed_hosts=None):
         self.pool = make_pool(pages)
         self.engines = make_engines(self.pool, max_batch)
         self.loop = ServingLoop(self.engines, max_queue=max_queue).start()
         models = {n: ServedModel(e, ByteTokenizer()) for n, e in self.engines.items()}
         auth = auth or AuthConfig(allow_unauthenticated_admin=True)
-        app = create_app(self.loop, models, auth=auth)
+        app = create_app(self.loop, models, auth=auth, allowed_hosts=allowed_hosts)
         self.http = BackgroundServer(app).start()
         self.url = self.http.url
 

@@ -148,9 +148,8 @@ def decode_ops(ops: Any) -> list[tuple]:
 
 
 def _listener(host: str, port: int) -> socket.socket:
-    sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host
-                                else socket.AF_INET)  # fmt: skip
-    return sock
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family)
 
 
 def _differences(mine: dict, theirs: dict) -> list[str]:

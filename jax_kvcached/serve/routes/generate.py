@@ -110,13 +110,12 @@ def prepare(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[
 
 
 def start(
-    ctx: AppContext, req: GenerationRequest,
-    prepared: tuple[ServedModel, list[Prompt], int] | None = None,
+    ctx: AppContext, req: GenerationRequest, prepared: tuple[ServedModel, list[Prompt], int]
 ) -> tuple[ServedModel, list[_Choice], int]:  # fmt: skip
     """Submits every sample of every prompt; returns the choices and the tokens each may
     generate. All or nothing: a refusal cancels what was submitted. ``prepared``: what
-    `prepare` returned for ``req`` (rendered and tokenized off the event loop)."""
-    m, prompts, max_tokens = prepared or prepare(ctx, req)
+    :func:`prepare` returned for ``req`` (rendered and tokenized off the event loop)."""
+    m, prompts, max_tokens = prepared
     need, cap = len(prompts) * req.best_of, m.engine.max_batch + ctx.loop.max_queue
     if need > cap:  # a 429 would say "retry later", which can never succeed
         param = "prompt" if req.best_of == 1 else ("n" if req.best_of == req.n else "best_of")

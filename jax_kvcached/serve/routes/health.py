@@ -22,25 +22,30 @@ from jax_kvcached.serve.protocol import APIError
 def routes(ctx: AppContext) -> list[Route]:
     auth = ctx.auth
 
-    def may(request: Request, admin: bool) -> bool:
-        try:
-            auth.check(request, admin)
-            return True
-        except APIError:
-            return False
+    def holds_a_key(request: Request) -> bool:
+        """Whether the caller may see tenant detail: the API key (anyone, when none is
+        set) or the admin key."""
+        for admin in (False, True):
+            if admin and auth.admin_key is None:
+                break
+            try:
+                auth.check(request, admin)
+                return True
+            except APIError:
+                pass
+        return False
 
     async def health(request: Request) -> Response:
         state = {n: "failed" if n in ctx.loop.failed else "ok" for n in ctx.models}
         ok = ctx.loop.running and any(v == "ok" for v in state.values())
         body: dict = {"status": "ok" if ok else "unavailable"}
-        keyed = auth.api_key is not None or auth.admin_key is not None
-        if not keyed or may(request, False) or (auth.admin_key and may(request, True)):
+        if holds_a_key(request):
             body["models"] = state
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(request: Request) -> Response:
-        if auth.api_key is not None and not (auth.admin_key and may(request, True)):
-            auth.check(request, admin=False)
+        if not holds_a_key(request):
+            auth.check(request, admin=False)  # (the 401)
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     return [
