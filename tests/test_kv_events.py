@@ -293,3 +293,65 @@ def test_hashes_only_bounded_inbound_and_rate_limited_replays(pool, caplog):
         assert "carry every stored block's token ids" not in caplog.text
         KVEventPublisher(KVEventLog(16, [0]), "tcp://*:0").close()
     assert "carry every stored block's token ids" in caplog.text
+
+
+def test_curve_admits_only_known_subscribers(pool, tmp_path):
+    """--kv-events-curve-dir: a subscriber with an allowed certificate decodes the
+    events; one with another key, or without CURVE, fails the handshake (the monitor says
+    so) and never gets a byte. A folder others may read, or one with no client, is
+    refused naming why."""
+    import os
+
+    import zmq.auth
+    from conftest import free_port
+    from zmq.utils.monitor import recv_monitor_message
+
+    curve = tmp_path / "curve"
+    (curve / "clients").mkdir(parents=True)
+    os.chmod(curve, 0o700)
+    with pytest.raises(ValueError, match="no subscriber's certificate"):
+        zmq.auth.create_certificates(str(curve), "server")
+        KVEventPublisher(KVEventLog(16, [0]), "tcp://*:0", curve_dir=str(curve))
+    zmq.auth.create_certificates(str(curve / "clients"), "router")
+    stranger_dir = tmp_path / "stranger"
+    stranger_dir.mkdir()
+    zmq.auth.create_certificates(str(stranger_dir), "stranger")
+    server_pub, _ = zmq.auth.load_certificate(str(curve / "server.key"))
+    port = free_port()
+    eng = Engine(build_model(LLAMA, seed=3), pool, max_batch=1, kv_events=f"tcp://*:{port}",
+                 kv_events_curve_dir=str(curve))  # fmt: skip
+    ctx = zmq.Context()
+
+    def subscriber(cert):
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        if cert is not None:
+            sub.curve_publickey, sub.curve_secretkey = zmq.auth.load_certificate(cert)
+            sub.curve_serverkey = server_pub
+        monitor = sub.get_monitor_socket()
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        while True:  # (the handshake's outcome, whichever it is)
+            event = recv_monitor_message(monitor)["event"]
+            if event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                         zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                         zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL):  # fmt: skip
+                return sub, event
+
+    router, ok = subscriber(str(curve / "clients" / "router.key_secret"))
+    stranger, refused = subscriber(str(stranger_dir / "stranger.key_secret"))
+    plain, mismatch = subscriber(None)
+    assert ok == zmq.EVENT_HANDSHAKE_SUCCEEDED
+    assert refused == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    assert mismatch != zmq.EVENT_HANDSHAKE_SUCCEEDED
+    eng.generate([list(range(3, 53))], SamplingParams(max_tokens=2, temperature=0.0))
+    assert eng.kv_event_publisher.flush()
+    (e,) = [e for _, _, b in receive_all(router) for e in b.events]
+    assert e.token_ids == list(range(3, 51))  # the allowed subscriber reads them
+    assert not stranger.poll(0) and not plain.poll(0)
+    eng.close()
+    ctx.destroy(linger=0)  # (the subscribers and their monitors)
+    os.chmod(curve, 0o750)  # others may read our secret key: refused
+    with pytest.raises(ValueError, match="readable by others"):
+        KVEventPublisher(KVEventLog(16, [0]), "tcp://*:0", curve_dir=str(curve))
+    with pytest.raises(ValueError, match="needs a bound endpoint"):
+        KVEventPublisher(KVEventLog(16, [0]), "tcp://10.0.0.1:5", curve_dir=str(curve))

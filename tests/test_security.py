@@ -70,6 +70,53 @@ def test_a_salted_prompt_is_missed_by_an_unsalted_request(server):
     assert_serving(server)
 
 
+def test_each_tenant_keeps_its_cached_prefixes(server, tmp_path):
+    from jax_kvcached.serve.app import BackgroundServer, create_app
+
+    keys = tmp_path / "tenants"
+    keys.write_text("# tenant key\nalice a-key-1\nalice a-key-2  # her second key\n"
+                    "bob b-key\n")  # fmt: skip
+    auth = ServeConfig(api_key="default-key", tenant_keys_file=str(keys)).auth()
+    app = create_app(server.loop, server.app_models, auth=auth)  # (the same engines)
+    http = BackgroundServer(app).start()
+    try:
+        prompt = "Tenants' words, which nobody has sent to this cache yet: " + PROMPT
+
+        def cached(key, **extra):
+            r = httpx.post(http.url + "/v1/completions", timeout=120,
+                           headers={"Authorization": f"Bearer {key}"},
+                           json={"model": "llama", "prompt": prompt, "max_tokens": 1, **extra})
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        full = 16 * (len(prompt) // 16 - 1)
+        assert cached("a-key-1") == 0
+        assert cached("a-key-2") >= full  # the same tenant shares (the check can fail)
+        assert cached("b-key") == 0 and cached("default-key") == 0
+        assert cached("b-key") >= full  # bob's own second request hits
+        assert cached("a-key-1", cache_salt="x") == 0  # a salt splits within a tenant
+        # no request salt can name a tenant's (NUL is refused), no key is no tenant
+        r = httpx.post(http.url + "/v1/completions", json={
+            "model": "llama", "prompt": prompt, "cache_salt": "\x00tenant\x00alice\x00"},
+            headers={"Authorization": "Bearer default-key"})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
+        r = httpx.post(http.url + "/v1/completions", json={"model": "llama", "prompt": "x"})
+        assert r.status_code == 401
+    finally:
+        http.stop()
+    c, pc = server.engines["llama"].cache, server.engines["llama"].prefix_cache
+    assert set(c.mapped_page_ids()) == {c.page_of(b) for b in pc.cached_blocks()}
+    # bad files name the line; a key is one tenant's
+    for text, why in (("alice\n", ":1: not 'TENANT KEY'"), ("a k\nb k\n", ":2: a key given"),
+                      ("al/ice k\n", ":1: not"), ("# none\n", "no 'TENANT KEY'")):
+        keys.write_text(text)
+        with pytest.raises(ConfigError, match=why):
+            ServeConfig(tenant_keys_file=str(keys)).auth()
+    keys.write_text("alice same\n")
+    with pytest.raises(ConfigError, match="holds the --api-key too"):
+        ServeConfig(api_key="same", tenant_keys_file=str(keys)).auth()
+
+
 def test_a_crash_answers_a_generic_500_and_logs_the_details(server, monkeypatch, caplog):
     def broken(*a, **k):
         raise RuntimeError("detail /home/operator/secret-path")

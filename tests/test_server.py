@@ -45,9 +45,9 @@ class Server:
         self.pool = make_pool(pages)
         self.engines = make_engines(self.pool, max_batch)
         self.loop = ServingLoop(self.engines, max_queue=max_queue).start()
-        models = {n: ServedModel(e, ByteTokenizer()) for n, e in self.engines.items()}
+        self.app_models = {n: ServedModel(e, ByteTokenizer()) for n, e in self.engines.items()}
         auth = auth or AuthConfig(allow_unauthenticated_admin=True)
-        app = create_app(self.loop, models, auth=auth, allowed_hosts=allowed_hosts)
+        app = create_app(self.loop, self.app_models, auth=auth, allowed_hosts=allowed_hosts)
         self.http = BackgroundServer(app).start()
         self.url = self.http.url
 

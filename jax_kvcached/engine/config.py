@@ -210,6 +210,11 @@ class EngineConfig:
         True, "publish BlockStored events without their token ids, hashes only (default: "
         "with them, as vLLM does: any subscriber reads the prompts)",
     )  # fmt: skip
+    kv_events_curve_dir: str | None = option(
+        None, "encrypt the KV events and admit only known subscribers (ZMQ CURVE): DIR "
+        "holds server.key_secret and clients/*.key (zmq.auth.create_certificates); "
+        "bound endpoints only (default: none, unauthenticated)", metavar="DIR",
+    )  # fmt: skip
     command_buffers: bool | None = option(None, "CUDA graphs (None: on on CUDA)", cli=False)
     fuse_sampling: bool | None = option(None, "sample inside decode steps (None: on CUDA)",
                                         cli=False)  # fmt: skip
@@ -251,6 +256,8 @@ class EngineConfig:
                                       and v.partition("://")[2]):
                 raise ConfigError(name, f"must be a ZMQ endpoint ({', '.join(_ZMQ_SCHEMES)}"
                                   f"...), got {v!r}")  # fmt: skip
+        if self.kv_events_curve_dir is not None and self.kv_events is None:
+            raise ConfigError("kv_events_curve_dir", "needs kv_events (the stream it secures)")
         if self.kv_events_replay is not None and self.kv_events is None:
             raise ConfigError("kv_events_replay", "needs kv_events (the stream it replays)")
         if self.kv_events is not None and importlib.util.find_spec("zmq") is None:

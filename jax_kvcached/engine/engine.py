@@ -156,7 +156,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             if self.kv_events is not None:
                 self.kv_event_publisher = KVEventPublisher(
                     self.kv_events, c.kv_events, c.kv_events_replay, topic=c.kv_events_topic,
-                    token_ids=c.kv_events_token_ids,
+                    token_ids=c.kv_events_token_ids, curve_dir=c.kv_events_curve_dir,
                 )  # fmt: skip
         except BaseException:
             if getattr(self, "kv", None) is not None:

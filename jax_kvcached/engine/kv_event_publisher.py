@@ -10,9 +10,12 @@ batches (it started late, or saw a gap in the numbers) sends the first number it
 Endpoints as vLLM takes them: one with ``*``, ``::``, ``ipc://`` or ``inproc://`` is
 bound, any other connected to.
 
-Events carry each stored block's token ids (the prompts) to whoever subscribes: there is
-no authentication, so bind loopback or ``ipc://`` (a warning says so otherwise), or
-publish hashes only (``token_ids=False``). Bounds against a stranger's subscriber: at
+Events carry each stored block's token ids (the prompts) to whoever subscribes. Without
+``curve_dir`` there is no authentication, so use ``ipc://`` or a loopback subscriber (a
+warning says so otherwise), or publish hashes only (``token_ids=False``). With
+``curve_dir`` both sockets are ZMQ CURVE servers (encrypted; only the subscribers whose
+public certificates are in ``curve_dir/clients`` complete the handshake): see
+:func:`curve_keys`. Bounds against a stranger's subscriber: at
 most :data:`SEND_HWM` messages queued per subscriber (then PUB drops; a subscriber
 replays), inbound messages of :data:`MAX_INBOUND` bytes, and :data:`REPLAYS_PER_S`
 replays a second (more get only the end marker).
@@ -21,6 +24,7 @@ replays a second (more get only the end marker).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -52,6 +56,33 @@ def _zmq() -> Any:
     return zmq
 
 
+def curve_keys(curve_dir: str) -> tuple[bytes, bytes, str]:
+    """``(public, secret, clients)`` of a CURVE folder: ``server.key_secret`` (our
+    certificate, as ``zmq.auth.create_certificates(curve_dir, "server")`` writes it) and
+    ``clients/`` (one public certificate per subscriber allowed). The folder must be
+    this user's and writable by no one else. ValueError naming what is wrong."""
+    import zmq.auth
+
+    from jax_kvcached.engine.executables import untrusted
+
+    clients = os.path.join(curve_dir, "clients")
+    try:
+        why = untrusted(curve_dir) or untrusted(clients)
+        if why is None and os.stat(curve_dir).st_mode & 0o077:
+            why = "is readable by others (it holds our secret key: chmod 700)"
+        public, secret = zmq.auth.load_certificate(os.path.join(curve_dir, "server.key_secret"))
+        allowed = [f for f in os.listdir(clients) if f.endswith(".key")]
+    except (OSError, ValueError) as e:
+        raise ValueError(f"KV events: CURVE folder {curve_dir!r}: {e}") from None
+    if why is not None:
+        raise ValueError(f"KV events: CURVE folder {curve_dir!r} {why}")
+    if secret is None:
+        raise ValueError(f"KV events: {curve_dir}/server.key_secret holds no secret key")
+    if not allowed:
+        raise ValueError(f"KV events: {clients} holds no subscriber's certificate (.key)")
+    return public, secret, clients
+
+
 def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
@@ -67,6 +98,8 @@ class KVEventPublisher:
       buffer_steps: batches kept for replay.
       data_parallel_rank: sent in each batch when given (vLLM's DP rank).
       token_ids: publish each stored block's token ids (False: hashes only).
+      curve_dir: CURVE encryption and subscriber authentication (:func:`curve_keys`);
+        bound endpoints only.
     """
 
     def __init__(
@@ -79,12 +112,19 @@ class KVEventPublisher:
         buffer_steps: int = 10_000,
         data_parallel_rank: int | None = None,
         token_ids: bool = True,
+        curve_dir: str | None = None,
     ) -> None:
         zmq = _zmq()
         self._token_ids = token_ids
         self._replays: deque[float] = deque(maxlen=max(1, int(REPLAYS_PER_S)))
+        curve = None
+        if curve_dir is not None:
+            if not _binds(endpoint):
+                raise ValueError(f"KV events: CURVE needs a bound endpoint (tcp://*:PORT), "
+                                 f"got {endpoint!r}")  # fmt: skip
+            curve = curve_keys(curve_dir)
         for e in (endpoint, replay_endpoint):
-            if e is not None and token_ids and not private_endpoint(e):
+            if e is not None and token_ids and curve is None and not private_endpoint(e):
                 log.warning("KV events at %s carry every stored block's token ids to any "
                             "subscriber that can connect (no authentication): bind "
                             "loopback or ipc://, or publish hashes only "
@@ -94,15 +134,25 @@ class KVEventPublisher:
         self._topic = topic.encode()
         self._rank = data_parallel_rank
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._ctx = zmq.Context.instance()
+        # CURVE: a context of our own, its ZAP handler allowing ``clients``' keys only.
+        self._ctx = zmq.Context.instance() if curve is None else zmq.Context()
+        self._auth = None
+        if curve is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._auth = ThreadAuthenticator(self._ctx, log=log)
+            self._auth.start()
+            self._auth.configure_curve(domain="*", location=curve[2])
         self._pub = self._ctx.socket(zmq.PUB)
         self._replay = None
+        self._secure(self._pub, curve)
         self._pub.set_hwm(SEND_HWM)
         self._pub.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)
         try:
             self._pub.bind(endpoint) if _binds(endpoint) else self._pub.connect(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                self._secure(self._replay, curve)
                 self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND)
                 self._replay.set_hwm(SEND_HWM)
                 self._replay.bind(replay_endpoint)
@@ -115,6 +165,12 @@ class KVEventPublisher:
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _secure(sock: Any, curve: tuple[bytes, bytes, str] | None) -> None:
+        if curve is not None:
+            sock.curve_publickey, sock.curve_secretkey = curve[0], curve[1]
+            sock.curve_server = True
 
     def _run(self) -> None:
         while True:
@@ -168,6 +224,9 @@ class KVEventPublisher:
         for s in (self._pub, self._replay):
             if s is not None:
                 s.close(linger=linger)
+        if self._auth is not None:
+            self._auth.stop()
+            self._ctx.term()
 
     def close(self) -> None:
         """Publishes what is pending, then closes the sockets."""

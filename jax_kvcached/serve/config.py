@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 from jax_kvcached.engine.config import ConfigError, EngineConfig, option
@@ -160,6 +161,11 @@ class ServeConfig:
     )
     api_key_file: str | None = option(None, "read the API key from this file (default: none)",
                                       metavar="FILE")  # fmt: skip
+    tenant_keys_file: str | None = option(
+        None, "API keys of named tenants, one 'TENANT KEY' a line: a tenant's requests share "
+        "cached prefixes only with its own; the API key's callers are the default tenant "
+        "(default: none)", metavar="FILE",
+    )  # fmt: skip
     admin_key: str | None = option(
         None,
         "required on /admin/* (default: $KVCACHED_ADMIN_KEY); without one the admin routes "
@@ -298,10 +304,46 @@ class ServeConfig:
             raise ConfigError("allow_unauthenticated_admin", f"only with a loopback --host "
                               f"(127.0.0.1 or ::1), got {self.host!r}: set --admin-key-file "
                               "instead")  # fmt: skip
-        return AuthConfig(api_key, admin_key, self.allow_unauthenticated_admin)
+        tenants = _tenant_keys(self.tenant_keys_file) if self.tenant_keys_file else ()
+        if api_key is not None and any(t.key == api_key for t in tenants):
+            raise ConfigError("tenant_keys_file", "holds the --api-key too (a key names "
+                              "one tenant)")  # fmt: skip
+        return AuthConfig(api_key, admin_key, self.allow_unauthenticated_admin, tenants)
 
 
 _LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+_TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _tenant_keys(path: str) -> tuple[Any, ...]:
+    """``TenantKey`` s from a file of 'TENANT KEY' lines ('#' starts a comment); a
+    ConfigError names the line that is not one."""
+    from jax_kvcached.serve.auth import TenantKey
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError("tenant_keys_file", f"{path}: {e}") from None
+    out, seen = [], set()
+    for n, line in enumerate(lines, 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        bad = (len(parts) != 2 or not _TENANT.fullmatch(parts[0])
+               or not parts[1].isprintable())  # fmt: skip
+        if bad or parts[1] in seen:
+            why = "a key given twice" if not bad else (
+                "not 'TENANT KEY' (a tenant is 1-64 of A-Z a-z 0-9 . _ -)")
+            raise ConfigError("tenant_keys_file", f"{path}:{n}: {why}")
+        seen.add(parts[1])
+        out.append(TenantKey(*parts))
+    if not out:
+        raise ConfigError("tenant_keys_file", f"{path} holds no 'TENANT KEY' line")
+    return tuple(out)
 
 
 def _key(given: str | None, path: str | None, field: str, env: str) -> str | None:

@@ -45,7 +45,7 @@ log = logging.getLogger("jax_kvcached.serve")
 
 # Flags that may differ between ranks (they do not change the model, its pool or a step).
 _LOCAL = {"node_rank", "host", "port", "api_key", "api_key_file", "admin_key",
-          "admin_key_file", "dist_secret_file",
+          "admin_key_file", "tenant_keys_file", "dist_secret_file",
           "allow_unauthenticated_admin", "access_log", "log_level", "allowed_origins",
           "allowed_hosts", "max_connections",
           "shutdown_timeout", "compile_cache", "max_queue", "dist_timeout"}  # fmt: skip

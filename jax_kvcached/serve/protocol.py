@@ -279,8 +279,8 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
             "stream_options",
         )
     salt = body.get("cache_salt")
-    if salt is not None and not isinstance(salt, str):
-        raise _bad("'cache_salt' must be a string", "cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt.isprintable()):
+        raise _bad("'cache_salt' must be a string of printable characters", "cache_salt")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise _bad("'user' must be a string", "user")
     max_key = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"

@@ -9,6 +9,7 @@ once (``ServingLoop.submit_samples``); sample ``i`` uses seed ``seed + i``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.engine import Prompt
 from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.serve.access_log import note
+from jax_kvcached.serve.auth import tenant_salt
 from jax_kvcached.serve.context import AppContext, ServedModel
 from jax_kvcached.serve.loop import Finished, Overloaded, ServingLoop, Unavailable
 from jax_kvcached.serve.protocol import (
@@ -376,9 +378,14 @@ def _best(req: GenerationRequest, choices: list[_Choice]) -> list[_Choice]:
 
 
 async def generate(
-    ctx: AppContext, request: Request, parse: Callable[[Any], GenerationRequest]
+    ctx: AppContext,
+    request: Request,
+    parse: Callable[[Any], GenerationRequest],
+    tenant: str | None = None,
 ) -> Response:
+    """A completion or chat request of ``tenant``'s (its cached prefixes are its own)."""
     req = parse(await ctx.read_json(request))
+    req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))
     note(request, model=req.model)
     arrival = time.perf_counter()
     # The chat template and the tokenizer run in a worker thread: a large request must
@@ -493,12 +500,12 @@ async def generate(
 
 def routes(ctx: AppContext) -> list[Route]:
     async def completions(request: Request) -> Response:
-        ctx.auth.check(request, admin=False)
-        return await generate(ctx, request, parse_completion)
+        tenant = ctx.auth.check(request, admin=False)
+        return await generate(ctx, request, parse_completion, tenant)
 
     async def chat_completions(request: Request) -> Response:
-        ctx.auth.check(request, admin=False)
-        return await generate(ctx, request, parse_chat)
+        tenant = ctx.auth.check(request, admin=False)
+        return await generate(ctx, request, parse_chat, tenant)
 
     return [
         Route("/v1/completions", completions, methods=["POST"]),
