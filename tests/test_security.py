@@ -102,6 +102,12 @@ def test_each_tenant_keeps_its_cached_prefixes(server, tmp_path):
         assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
         r = httpx.post(http.url + "/v1/completions", json={"model": "llama", "prompt": "x"})
         assert r.status_code == 401
+        # every tenant's counters are the operator's: a tenant's key gets a 403
+        def metrics(key):
+            return httpx.get(http.url + "/metrics", headers={"Authorization": f"Bearer {key}"})
+
+        assert metrics("b-key").status_code == 403 and metrics("nokey").status_code == 401
+        assert metrics("default-key").status_code == 200
     finally:
         http.stop()
     c, pc = server.engines["llama"].cache, server.engines["llama"].prefix_cache

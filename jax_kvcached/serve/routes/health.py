@@ -22,17 +22,19 @@ from jax_kvcached.serve.protocol import APIError
 def routes(ctx: AppContext) -> list[Route]:
     auth = ctx.auth
 
-    def holds_a_key(request: Request) -> bool:
-        """Whether the caller may see tenant detail: the API key (anyone, when none is
-        set) or the admin key."""
+    def holds_a_key(request: Request, operator: bool = False) -> bool:
+        """Whether the caller holds the API key (anyone, when none is set) or the admin
+        key. ``operator``: a named tenant's key does not count (the server's counters
+        are every tenant's)."""
         for admin in (False, True):
             if admin and auth.admin_key is None:
                 break
             try:
-                auth.check(request, admin)
-                return True
+                tenant = auth.check(request, admin)
             except APIError:
-                pass
+                continue
+            if tenant is None or not operator:
+                return True
         return False
 
     async def health(request: Request) -> Response:
@@ -44,8 +46,11 @@ def routes(ctx: AppContext) -> list[Route]:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def prometheus(request: Request) -> Response:
-        if not holds_a_key(request):
-            auth.check(request, admin=False)  # (the 401)
+        if not holds_a_key(request, operator=True):
+            if auth.check(request, admin=False) is not None:  # (else the 401)
+                raise APIError(403, "/metrics needs the API key or the admin key: a "
+                               "tenant's key does not read every tenant's counters",
+                               code="forbidden")  # fmt: skip
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     return [
