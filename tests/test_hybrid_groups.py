@@ -343,14 +343,16 @@ def test_forks_of_a_hybrid_model_share_the_prompt_in_every_group(caching):
         for kid in kids:
             assert kid.tables[g][:full] == shared and kid.tables[g][full] != parent.tables[g][full]
         held = [b for b in shared if b]
-        assert held and all(mgr.refs.holders(b) == 3 for b in held)
+        assert held and all(mgr.pool.ref_count(b) == 3 for b in held)
     if not caching:  # no cached copies: the parent's blocks plus one copy per fork per group
         for g, group in enumerate(eng.cache.groups):
             assert group.num_used_blocks - used[g] == len(set(parent.tables[g]) - {0}) + 2
     eng.run()
     assert [got[r] for r in rids] == singles
     assert eng.fork_fallbacks == 0
-    assert all(len(m.refs) == 0 for m in eng.kv.managers)
+    assert all(p.num_held_blocks == 0 for p in eng.kv.pools)
+    for p in eng.kv.pools:
+        p.check()
     check_group_accounting(eng)
     eng.close()
     pool.close()

@@ -333,9 +333,9 @@ def test_a_popular_prefix_survives_a_burst_only_under_lfu(policy):
     pc = PrefixCache(cache, 8 * BS, policy=policy)  # room for 8 idle blocks
     system = list(range(4 * BS))
     for _ in range(5):  # a popular system prompt, hit again and again
-        pc.release(hold_prefix(pc, cache, system))
+        pc.pool.free_blocks(hold_prefix(pc, cache, system))
     for i in range(8):  # then a burst of one-off prompts, 1 block each
-        pc.release(hold_prefix(pc, cache, [1000 + i] * BS))
+        pc.pool.free_blocks(hold_prefix(pc, cache, [1000 + i] * BS))
     kept = pc.lookup(hash_blocks(system, BS, b""))
     assert kept == (4 if policy == "lfu" else 0)
     assert pc.num_evictable_blocks <= 8

@@ -48,7 +48,7 @@ def test_bound_semantics():
         pc = PrefixCache(c, bound)
         blocks = hold_prefix(pc, c, toks)
         assert pc.num_cached_blocks == (0 if bound == 0 else 4)
-        pc.release(blocks)
+        pc.pool.free_blocks(blocks)
         assert pc.num_evictable_blocks == kept
         assert c.num_used_blocks == kept  # the rest went back to the cache at once
         again = pc.match(hash_blocks(toks, BS, b""))
@@ -68,13 +68,13 @@ def test_ref_counts_and_sharing():
     b = hold_prefix(pc, c, list(range(40)))  # shares a's first two blocks
     assert b[:2] == a[:2] and b[2] != a[2]
     assert pc.ref_count(a[0]) == 2 and pc.ref_count(a[2]) == 1
-    pc.release(a)
+    pc.pool.free_blocks(a)
     assert pc.ref_count(a[0]) == 1 and pc.num_evictable_blocks == 1  # a's third block
     assert pc.evict(10) == 1  # only idle blocks can go
-    pc.release(b)
+    pc.pool.free_blocks(b)
     assert pc.ref_count(a[0]) == 0
     with pytest.raises(ValueError, match="released more often"):
-        pc.release(b[:1])
+        pc.pool.free_blocks(b[:1])
     assert pc.reset() == 2 and c.num_used_blocks == 0
     assert pool.stats()["mapped_pages"] == 0
     pool.close()
@@ -92,7 +92,7 @@ def test_page_aware_eviction_frees_whole_pages():
         # Request i's 8 blocks are interleaved with the others' in allocation order? Make
         # them so: release in an order where LRU age runs across pages (stride 8).
         for s in seqs:
-            pc.release(s)
+            pc.pool.free_blocks(s)
         for blocks in zip(*seqs, strict=True):  # touch in stride order: LRU runs across pages
             for b in blocks:
                 pc.policy.touch(b)
@@ -108,7 +108,7 @@ def test_isolation_by_salt_and_tenant():
     pc = PrefixCache(c, -1)
     toks = list(range(33))
     blocks = hold_prefix(pc, c, toks, extra_key_bytes("a", None, None))
-    pc.release(blocks)
+    pc.pool.free_blocks(blocks)
     for extra in (extra_key_bytes("a", "s1", None), extra_key_bytes("b", None, None)):
         assert pc.match(hash_blocks(toks, BS, extra)) == []
     assert len(pc.match(hash_blocks(toks, BS, extra_key_bytes("a", None, None)))) == 2
@@ -137,13 +137,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         except kv.PoolExhausted:
             hs = hash_blocks(toks, BS, b"")
             # A failed sequence gives back what it matched (like a failed admission).
-            self.pc.release(self.pc.match(hs))
+            self.pc.pool.free_blocks(self.pc.match(hs))
             self.pc.evict(8)
 
     @rule(i=st.integers(0, 50))
     def release(self, i):
         if self.held:
-            self.pc.release(self.held.pop(i % len(self.held)))
+            self.pc.pool.free_blocks(self.held.pop(i % len(self.held)))
 
     @rule(n=st.integers(1, 40), page_aware=st.booleans())
     def evict(self, n, page_aware):
@@ -166,6 +166,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert pc.ref_count(b) == refs.get(b, 0) >= 0
             assert c.is_allocated(b)  # never both free and cached
             assert pc.is_evictable(b) == (pc.ref_count(b) == 0)
+        assert all(pc.pool.ref_count(b) == n for b, n in refs.items())  # one count each
+        pc.pool.check()
         live = set(refs) | set(pc.cached_blocks())
         assert c.num_used_blocks == len(live)
         pages = {b // c.blocks_per_page for b in live}

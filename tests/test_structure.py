@@ -313,8 +313,8 @@ def test_the_kv_manager_asks_group_managers_and_never_branches_on_a_group_type()
     assert not named & {"windows", "window", "kind", "SlidingWindowManager"}, named
     kinds = {c.kind for c in (m.FullAttentionManager, m.SlidingWindowManager)}
     assert kinds == {"full", "sliding"}
-    assert m.make_manager(0, _FakeGroup(), 16, None, print).kind == "full"
-    assert m.make_manager(8, _FakeGroup(), 16, None, print).window == 8
+    assert m.make_manager(0, _FakeGroup(), 16, None).kind == "full"
+    assert m.make_manager(8, _FakeGroup(), 16, None).window == 8
 
 
 class _FakeGroup:

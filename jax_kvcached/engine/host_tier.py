@@ -126,12 +126,7 @@ class HostTier:
             self.hit_tokens += blocks * block_size
             self.restores += 1
 
-    def preload(
-        self,
-        max_blocks: int,
-        free: Callable[[list[int], int], None],
-        wait_fence: Callable[[], None],
-    ) -> list[int]:
+    def preload(self, max_blocks: int, wait_fence: Callable[[], None]) -> list[int]:
         """Copies each group's most-hit blocks back to the device (parents before
         children on equal hits), up to ``max_blocks`` cached blocks per group, into
         memory the model can map now without evicting or reclaiming anything; they join
@@ -146,7 +141,7 @@ class HostTier:
                 continue
             picks.sort(key=lambda x: x[2])  # chain order: parents first
             try:
-                blocks = self.cache.groups[g].alloc(len(picks)).tolist()
+                blocks = pc.pool.alloc(len(picks))  # (held: copied into, then idle)
             except PoolExhausted:  # another tenant took the room meanwhile
                 continue
             wait_fence()
@@ -154,12 +149,12 @@ class HostTier:
                 hc.preload([h for h, _, _ in picks], blocks)
             except KVCacheError as err:
                 log.warning("%r: preloading from the host tier failed (%s)", self.cache.name, err)
-                free(blocks, g)
+                pc.pool.free_blocks(blocks)
                 continue
             for (h, hits, depth), b in zip(picks, blocks, strict=True):
                 pc.insert(h, b, depth, hits)
                 self._writer[(g, b)] = None
-            pc.release(blocks)  # idle: evictable like any cached prefix
+            pc.pool.free_blocks(blocks)  # idle: evictable like any cached prefix
             done[g] = len(blocks)
         return done
 

@@ -12,8 +12,9 @@ and never branches on a type:
 - :meth:`KVGroupManager.remove_skipped_blocks`: what a sequence lets go of as it advances.
 
 What every type shares lives in the base class: a table's blocks are held, shared with a
-fork (reference counts, :class:`BlockRefs`) and released (to the group's prefix cache, or
-freed). A new group type (an MLA latent plane, a recurrent state slot) is one new class.
+fork and released through the group's :class:`~jax_kvcached.engine.block_pool.BlockPool`
+(the one reference count per block: a block whose last holder lets go stays cached, idle,
+or is freed). A new group type (an MLA latent plane, a recurrent state slot) is one new class.
 
 Types: :class:`FullAttentionManager` (every block of the context, a hit is a contiguous
 prefix), :class:`SlidingWindowManager` (only the blocks of the last ``window``
@@ -29,48 +30,8 @@ import abc
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jax_kvcached.engine.block_pool import BlockPool
 from jax_kvcached.engine.kv_groups import RECURRENT
-from jax_kvcached.engine.prefix_cache import PrefixCache
-
-
-class BlockRefs:
-    """Reference counts of blocks shared between sequences of one group (``n`` forks of a
-    prompt): a block's count is the holders it has beyond the sequence that took it
-    (from the allocator or the prefix cache, which keeps its own count). Only the last
-    holder releases a block."""
-
-    def __init__(self) -> None:
-        self._extra: dict[int, int] = {}
-
-    def share(self, blocks: Sequence[int]) -> None:
-        """One more holder of each (non-null) block."""
-        for b in blocks:
-            if b:
-                self._extra[b] = self._extra.get(b, 0) + 1
-
-    def drop(self, blocks: Sequence[int]) -> list[int]:
-        """One holder fewer of each block; returns the (non-null) blocks whose last
-        holder that was, in order: the caller releases them."""
-        out = []
-        for b in blocks:
-            if not b:
-                continue
-            n = self._extra.get(b, 0)
-            if n == 0:
-                out.append(b)
-            elif n == 1:
-                del self._extra[b]
-            else:
-                self._extra[b] = n - 1
-        return out
-
-    def holders(self, block: int) -> int:
-        """Sequences holding ``block`` (given at least one does)."""
-        return 1 + self._extra.get(block, 0)
-
-    def __len__(self) -> int:
-        """Blocks held by more than one sequence."""
-        return len(self._extra)
 
 
 class KVGroupManager(abc.ABC):
@@ -79,8 +40,7 @@ class KVGroupManager(abc.ABC):
     Args:
       group: the memory layer's group (``cache.groups[g]``).
       block_size: tokens per block.
-      prefix_cache: the group's prefix cache (None: no caching).
-      free: frees blocks of the group behind the engine's fence.
+      pool: the group's blocks and their reference counts.
     """
 
     kind = "abstract"
@@ -89,19 +49,11 @@ class KVGroupManager(abc.ABC):
     # tokens) and a hit is restored from a checkpoint (see RecurrentStateManager).
     holds_slot = False
 
-    def __init__(
-        self,
-        group: Any,
-        block_size: int,
-        prefix_cache: PrefixCache | None,
-        free: Callable[[list[int]], None],
-    ) -> None:
+    def __init__(self, group: Any, block_size: int, pool: BlockPool) -> None:
         self.group = group
         self.index: int = group.index
         self.block_size = block_size
-        self.prefix_cache = prefix_cache
-        self._free = free
-        self.refs = BlockRefs()
+        self.pool = pool
 
     # -- the type's rules ----------------------------------------------------------------
     @abc.abstractmethod
@@ -142,17 +94,13 @@ class KVGroupManager(abc.ABC):
 
     def share(self, table: Sequence[int]) -> list[int]:
         """A copy of ``table`` for a fork: its blocks gain a holder (null blocks stay)."""
-        self.refs.share(table)
+        self.pool.touch(table)
         return list(table)
 
     def release(self, table: Sequence[int], *, keep: bool = True) -> None:
-        """A sequence lets go of ``table``: blocks it held last go back to the prefix
-        cache (cached ones stay, idle, unless ``keep`` is False) or are freed."""
-        last = self.refs.drop(table)
-        if self.prefix_cache is not None:
-            self.prefix_cache.release(last, keep=keep)
-        elif last:
-            self._free(last)
+        """A sequence lets go of ``table``: blocks it held last stay cached, idle
+        (unless ``keep`` is False), or are freed."""
+        self.pool.free_blocks(table, keep=keep)
 
 
 class FullAttentionManager(KVGroupManager):
@@ -283,8 +231,7 @@ def make_manager(
     window: int,
     group: Any,
     block_size: int,
-    prefix_cache: PrefixCache | None,
-    free: Callable[[list[int]], None],
+    pool: BlockPool,
     *,
     slot_blocks: int = 0,
     interval: int = 0,
@@ -293,8 +240,8 @@ def make_manager(
     ``kv_groups.RECURRENT``: a recurrent group of ``slot_blocks``-block state slots,
     checkpointed every ``interval`` tokens)."""
     if window == RECURRENT:
-        return RecurrentStateManager(group, block_size, prefix_cache, free,
-                                     slot_blocks=slot_blocks, interval=interval)  # fmt: skip
+        return RecurrentStateManager(group, block_size, pool, slot_blocks=slot_blocks,
+                                     interval=interval)  # fmt: skip
     if window:
-        return SlidingWindowManager(group, block_size, prefix_cache, free, window=window)
-    return FullAttentionManager(group, block_size, prefix_cache, free)
+        return SlidingWindowManager(group, block_size, pool, window=window)
+    return FullAttentionManager(group, block_size, pool)

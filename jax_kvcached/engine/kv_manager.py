@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 
+from jax_kvcached.engine.block_pool import BlockPool
 from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.host_cache import HostCache
 from jax_kvcached.engine.host_tier import HostTier
@@ -102,6 +103,9 @@ class KVManager(StateCheckpoints):
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
         self._fence: Any = None
+        # One block pool per group: the one reference count of each of its blocks.
+        self.pools = [BlockPool(g, lambda blocks, g=g: self._free(blocks, g.index))
+                      for g in self.groups]  # fmt: skip
         # One prefix cache per group (blocks are per group); the first is the one the
         # engine reports, its bound applies to each.
         self.prefix_caches: list[PrefixCache] = (
@@ -110,7 +114,7 @@ class KVManager(StateCheckpoints):
                     g,
                     max_cached_tokens,
                     policy=eviction,
-                    free=lambda blocks, g=g: self._free(blocks, g.index),
+                    pool=self.pools[g.index],
                     evicted=lambda hashes, blocks, g=g: self._spill(hashes, blocks, g.index),
                 )  # fmt: skip
                 for g in self.groups
@@ -123,10 +127,8 @@ class KVManager(StateCheckpoints):
         )
         # One manager per group, of its type (full attention, a sliding window).
         self.managers: list[KVGroupManager] = [
-            make_manager(w, g, self.block_size,
-                         self.prefix_caches[g.index] if self.prefix_caches else None,
-                         lambda blocks, g=g: self._free(blocks, g.index),
-                         slot_blocks=slot_blocks, interval=state_interval)  # fmt: skip
+            make_manager(w, g, self.block_size, self.pools[g.index], slot_blocks=slot_blocks,
+                         interval=state_interval)  # fmt: skip
             for g, w in zip(self.groups, self.windows, strict=True)
         ]
         self.state_restores = 0  # (StateCheckpoints: resumed from a checkpoint)
@@ -162,6 +164,7 @@ class KVManager(StateCheckpoints):
         self._fence = arrays
 
     def _free(self, blocks: list[int], group: int = 0) -> None:
+        """Gives blocks back to the allocator behind the fence (the pools' way out)."""
         self.groups[group].free(blocks, after=self._fence)
 
     def _wait_fence(self) -> None:
@@ -225,7 +228,7 @@ class KVManager(StateCheckpoints):
                     continue
                 blocks = tier.restore(g, [k[i] for i in missing],
                                       lambda c, g=g: self._alloc_fenced(c, g),
-                                      lambda got, g=g: self._free(got, g))  # fmt: skip
+                                      self.pools[g].free_blocks)  # fmt: skip
                 for i, b in zip(missing, blocks, strict=False):
                     f[i] = b
                     tier.cache_restored(g, k[i], b, i)
@@ -244,7 +247,7 @@ class KVManager(StateCheckpoints):
                 m -= 1
             for mgr, f in zip(self.managers, found, strict=True):
                 lo = 0 if mgr.holds_slot and m < n else (len(f) if mgr.holds_slot else m)
-                self.prefix_caches[mgr.index].release([b for b in f[lo:] if b is not None])
+                self.pools[mgr.index].free_blocks([b for b in f[lo:] if b is not None])
                 del f[lo:]
             tier.counted(len([i for i in restored_at if i < m]), self.block_size)
             n = m
@@ -268,7 +271,7 @@ class KVManager(StateCheckpoints):
         preempting."""
         while True:
             try:
-                return self.groups[group].alloc(n).tolist()
+                return self.pools[group].alloc(n)
             except PoolExhausted:
                 if self.prefix_caches and self.prefix_caches[group].evict(n) > 0:
                     continue
@@ -295,7 +298,7 @@ class KVManager(StateCheckpoints):
             return [0] * len(self.groups)
         bound = self.prefix_cache.max_cached_tokens
         budget = (max_tokens if bound < 0 else min(max_tokens, bound)) // self.block_size
-        return self.host_tier.preload(budget, self._free, self._wait_fence)
+        return self.host_tier.preload(budget, self._wait_fence)
 
     # -- arithmetic ------------------------------------------------------------------------
     @property
@@ -434,7 +437,7 @@ class KVManager(StateCheckpoints):
                 new = self._alloc(1, mgr.index)
                 if new is None:
                     for g, _, dst in copies:
-                        self._free([dst], g)
+                        self.pools[g].free_blocks([dst])
                     return None
                 copies.append((mgr.index, table[full], new[0]))
         child.tables = [

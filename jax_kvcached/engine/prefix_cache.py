@@ -2,9 +2,11 @@
 
 A full block's hash is ``sha256(parent_hash || block_token_ids || extra_keys)``; extra keys
 (tenant / model, per-request ``cache_salt``, adapter id) make different tenants or salts
-never share a block. Cached blocks carry a reference count: blocks in use by sequences
-(ref > 0) are never evicted; blocks with ref 0 stay cached, evictable in the order of an
-eviction policy (``eviction.py``: LRU by default, a chain's tail first), bounded by
+never share a block. The cache is the hash index and the eviction order over its group's
+:class:`~jax_kvcached.engine.block_pool.BlockPool`, which keeps the one reference count
+per block: blocks in use (count > 0) are never evicted; blocks whose count falls to 0
+stay cached, evictable in the order of an eviction policy (``eviction.py``: LRU by
+default, a chain's tail first), bounded by
 ``max_cached_tokens`` (``KVCACHED_MAX_CACHED_TOKENS``: -1 unlimited, 0 no cross-request
 reuse, N tokens of idle cached blocks). Under allocation pressure
 :meth:`PrefixCache.evict` picks victims page-aware, so evictions empty whole pages that
@@ -21,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_kvcached.engine.block_pool import BlockPool
 from jax_kvcached.engine.eviction import EvictionPolicy, make_policy
 from jax_kvcached.memory.config import Config
 from jax_kvcached.memory.kv_cache import KVCache
@@ -53,15 +56,16 @@ def hash_blocks(
 
 
 class PrefixCache:
-    """hash -> block of one KVCache, with reference counts and bounded eviction.
+    """hash -> block of one KV cache group, and the bounded eviction of idle blocks.
 
     Args:
-      cache: the KV cache whose blocks are cached.
+      cache: the KV cache (group) whose blocks are cached.
       max_cached_tokens: the bound on idle cached tokens (default
         ``KVCACHED_MAX_CACHED_TOKENS``).
       policy: the eviction order, ``"lru"``, ``"lfu"`` or an EvictionPolicy.
-      free: frees blocks that leave the cache (default ``cache.free``; the KV manager
-        passes one that fences the unmap behind the last dispatched step).
+      pool: the group's block pool (its reference counts; default a pool of ``cache``
+        freeing with ``cache.free``). Blocks leave the cache through its
+        ``free_to_allocator``.
       evicted: called with (hashes, blocks) of evicted blocks before they are freed (the
         KV manager copies them to its host tier); not called by :meth:`reset`.
     """
@@ -72,7 +76,7 @@ class PrefixCache:
         max_cached_tokens: int | None = None,
         *,
         policy: str | EvictionPolicy = "lru",
-        free: Callable[[list[int]], None] | None = None,
+        pool: BlockPool | None = None,
         evicted: Callable[[list[bytes], list[int]], None] | None = None,
     ) -> None:
         if max_cached_tokens is None:
@@ -83,11 +87,13 @@ class PrefixCache:
         self.block_size = cache.block_size
         self.max_cached_tokens = max_cached_tokens
         self.policy = make_policy(policy)
-        self._free = free or cache.free
+        self.pool = pool if pool is not None else BlockPool(cache)
+        if self.pool.cache is not None:
+            raise ValueError("this block pool has a prefix cache already")
+        self.pool.cache = self
         self._evicted = evicted
         self._block_of: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
-        self._ref: dict[int, int] = {}
         self._hits: dict[int, int] = {}  # takes per cached block (the preload's ranking)
         self._depth: dict[int, int] = {}  # index in its chain per cached block
         self.queries = 0  # tokens looked up
@@ -133,7 +139,8 @@ class PrefixCache:
         return block in self.policy
 
     def ref_count(self, block: int) -> int:
-        return self._ref.get(block, 0)
+        """The block's holders (its pool's count)."""
+        return self.pool.ref_count(block)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -161,7 +168,8 @@ class PrefixCache:
         return n
 
     def match(self, hashes: Sequence[bytes]) -> list[int]:
-        """The blocks of the longest cached prefix of ``hashes``; takes a ref on each."""
+        """The blocks of the longest cached prefix of ``hashes``; holds each (the
+        caller frees them through the pool)."""
         self.queries += len(hashes) * self.block_size
         out: list[int] = []
         if not self.enabled:
@@ -184,16 +192,19 @@ class PrefixCache:
         return self._depth.get(block, 0)
 
     def _take(self, block: int) -> None:
-        """A new request holds a cached block: a ref and a hit."""
+        """A new request holds a cached block: a holder and a hit."""
         self._hits[block] = self._hits.get(block, 0) + 1
-        self._ref[block] += 1
-        self.policy.on_busy(block)
+        self.pool.touch([block])
         self.policy.on_hit(block)
         self.hits += self.block_size
 
+    def busy(self, block: int) -> None:
+        """(The pool:) an idle cached block is held again."""
+        self.policy.on_busy(block)
+
     def match_each(self, hashes: Sequence[bytes], n: int, skip: int = 0) -> list[int | None]:
         """One entry per hash of the first ``n`` of ``hashes``: its cached block, with a
-        ref taken, or None where it is not cached (the caller fills the gaps, e.g. from
+        holder added, or None where it is not cached (the caller fills the gaps, e.g. from
         the host tier). Counts the lookup of all ``hashes``. ``skip``: the first entries
         a hit covers without a block (a sliding window's, below it): None, not looked
         up, counted as hits."""
@@ -207,19 +218,17 @@ class PrefixCache:
         return out
 
     def insert(self, h: bytes, block: int, depth: int = 0, hits: int = 0) -> bool:
-        """Registers a computed full block held (ref 1) by one sequence (``depth``: its
-        index in its chain; ``hits``: takes it had before, e.g. in the host tier).
-        Returns False (and changes nothing) when caching is off or the hash is already
-        cached."""
+        """Registers a computed full block that someone holds (``depth``: its index in
+        its chain; ``hits``: takes it had before, e.g. in the host tier). Returns False
+        (and changes nothing) when caching is off or the hash is already cached."""
         if not self.enabled or h in self._block_of:
             return False
         if block in self._hash_of:
             raise ValueError(f"block {block} is already cached under another hash")
-        if not self.cache.is_allocated(block):
-            raise ValueError(f"block {block} is not allocated")
+        if not self.pool.ref_count(block):
+            raise ValueError(f"block {block} is not held (only a held block is cached)")
         self._block_of[h] = block
         self._hash_of[block] = h
-        self._ref[block] = 1
         self._depth[block] = depth
         if hits:
             self._hits[block] = hits
@@ -228,29 +237,21 @@ class PrefixCache:
             self.listener.stored([h])
         return True
 
-    def release(self, blocks: Sequence[int], *, keep: bool = True) -> None:
-        """A sequence lets go of its blocks (in chain order): cached ones lose a ref and
-        stay cached when it reaches 0 (the chain's tail becomes idle first); the others
-        are freed at once. ``keep=False``: cached blocks no one holds any more leave the
-        cache and are freed too (a sliding window's blocks left behind)."""
+    def idle(self, blocks: Sequence[int], *, keep: bool = True) -> None:
+        """(The pool:) ``blocks`` lost their last holder, the chain's tail first. Cached
+        ones become idle (evictable), or leave the cache when not ``keep``; the others
+        are freed at once. Then the bound is enforced."""
         uncached, dropped = [], []
-        for block in reversed(blocks):  # tail first: evicted before its parents
+        for block in blocks:
             if block in self._hash_of:
-                ref = self._ref[block] - 1
-                if ref < 0:
-                    raise ValueError(f"block {block} released more often than taken")
-                self._ref[block] = ref
-                if ref == 0 and keep:
-                    self.policy.on_idle(block)
-                elif ref == 0:
+                self.policy.on_idle(block)  # (the policy removes idle blocks only)
+                if not keep:
                     dropped.append(block)
             else:
                 uncached.append(block)
-        for block in dropped:
-            self.policy.on_idle(block)  # (the policy removes idle blocks only)
         self._forget(dropped)
         if uncached or dropped:
-            self._free(uncached + dropped)
+            self.pool.free_to_allocator(uncached + dropped)
         self._enforce_bound()
 
     # -- eviction --------------------------------------------------------------------
@@ -261,7 +262,6 @@ class PrefixCache:
         for block in blocks:
             self.policy.on_remove(block)
             del self._block_of[self._hash_of.pop(block)]
-            del self._ref[block]
             self._depth.pop(block, None)
             self._hits.pop(block, None)
 
@@ -271,7 +271,7 @@ class PrefixCache:
             self._evicted([self._hash_of[b] for b in blocks], blocks)
         self._forget(blocks)
         if blocks:
-            self._free(blocks)
+            self.pool.free_to_allocator(blocks)
             self.evictions += len(blocks)
         return len(blocks)
 

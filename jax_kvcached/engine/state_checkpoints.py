@@ -32,6 +32,7 @@ class StateCheckpoints:
     ``managers``, ``prefix_caches``, ``host_tier``, fence and allocation methods)."""
 
     managers: list[Any]
+    pools: list[Any]
     prefix_caches: list[Any]
     host_tier: Any
     block_size: int
@@ -62,7 +63,7 @@ class StateCheckpoints:
             if seq.state_ck is not None:
                 if seq.state_ck[1] == c:
                     return  # (planned by an earlier try of this step)
-                self._free(seq.state_ck[0], mgr.index)
+                self.pools[mgr.index].free_blocks(seq.state_ck[0])
                 seq.state_ck = None
             if not c:
                 return
@@ -76,10 +77,10 @@ class StateCheckpoints:
     def _release_state(self, seq: Sequence, group: int) -> None:
         """Lets go of a sequence's checkpoint source and unwritten checkpoint."""
         if seq.state_src:
-            self.prefix_caches[group].release(seq.state_src)
+            self.pools[group].free_blocks(seq.state_src)
             seq.state_src = []
         if seq.state_ck is not None:
-            self._free(seq.state_ck[0], group)
+            self.pools[group].free_blocks(seq.state_ck[0])
             seq.state_ck = None
 
     def _state_computed(self, seq: Sequence, group: int) -> None:
@@ -88,7 +89,7 @@ class StateCheckpoints:
         the cache."""
         pc = self.prefix_caches[group] if self.prefix_caches else None
         if seq.state_src:
-            pc.release(seq.state_src)
+            self.pools[group].free_blocks(seq.state_src)
             seq.state_src = []
         if seq.state_ck is None or seq.state_ck[1] > seq.num_computed:
             return
@@ -98,7 +99,7 @@ class StateCheckpoints:
         h = self._hashes(seq, c // self.block_size)[-1]
         keys = mgr.keys(h)
         if not all(pc.block_of(k) is None for k in keys):
-            self._free(blocks, group)  # (another sequence cached it first)
+            self.pools[group].free_blocks(blocks)  # (another sequence cached it first)
             return
         for j, (k, b) in enumerate(zip(keys, blocks, strict=True)):
             if self.events is not None:  # (the state after prefix h: no tokens of its own)
@@ -106,4 +107,4 @@ class StateCheckpoints:
             pc.insert(k, b, j)
             if self.host_tier is not None:
                 self.host_tier.wrote(group, b, self._fence)
-        pc.release(blocks)
+        self.pools[group].free_blocks(blocks)  # idle: the cache keeps them
