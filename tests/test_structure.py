@@ -297,9 +297,11 @@ def test_the_package_reexports_the_public_api():
 
 
 def test_the_kv_manager_asks_group_managers_and_never_branches_on_a_group_type():
-    """Group types differ only in their manager class (engine/kv_group_managers.py): the
-    KV manager has no condition on a window or a group kind, and each type is a class."""
+    """Group types differ only in their manager class (engine/kv_group_managers.py):
+    the KV manager has no condition on a window, a group kind or a manager's class,
+    and each type is a class."""
     from jax_kvcached.engine import kv_group_managers as m
+    from jax_kvcached.engine.kv_group_managers import RecurrentStateManager, make_manager
 
     tree = ast.parse((PKG / "engine" / "kv_manager.py").read_text())
     methods = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
@@ -310,11 +312,15 @@ def test_the_kv_manager_asks_group_managers_and_never_branches_on_a_group_type()
     assert len(methods) > 20 and tests
     named = {x.attr if isinstance(x, ast.Attribute) else getattr(x, "id", None)
              for t in tests for x in ast.walk(t)}  # fmt: skip
-    assert not named & {"windows", "window", "kind", "SlidingWindowManager"}, named
-    kinds = {c.kind for c in (m.FullAttentionManager, m.SlidingWindowManager)}
-    assert kinds == {"full", "sliding"}
-    assert m.make_manager(0, _FakeGroup(), 16, None).kind == "full"
-    assert m.make_manager(8, _FakeGroup(), 16, None).window == 8
+    assert not named & {"windows", "window", "kind", "holds_slot", "SlidingWindowManager",
+                        "RecurrentStateManager", "isinstance"}, named  # fmt: skip
+    kinds = {c.kind for c in (m.FullAttentionManager, m.SlidingWindowManager,
+                              RecurrentStateManager)}  # fmt: skip
+    assert kinds == {"full", "sliding", "recurrent"}
+    assert make_manager(0, _FakeGroup(), 16, None).kind == "full"
+    assert make_manager(8, _FakeGroup(), 16, None).window == 8
+    assert make_manager(-1, _FakeGroup(), 16, None, slot_blocks=2, interval=64).kind == (
+        "recurrent")  # fmt: skip
 
 
 class _FakeGroup:

@@ -23,13 +23,13 @@ KV cache groups (a cache of several: hybrid models): each group has its own bloc
 per sequence, its own prefix cache (a block's key is its hash within its group) and one
 manager of its type (:mod:`jax_kvcached.engine.kv_group_managers`), which holds the
 rules that differ: which blocks a query sees, the hit rule, the blocks a sequence holds
-at once, what it lets go of as it advances. This class asks every manager alike; a hit
-is the longest prefix every group's rule agrees on. A *slot* group (recurrent state:
-``RecurrentStateManager.holds_slot``) holds a fixed state slot per sequence instead of a
-block per block of tokens; its cached entries are state checkpoints, planned where a
-step crosses a checkpoint position (:meth:`grow`), cached once it is dispatched
-(:meth:`computed`), and read in place by a hit's first step. Forks share their parent's prompt
-blocks in every group (the managers' reference counts); the host tier is
+at once, what it lets go of as it advances, how a hit is taken and what a step's
+progress caches. This class asks every manager alike and never branches on a type; a
+hit is the longest prefix every group's rule agrees on. A recurrent group
+(``kv_group_managers.RecurrentStateManager``) holds a fixed state slot per sequence and
+owns its state checkpoints. Each group's blocks and their one reference count are its
+:class:`~jax_kvcached.engine.block_pool.BlockPool`: forks share their parent's prompt
+blocks in every group with a ``touch``. The host tier is
 :class:`~jax_kvcached.engine.host_tier.HostTier`.
 """
 
@@ -46,16 +46,16 @@ from jax_kvcached.engine.eviction import EvictionPolicy
 from jax_kvcached.engine.host_cache import HostCache
 from jax_kvcached.engine.host_tier import HostTier
 from jax_kvcached.engine.kv_events import KVEventLog
-from jax_kvcached.engine.kv_group_managers import KVGroupManager, make_manager
+from jax_kvcached.engine.kv_group_managers import GroupServices, KVGroupManager, make_manager
 from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.prefix_cache import PrefixCache, hash_blocks
+from jax_kvcached.engine.prefix_hits import PrefixHits
 from jax_kvcached.engine.sequence import Sequence
-from jax_kvcached.engine.state_checkpoints import StateCheckpoints
 from jax_kvcached.memory.errors import PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
 
 
-class KVManager(StateCheckpoints):
+class KVManager:
     """Blocks of one KV cache for the sequences of one engine.
 
     Args:
@@ -125,22 +125,44 @@ class KVManager(StateCheckpoints):
         self.prefix_cache: PrefixCache | None = (
             self.prefix_caches[0] if self.prefix_caches else None
         )
-        # One manager per group, of its type (full attention, a sliding window).
+        self.events = events
+        # One manager per group, of its type (full attention, a sliding window, state).
         self.managers: list[KVGroupManager] = [
-            make_manager(w, g, self.block_size, self.pools[g.index], slot_blocks=slot_blocks,
+            make_manager(w, g, self.block_size, self.pools[g.index],
+                         self.prefix_caches[g.index] if self.prefix_caches else None,
+                         self._services(g.index), slot_blocks=slot_blocks,
                          interval=state_interval)  # fmt: skip
             for g, w in zip(self.groups, self.windows, strict=True)
         ]
-        self.state_restores = 0  # (StateCheckpoints: resumed from a checkpoint)
-        self.state_recomputes = 0  # (or recomputed from token 0)
         # The host tier (None without one).
         self.host_tier: HostTier | None = None
         if host_cache_blocks and self.caching:
             self.host_tier = HostTier(cache, host_cache_blocks, self.prefix_caches,
                                       lambda: self._fence)  # fmt: skip
-        self.events = events
         if events is not None:
             events.attach(self.prefix_caches, self.host_caches)
+        self.hits = PrefixHits(self.managers, self.prefix_caches, self.pools, self.host_tier,
+                               self._has, self._alloc_fenced, self.block_size)  # fmt: skip
+
+    def _services(self, g: int) -> GroupServices:
+        """What group ``g``'s manager may ask of this manager."""
+
+        def wrote(block: int) -> None:
+            if self.host_tier is not None:
+                self.host_tier.wrote(g, block, self._fence)
+
+        return GroupServices(lambda n: self._alloc(n, g), lambda h: self._has(g, h), wrote,
+                             self.events)  # fmt: skip
+
+    @property
+    def state_restores(self) -> int:
+        """Preempted sequences of a recurrent model resumed from a state checkpoint."""
+        return sum(getattr(m, "restores", 0) for m in self.managers)
+
+    @property
+    def state_recomputes(self) -> int:
+        """Preempted sequences of a recurrent model recomputed from token 0."""
+        return sum(getattr(m, "recomputes", 0) for m in self.managers)
 
     @property
     def host_caches(self) -> list[HostCache]:
@@ -183,79 +205,6 @@ class KVManager(StateCheckpoints):
         if self.prefix_caches[group].block_of(h) is not None:
             return True
         return self.host_tier is not None and self.host_tier.ready(group, h)
-
-    def _hit(self, hashes: list[bytes]) -> tuple[int, list[int]]:
-        """(n, on_device): the longest prefix (in blocks) of ``hashes`` every group's
-        hit rule accepts (on the device or from its host tier), and per group how many of
-        the blocks it needs are on the device. Page-aware eviction empties whole pages,
-        so device and host blocks of a chain may alternate."""
-        n = len(hashes)
-        while True:  # each rule only shortens the hit: until every group agrees
-            m = n
-            for mgr in self.managers:
-                m = mgr.hit_length(hashes, m, lambda h, g=mgr.index: self._has(g, h))
-            if m == n:
-                break
-            n = m
-        on_device = [
-            sum(pc.block_of(k) is not None for k in mgr.hit_keys(hashes, n))
-            for mgr, pc in zip(self.managers, self.prefix_caches, strict=True)
-        ]
-        return n, on_device
-
-    def _take(self, hashes: list[bytes], n: int) -> tuple[list[list[int]], int, list[int]]:
-        """Each group's table for a hit of ``n`` blocks (see :meth:`_hit`), its blocks
-        held (the null block below what a group needs): device ones matched, host ones
-        restored into new blocks and cached. A slot group's table starts empty and its
-        checkpoint's blocks are held as the source its first step reads. When memory or
-        a copy fails a restore, the hit shrinks to the longest prefix every group still
-        holds (a slot group: its checkpoint whole, or none). Returns the tables, the hit
-        and the checkpoint's blocks (empty: none)."""
-        keys = [mgr.hit_keys(hashes, n) if mgr.holds_slot else hashes
-                for mgr in self.managers]  # fmt: skip
-        found = [
-            pc.match_each(k, len(k)) if mgr.holds_slot
-            else pc.match_each(hashes, n, skip=mgr.hit_start(n))
-            for mgr, pc, k in zip(self.managers, self.prefix_caches, keys, strict=True)
-        ]  # fmt: skip
-        tier = self.host_tier
-        if tier is not None:
-            restored_at: set[int] = set()
-            for mgr, f, k in zip(self.managers, found, keys, strict=True):
-                g, lo = mgr.index, 0 if mgr.holds_slot else mgr.hit_start(n)
-                missing = [i for i in range(lo, len(f)) if f[i] is None]
-                if not missing:
-                    continue
-                blocks = tier.restore(g, [k[i] for i in missing],
-                                      lambda c, g=g: self._alloc_fenced(c, g),
-                                      self.pools[g].free_blocks)  # fmt: skip
-                for i, b in zip(missing, blocks, strict=False):
-                    f[i] = b
-                    tier.cache_restored(g, k[i], b, i)
-                    if not mgr.holds_slot:
-                        restored_at.add(i)
-
-            def whole(mgr: KVGroupManager, f: list, m: int) -> bool:
-                if mgr.holds_slot:
-                    return m == 0 or (m == n and None not in f)
-                return None not in f[mgr.hit_start(m) : m]
-
-            m = n
-            while m > 0 and not all(
-                whole(mgr, f, m) for mgr, f in zip(self.managers, found, strict=True)
-            ):  # a restore fell short: (blocks below start(m) <= start(n) were never taken)
-                m -= 1
-            for mgr, f in zip(self.managers, found, strict=True):
-                lo = 0 if mgr.holds_slot and m < n else (len(f) if mgr.holds_slot else m)
-                self.pools[mgr.index].free_blocks([b for b in f[lo:] if b is not None])
-                del f[lo:]
-            tier.counted(len([i for i in restored_at if i < m]), self.block_size)
-            n = m
-        tables = [[] if mgr.holds_slot else [b or 0 for b in f]
-                  for mgr, f in zip(self.managers, found, strict=True)]  # fmt: skip
-        sources = [b for mgr, f in zip(self.managers, found, strict=True) if mgr.holds_slot
-                   for b in f]  # fmt: skip
-        return tables, n, sources
 
     def _alloc_fenced(self, n: int, group: int) -> list[int] | None:
         """:meth:`_alloc`, then waits until no dispatched step still reads the blocks
@@ -348,7 +297,7 @@ class KVManager(StateCheckpoints):
             hashes = self._hashes(seq, (seq.num_tokens - 1) // bs)
         while True:  # (evicting for room may evict the hit's own blocks: look again)
             # hit: blocks of each group the prefix gives without an allocation.
-            prefix, hit = self._hit(hashes) if self.caching else (0, [0] * ng)
+            prefix, hit = self.hits.longest(hashes) if self.caching else (0, [0] * ng)
             need = self._needs(seq, hit)
             short = [g for g in range(ng) if need[g] > self.available_blocks(g) - hit[g]]
             if not short:
@@ -382,12 +331,12 @@ class KVManager(StateCheckpoints):
         seq.inserted = [0] * ng
         seq.state_src, seq.state_ck = [], None
         if self.caching:
-            seq.tables, prefix, seq.state_src = self._take(hashes, prefix)
+            seq.tables, prefix = self.hits.take(seq, hashes, prefix)
             seq.inserted = [prefix] * ng
             seq.num_computed = prefix * bs
             seq.cached_tokens = seq.num_computed
-        if seq.preemptions and any(m.holds_slot for m in self.managers):
-            self._resumed(seq)
+        for mgr in self.managers:
+            mgr.admitted(seq)
         return seq.num_computed
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
@@ -404,16 +353,15 @@ class KVManager(StateCheckpoints):
             if blocks is None:
                 return False
             table.extend(blocks)
-        self._plan_checkpoint(seq, num_tokens)
+        for mgr in self.managers:
+            mgr.planned(seq, num_tokens, lambda k: self._hashes(seq, k))
         return True
 
     def release(self, seq: Sequence) -> None:
         """Lets go of seq's blocks: cached ones stay cached (idle), the rest are freed;
         blocks another forked sequence still holds stay with it."""
-        for mgr, table in zip(self.managers, seq.tables, strict=True):
-            mgr.release(table)
-            if mgr.holds_slot:
-                self._release_state(seq, mgr.index)
+        for mgr in self.managers:
+            mgr.release_sequence(seq)
         seq.tables = [[] for _ in seq.tables]
         seq.inserted = [0] * len(seq.tables)
 
@@ -426,7 +374,7 @@ class KVManager(StateCheckpoints):
         the child's first step (copy-on-write of that partial block); None when no
         memory can be had for it now (nothing changed)."""
         n, bs = parent.num_prompt, self.block_size
-        if any(m.holds_slot for m in self.managers):
+        if not all(m.forkable for m in self.managers):
             return None  # (a state is not shared: the child runs on its own, from a hit)
         if parent.num_computed < n or child.token_ids != parent.prompt or child.blocks:
             raise ValueError("fork needs a parent whose prompt is computed and a fresh child")
@@ -455,29 +403,9 @@ class KVManager(StateCheckpoints):
         """Records a step's progress; full blocks of known tokens join the prefix cache
         (a block holding a still-pending token joins when it arrives: call again)."""
         seq.num_computed = num_computed
-        for mgr in self.managers:
-            if mgr.holds_slot:
-                self._state_computed(seq, mgr.index)
-        if not self.caching:
-            return  # block hashes are only needed to share blocks
         full = min(num_computed, len(seq.token_ids)) // self.block_size
-        if min(seq.inserted) >= full:
-            return
-        hashes = self._hashes(seq, full)
-        for g, (pc, table) in enumerate(zip(self.prefix_caches, seq.tables, strict=True)):
-            if self.managers[g].holds_slot:
-                seq.inserted[g] = full
-                continue
-            for i in range(seq.inserted[g], full):
-                if not table[i]:  # a sliding group's block already gone below the window
-                    continue
-                if self.events is not None:
-                    self.events.describe(g, hashes[i], hashes[i - 1] if i else None,
-                                         seq.token_ids[i * self.block_size:][:self.block_size])
-                inserted = pc.insert(hashes[i], table[i], i)
-                if inserted and self.host_tier is not None:
-                    self.host_tier.wrote(g, table[i], self._fence)  # the newest step wrote it
-            seq.inserted[g] = full
+        for mgr in self.managers:
+            mgr.computed(seq, full, lambda k: self._hashes(seq, k))
 
     def _evict_pages(self, pages: int) -> int:
         """Evicts idle cached blocks, page-aware, group by group, until ``pages``
@@ -567,4 +495,4 @@ class KVManager(StateCheckpoints):
         """Gives the host tier's memory back."""
         if self.host_tier is not None:
             self.host_tier.close()
-            self.host_tier = None
+            self.host_tier = self.hits.host_tier = None
