@@ -415,8 +415,8 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
                 return None
             # The builder decides which rows sample, their logit entries and targets.
             prepared = self.runner.builder.prepare(out)
-            _, tokens = self.runner.execute(prepared)
-            self.kv.set_fence(self.runner.token)  # frees wait for this step from now on
+            result = self.runner.execute(prepared)
+            self.kv.set_fence(result.fence)  # frees wait for this step from now on
             self.steps += 1
             for x in out.scheduled:
                 s = x.seq
@@ -429,14 +429,14 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             if self.prefix_cache and self.steps % self.log_every == 0:
                 self.prefix_cache.log_stats()
             step = PendingStep([s for s, _ in prepared.sampling],
-                               tokens if prepared.sampling else None,
+                               result.tokens if prepared.sampling else None,
                                [i for _, i in prepared.sampling])  # fmt: skip
             step.decodes, step.started = out.num_decodes, started
             step.prompt_tokens = sum(x.num_tokens for x in out.scheduled) - out.num_decodes
             step.position = max((x.end for x in out.scheduled[out.num_decodes:]), default=0)
-            step.logprobs = self.runner.last_logprobs
-            if prepared.scored and self.runner.last_scores is not None:
-                step.scores, step.scored = self.runner.last_scores, prepared.scored
+            step.logprobs = result.logprobs
+            if prepared.scored and result.scores is not None:
+                step.scores, step.scored = result.scores, prepared.scored
             self._inflight.append(step)
             return step
 

@@ -52,6 +52,7 @@ from jax_kvcached.engine.sampling import NUM_CANDIDATES
 from jax_kvcached.engine.sleep import Offloaded
 from jax_kvcached.engine.step_layout import NUM_PARAMS
 from jax_kvcached.engine.step_program import StepSpec, make_step
+from jax_kvcached.engine.step_result import StepResult
 from jax_kvcached.engine.step_shapes import StepShapes
 from jax_kvcached.engine.step_weights import StepWeights
 from jax_kvcached.memory import ops
@@ -272,9 +273,6 @@ class ModelRunner:
         # Committed to the cache's device, like every later step's output: the jit cache
         # keys on placement, so warm-up and serving must pass alike-placed arguments.
         self.last_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._device)
-        self.last_logprobs: tuple | None = None  # of the newest step (run_padded)
-        self.last_scores: jax.Array | None = None
-        self.last_starts: list[int] = []  # each row's first token on the newest step's axis
 
     @property
     def _head_spec(self):
@@ -488,23 +486,23 @@ class ModelRunner:
         return self.run_padded(batch)[0][: len(batch)]
 
     def run_padded(self, batch: list[StepInput]) -> tuple[jax.Array, jax.Array]:
-        """Builds and runs one step (see :meth:`execute`)."""
-        return self.execute(self.builder.build(batch))
+        """Builds and runs one step: its logits and sampled tokens (see :meth:`execute`)."""
+        result = self.execute(self.builder.build(batch))
+        return result.logits, result.tokens
 
-    def execute(self, step: PreparedStep) -> tuple[jax.Array, jax.Array]:
-        """Runs a built step; returns the logits of its first ``step.logit_rows``
-        sequence slots ``(rows, vocab)`` and the sampled next tokens ``(max_rows,)``
-        (rows past the batch and rows without ``params`` are padding), both on the
-        device. :attr:`last_logprobs` and :attr:`last_scores` hold the step's
-        log-probabilities (None when no row asked for them); :attr:`last_starts` each
-        row's first token on the step's flat axis (the columns of :attr:`last_scores`)."""
+    def execute(self, step: PreparedStep) -> StepResult:
+        """Runs a built step; returns its outputs on the device: the logits of its first
+        ``step.logit_rows`` sequence slots ``(rows, vocab)``, the sampled next tokens
+        ``(max_rows,)`` (rows past the batch and rows without ``params`` are padding),
+        the log-probabilities and the targets' scores (None when no row asked for them)
+        and the step's fence."""
         program = self._program(step.shape)
         with self._context():
             (logits, scores, sampled, lps), self.token = program(
                 self.weights.arrays, self.cache.view, step.packed, self.last_tokens, self.token
             )
             self.dispatches += 1
-            self.last_logprobs = lps if step.fused and step.want_logprobs else None
+            out_lps = lps if step.fused and step.want_logprobs else None
             if not step.fused:
                 # Dispatched right behind the step: no host round trip in between.
                 rows = step.logit_rows
@@ -518,12 +516,11 @@ class ModelRunner:
                 self.dispatches += 1
                 if step.want_logprobs:
                     logprobs = self._program(("logprobs", rows))
-                    self.last_logprobs = logprobs(logits, sampled, hint)
+                    out_lps = logprobs(logits, sampled, hint)
                     self.dispatches += 1
-            self.last_tokens = sampled
-        self.last_scores = scores if step.has_targets else None
-        self.last_starts = step.starts
-        return logits, self.last_tokens
+            self.last_tokens = sampled  # (the next step's device-fed rows read them)
+        return StepResult(logits, sampled, out_lps, scores if step.has_targets else None,
+                          self.token)  # fmt: skip
 
     def copy_block(self, src: int, dst: int, group: int = 0) -> jax.Array:
         """Copies block ``src`` into block ``dst`` of KV cache group ``group`` (every
