@@ -13,6 +13,7 @@ from .loader import CheckpointError, find_chat_template, load_checkpoint, load_t
 from .pretrained import (
     PRETRAINED,
     Pretrained,
+    check_source,
     default_dtype,
     generation_config,
     load_pretrained,
@@ -26,6 +27,7 @@ from .tokenizer import ByteTokenizer
 
 __all__ = [
     "ChatTemplate",
+    "check_source",
     "ModelNotDownloaded",
     "TemplateError",
     "default_dtype",

@@ -4,6 +4,7 @@ packaged model's name, a built-in random preset, a GGUF file or a checkpoint fol
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from typing import Any
@@ -52,6 +53,30 @@ def weights_dtype(source: str, device: Any = None) -> Any:
     a random preset, else :func:`default_dtype` of ``device``. The one rule that the
     library, ``demo`` and ``serve --dtype auto`` share."""
     return jnp.float32 if source in BUILTIN_CONFIGS else default_dtype(device)
+
+
+def check_source(source: str) -> str:
+    """What ``source`` names: ``"builtin"``, ``"packaged"`` or ``"path"`` (an existing
+    file or folder). FileNotFoundError otherwise, in one line: a path that does not
+    exist says so; a name says the nearest known one ("did you mean") and lists them."""
+    if source in BUILTIN_CONFIGS:
+        return "builtin"
+    if source in PRETRAINED:
+        return "packaged"
+    if os.path.exists(source):
+        return "path"
+    looks_like_path = os.sep in source or source.startswith(("~", ".")) or source.endswith(
+        (".gguf", ".safetensors"))  # fmt: skip
+    if looks_like_path:
+        raise FileNotFoundError(f"{source!r}: no such file or folder")
+    names = sorted(PRETRAINED) + sorted(BUILTIN_CONFIGS)
+    near = difflib.get_close_matches(source, names, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]!r}? " if near else ""
+    raise FileNotFoundError(
+        f"unknown model {source!r}: {hint}Packaged: {', '.join(sorted(PRETRAINED))}; "
+        f"built-in random: {', '.join(sorted(BUILTIN_CONFIGS))}; or a .gguf file or a "
+        "checkpoint folder"
+    )
 
 
 def pretrained_path(name: str) -> str:
@@ -105,21 +130,16 @@ def load_pretrained(
     if not isinstance(source, str):
         raise TypeError(f"load_pretrained takes a name or a path, got {type(source).__name__}")
     dtype = dtype or weights_dtype(source, device)
-    if source in BUILTIN_CONFIGS:
+    kind = check_source(source)
+    if kind == "builtin":
         cfg = BUILTIN_CONFIGS[source]
         model = repack(build_model(cfg, seed=seed, dtype=dtype), cfg, quantization)
         return Pretrained(cfg, model, ByteTokenizer(), "", None, {})
-    if source in PRETRAINED:
+    if kind == "packaged":
         path = fetch(source) if download else path_of(source)
         generation = dict(PRETRAINED[source].generation)
-    elif os.path.exists(source):
-        path, generation = source, generation_config(source)
     else:
-        raise FileNotFoundError(
-            f"{source!r} is neither a packaged model ({', '.join(sorted(PRETRAINED))}), a "
-            f"built-in random preset ({', '.join(sorted(BUILTIN_CONFIGS))}), a .gguf file "
-            "nor a checkpoint folder"
-        )
+        path, generation = source, generation_config(source)
     gguf = gguf_file(path)
     if gguf is not None:  # one file holds it all: open it once
         ck = GGUFCheckpoint(gguf)

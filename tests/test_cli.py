@@ -198,7 +198,7 @@ def test_cli_serve_rejects_bad_arguments(tmp_path):
         (["--model", "tiny-llama", "--chat-template", "/no/such.jinja"], "--chat-template"),
         (["--model", "a=tiny-llama", "--limit", "b=1MiB"], "not a --model"),
         (["--model", "a=tiny-llama", "--limit", "a=lots"], "cannot parse"),
-        (["--model", "a=no-such-model"], "neither a packaged model"),
+        (["--model", "a=no-such-model"], "unknown model 'no-such-model': Packaged"),
         (["--model", "a=tiny-llama", "--tensor-parallel", "0"], "--tensor-parallel must be"),
         (["--model", "a=tiny-llama", "--devices", "0,9"], "--devices / --tensor-parallel"),
         (["--model", "a=tiny-llama", "--tensor-parallel", "2", "--devices", "0"], "lists 1"),
@@ -249,6 +249,14 @@ def test_every_serve_flag_has_help_and_a_default(capsys):
         assert len(help_text.strip()) > 10, f"{flag} has no help"
         if arg:  # a value flag says its default (stated, or appended by the formatter)
             assert "default" in help_text, flag
+        else:  # a switch is off unless given, whatever it switches
+            assert "True" not in help_text and "False" not in help_text, flag
+    # grouped by sub-config, each section once
+    for title in ("models:", "keys and tenants:", "HTTP server:", "engine: prefix cache:",
+                  "engine: KV-cache events:"):  # fmt: skip
+        assert out.count("\n" + title + "\n") == 1, title
+    assert "compiling every step shape before serving (shapes then compile on first use) " \
+        "(off unless given)" in text
 
 
 def test_serve_memory_errors_name_the_flag(capsys):
@@ -361,3 +369,27 @@ def test_cli_serve_quantized_reports_weight_bytes(tmp_path):
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
+
+
+def test_a_mistyped_model_or_flag_is_named_before_anything_listens(capsys):
+    """A near-miss name gets its suggestion, a missing path says so, both before the
+    port is bound (the port is taken here: binding first would fail on it instead); a
+    mistyped flag gets the command's usage and the nearest flag."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for model, said in (("a=smollm2-135", "did you mean 'smollm2-135m'?"),
+                            ("a=/no/such/model.gguf", "'/no/such/model.gguf': no such file"),
+                            ("tiny-lama", "did you mean 'tiny-llama'?")):  # fmt: skip
+            rc = main(["serve", "--model", model, "--port", port, "--backend", "host"])
+            err = capsys.readouterr().err
+            assert rc == 2 and said in err and "address" not in err.lower(), err
+    assert main(["serve", "--modle", "tiny-llama"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: jax-kvcached serve" in err and "did you mean --model?" in err
+    assert main(["ctl", "list", "--grop", "g"]) == 2
+    assert "did you mean --group?" in capsys.readouterr().err
+

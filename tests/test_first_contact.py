@@ -207,8 +207,10 @@ def test_presets_load_by_name():
     pre = load_pretrained("tiny-qwen2", seed=3)
     assert pre.config.model_type == "qwen2" and pre.tokenizer.encode("a") == [256, 97]
     assert "<|user|>" in pre.template.render([{"role": "user", "content": "x"}])
-    with pytest.raises(FileNotFoundError, match="neither a packaged model"):
+    with pytest.raises(FileNotFoundError, match="unknown model 'no-such-model': Packaged"):
         load_pretrained("no-such-model")
+    with pytest.raises(FileNotFoundError, match="did you mean 'tiny-qwen2'"):
+        load_pretrained("tiny-qwen-2")
 
 
 def test_generate_takes_one_prompt_as_one_prompt(tiny):

@@ -4,6 +4,7 @@ job), kv-demo, serve (an OpenAI-compatible server), top, ctl and download."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from jax_kvcached.cli import ctl, demo, download, kv_demo, serve, top
@@ -35,10 +36,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag of ``parser`` and of its subcommands."""
+    out = []
+    for action in parser._actions:
+        out += [o for o in action.option_strings if o.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                out += _flags(child)
+    return out
+
+
+def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> int:
+    """A flag the command does not take: its usage, and the nearest flag it does."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    child = sub.choices[command]
+    child.print_usage(sys.stderr)
+    given = extra[0].split("=", 1)[0]
+    near = difflib.get_close_matches(given, _flags(child), n=1, cutoff=0.6)
+    hint = f"; did you mean {near[0]}?" if near and given.startswith("-") else ""
+    print(f"jax-kvcached {command}: error: unrecognized argument {extra[0]!r}{hint}",
+          file=sys.stderr)  # fmt: skip
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if (msg := ctl.negative_size(argv)) is not None:
         print(msg, file=sys.stderr)
         return 2
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        return _unrecognized(parser, args.command, extra)
     return COMMANDS[args.command].run(args)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-from typing import Any
+from typing import Any, ClassVar
 
 from jax_kvcached.memory.config import parse_bytes
 
@@ -69,16 +69,28 @@ def flag_of(cls: Any, name: str) -> str:
 
 
 def add_cli_args(parser: argparse.ArgumentParser, cls: Any) -> None:
-    """Adds a flag for every command-line field of config dataclass ``cls``."""
-    for f in dataclasses.fields(cls):
+    """Adds a flag for every command-line field of config dataclass ``cls``, in the
+    help sections its ``CLI_SECTIONS`` name (title -> field names; every command-line
+    field is in one)."""
+    fields = [f for f in dataclasses.fields(cls) if f.metadata.get("cli")]
+    sections: dict[str, tuple[str, ...]] = getattr(cls, "CLI_SECTIONS", {"options": ()})
+    where = {name: title for title, names in sections.items() for name in names}
+    missing = [f.name for f in fields if f.name not in where]
+    if len(sections) > 1 and missing:
+        raise AssertionError(f"{cls.__name__}.CLI_SECTIONS misses {missing}")
+    groups = {t: parser.add_argument_group(t) for t in sections} if len(sections) > 1 else {}
+    for f in fields:
         md = f.metadata
-        if not md.get("cli"):
-            continue
+        group = groups.get(where.get(f.name, ""), parser)
         flag = flag_of(cls, f.name)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if isinstance(default, bool):
             action = "store_false" if default else "store_true"
-            parser.add_argument(flag, dest=f.name, action=action, help=md["help"])
+            # The help says what the flag does; the flag is never on unless given
+            # (argparse would show a --no-X flag's default as True: "X is off").
+            said = "" if "default" in md["help"] else " (off unless given)"
+            group.add_argument(flag, dest=f.name, action=action, help=md["help"] + said,
+                               default=argparse.SUPPRESS)  # fmt: skip
             continue
         kw: dict[str, Any] = {"dest": f.name, "help": md["help"], "default": default}
         if md.get("append"):
@@ -89,7 +101,7 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: Any) -> None:
         for key in ("choices", "metavar"):
             if md.get(key) is not None:
                 kw[key] = md[key]
-        parser.add_argument(flag, **kw)
+        group.add_argument(flag, **kw)
 
 
 def from_cli_args(cls: Any, args: argparse.Namespace, **extra: Any) -> Any:
@@ -130,6 +142,16 @@ def check_budgets(max_batch: int, budget: int | None, prefill: int | None) -> No
 class EngineConfig:
     """One engine's settings (``Engine(model, pool, config)``, or the same fields as
     keywords). Validated when made."""
+
+    # ``serve --help``'s sections of the engine's flags (every command-line field).
+    CLI_SECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "engine: scheduling": ("max_batch", "max_num_batched_tokens", "max_prefill_tokens",
+                               "stall_ratio", "max_model_len"),
+        "engine: prefix cache": ("max_cached_tokens", "eviction", "host_cache_tokens",
+                                 "host_cache_bytes", "state_checkpoint_tokens"),
+        "engine: KV-cache events": ("kv_events", "kv_events_replay", "kv_events_topic",
+                                    "kv_events_token_ids", "kv_events_curve_dir"),
+    }  # fmt: skip
 
     name: str = option("model", "the KV cache's name in the pool", cli=False)
     max_batch: int = option(8, "requests run at once per model")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from jax_kvcached.engine.config import ConfigError, EngineConfig, option
 
@@ -21,6 +21,24 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4")
 @dataclasses.dataclass(frozen=True)
 class ServeConfig:
     """What ``serve`` runs: the models, the pool, the HTTP server, sleep, auth."""
+
+    # ``serve --help``'s sections (every command-line field is in one).
+    CLI_SECTIONS: ClassVar[dict[str, tuple[str, ...]]] = {
+        "models": ("models", "served_model_name", "dtype", "quantization", "chat_template",
+                   "generation_config", "default_temperature", "default_top_p",
+                   "default_top_k", "default_repetition_penalty", "seed"),
+        "memory (the pool and each model's share)": (
+            "memory", "group", "limit", "guarantee", "backend", "page_size"),
+        "devices and hosts": ("tensor_parallel", "devices", "nnodes", "node_rank",
+                              "dist_init_addr", "dist_timeout", "dist_secret_file"),
+        "sleep (idle models give their memory back)": (
+            "idle_sleep", "max_awake", "sleep_level", "preload_tokens"),
+        "start-up": ("warmup", "compile_cache"),
+        "HTTP server": ("host", "port", "max_queue", "max_connections", "shutdown_timeout",
+                        "log_level", "access_log", "allowed_origins", "allowed_hosts"),
+        "keys and tenants": ("api_key", "api_key_file", "tenant_keys_file", "admin_key",
+                             "admin_key_file", "allow_unauthenticated_admin"),
+    }  # fmt: skip
 
     models: list[str] = option(
         [],

