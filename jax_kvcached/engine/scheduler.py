@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from jax_kvcached.engine.config import check_budgets
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.sched_output import Scheduled, SchedulerOutput
 from jax_kvcached.engine.sequence import Sequence
@@ -30,7 +29,7 @@ class Scheduler:
         max_prefill_tokens: int | None = None,
         decode_budget: Callable[[int], int] | None = None,
     ) -> None:
-        check_budgets(max_batch, max_num_batched_tokens, max_prefill_tokens)
+        # (the budgets come resolved and checked: EngineConfig, then StepShapes' defaults)
         self.kv = kv
         self.max_batch = max_batch
         self.max_num_batched_tokens = max_num_batched_tokens
