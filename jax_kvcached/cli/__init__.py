@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import sys
 
 from jax_kvcached.cli import ctl, demo, download, kv_demo, serve, top
@@ -27,35 +28,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--version", action="version", version=f"jax-kvcached {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
+    commands: dict[str, argparse.ArgumentParser] = {}
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=HelpWithDefaults)
+        commands[name] = sub.add_parser(name, help=help, description=help,
+                                        formatter_class=HelpWithDefaults)  # fmt: skip
+        return commands[name]
 
     for module in COMMANDS.values():
         module.add(command)
+    p.set_defaults(command_parsers=commands)  # (for the "did you mean" of a bad flag)
     return p
 
 
-def _flags(parser: argparse.ArgumentParser) -> list[str]:
-    """Every flag of ``parser`` and of its subcommands."""
-    out = []
-    for action in parser._actions:
-        out += [o for o in action.option_strings if o.startswith("--")]
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                out += _flags(child)
-    return out
-
-
-def _unrecognized(parser: argparse.ArgumentParser, command: str, extra: list[str]) -> int:
+def _unrecognized(args: argparse.Namespace, extra: list[str]) -> int:
     """A flag the command does not take: its usage, and the nearest flag it does."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    child = sub.choices[command]
+    child = args.command_parsers[args.command]
     child.print_usage(sys.stderr)
     given = extra[0].split("=", 1)[0]
-    near = difflib.get_close_matches(given, _flags(child), n=1, cutoff=0.6)
+    flags = set(re.findall(r"--[a-z0-9][a-z0-9-]*", child.format_help()))
+    near = difflib.get_close_matches(given, sorted(flags), n=1, cutoff=0.6)
     hint = f"; did you mean {near[0]}?" if near and given.startswith("-") else ""
-    print(f"jax-kvcached {command}: error: unrecognized argument {extra[0]!r}{hint}",
+    print(f"jax-kvcached {args.command}: error: unrecognized argument {extra[0]!r}{hint}",
           file=sys.stderr)  # fmt: skip
     return 2
 
@@ -68,5 +62,5 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        return _unrecognized(parser, args.command, extra)
+        return _unrecognized(args, extra)
     return COMMANDS[args.command].run(args)
