@@ -431,7 +431,7 @@ def make_manager(
     block_size: int,
     pool: BlockPool,
     prefix_cache: PrefixCache | None = None,
-    services: GroupServices | None = None,
+    services: GroupServices = _NO_SERVICES,
     *,
     slot_blocks: int = 0,
     interval: int = 0,
@@ -439,7 +439,7 @@ def make_manager(
     """The manager of a group whose layers attend over ``window`` tokens (0: all;
     ``kv_groups.RECURRENT``: a recurrent group of ``slot_blocks``-block state slots,
     checkpointed every ``interval`` tokens)."""
-    args = (group, block_size, pool, prefix_cache) + ((services,) if services else ())
+    args = (group, block_size, pool, prefix_cache, services)
     if window == RECURRENT:
         return RecurrentStateManager(*args, slot_blocks=slot_blocks, interval=interval)
     if window:

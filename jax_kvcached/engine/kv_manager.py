@@ -141,8 +141,9 @@ class KVManager:
                                       lambda: self._fence)  # fmt: skip
         if events is not None:
             events.attach(self.prefix_caches, self.host_caches)
-        self.hits = PrefixHits(self.managers, self.prefix_caches, self.pools, self.host_tier,
-                               self._has, self._alloc_fenced, self.block_size)  # fmt: skip
+        self.hits = PrefixHits(self.managers, self.prefix_caches, self.pools,
+                               lambda: self.host_tier, self._has, self._alloc_fenced,
+                               self.block_size)  # fmt: skip
 
     def _services(self, g: int) -> GroupServices:
         """What group ``g``'s manager may ask of this manager."""
@@ -495,4 +496,4 @@ class KVManager:
         """Gives the host tier's memory back."""
         if self.host_tier is not None:
             self.host_tier.close()
-            self.host_tier = self.hits.host_tier = None
+            self.host_tier = None

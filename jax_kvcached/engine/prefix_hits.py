@@ -23,7 +23,7 @@ class PrefixHits:
 
     Args:
       managers, prefix_caches, pools: each group's (in group order).
-      host_tier: the host tier (None: none).
+      host_tier: the host tier, asked at each hit (None: none; it may close).
       has: ``has(group, key)``: the group can serve the key (device or host tier).
       alloc: ``alloc(n, group)``: new blocks held once, into which a host copy may write
         at once (no dispatched step still reads them); None: no memory.
@@ -35,13 +35,13 @@ class PrefixHits:
         managers: list[KVGroupManager],
         prefix_caches: list[PrefixCache],
         pools: list[BlockPool],
-        host_tier: Any,
+        host_tier: Callable[[], Any],
         has: Callable[[int, bytes], bool],
         alloc: Callable[[int, int], list[int] | None],
         block_size: int,
     ) -> None:
         self.managers, self.prefix_caches, self.pools = managers, prefix_caches, pools
-        self.host_tier = host_tier
+        self._host_tier = host_tier
         self._has, self._alloc = has, alloc
         self.block_size = block_size
 
@@ -75,7 +75,7 @@ class PrefixHits:
             pc.match_each(keys, upto, skip=skip)
             for pc, (keys, upto, skip) in zip(self.prefix_caches, lookups, strict=True)
         ]
-        tier = self.host_tier
+        tier = self._host_tier()
         if tier is not None:
             restored_at: set[int] = set()
             for mgr, f, (keys, _, skip) in zip(self.managers, found, lookups, strict=True):
