@@ -272,12 +272,7 @@ class ServeConfig:
                               f"carries the steps), got {addr!r}")  # fmt: skip
         if not self.dist_timeout > 0:
             raise ConfigError("dist_timeout", f"must be > 0, got {self.dist_timeout}")
-        from jax_kvcached.serve.step_channel import load_secret
-
-        try:
-            load_secret(self.dist_secret_file)
-        except ValueError as e:
-            raise ConfigError("dist_secret_file", f": {e}") from None
+        self.dist_secret()  # (checked here: a missing secret fails before JAX starts)
         if len(self.model_sources) > 1:
             raise ConfigError("nnodes", "serves one model across hosts (several given)")
         if self.idle_sleep is not None:
@@ -310,6 +305,17 @@ class ServeConfig:
             hosts = [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
             return None if "*" in hosts else hosts
         return list(_LOOPBACK) if self.host in _LOOPBACK else None
+
+    def dist_secret(self) -> bytes:
+        """The step channel's shared secret (``step_channel.load_secret``): the file,
+        else the environment; a ConfigError naming the flag when it is missing, weak or
+        others may read it."""
+        from jax_kvcached.serve.step_channel import load_secret
+
+        try:
+            return load_secret(self.dist_secret_file)
+        except ValueError as e:
+            raise ConfigError("dist_secret_file", f": {e}") from None
 
     def auth(self) -> Any:
         """The server's keys (``serve.auth.AuthConfig``): flags first, then the key file,

@@ -39,7 +39,7 @@ from typing import Any
 from jax_kvcached.engine.config import ConfigError
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.serve.config import ServeConfig
-from jax_kvcached.serve.step_channel import HELLO_FRAME, Channel, ChannelError, load_secret
+from jax_kvcached.serve.step_channel import HELLO_FRAME, Channel, ChannelError
 
 log = logging.getLogger("jax_kvcached.serve")
 
@@ -365,10 +365,7 @@ def connect(c: ServeConfig) -> StepLeader | Channel:
     missing rank): rank 0 waits for every follower, authenticated, and checks their
     flags; a follower joins rank 0. RuntimeError / ConfigError, naming what, when that
     fails (a missing or weak secret included)."""
-    try:
-        secret = load_secret(c.dist_secret_file)
-    except ValueError as e:
-        raise ConfigError("dist_secret_file", f": {e}") from None
+    secret = c.dist_secret()
     if c.node_rank == 0:
         return StepLeader(c, secret)
     host, port = _address(c)

@@ -16,8 +16,6 @@ from typing import Any
 
 from jax_kvcached.serve.protocol import error_body
 
-LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
-
 
 def _hostname(host: str) -> str:
     """``host`` of a Host header value ``host[:port]`` / ``[v6]:port``, lowercased."""
