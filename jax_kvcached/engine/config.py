@@ -73,15 +73,15 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: Any) -> None:
     help sections its ``CLI_SECTIONS`` name (title -> field names; every command-line
     field is in one)."""
     fields = [f for f in dataclasses.fields(cls) if f.metadata.get("cli")]
-    sections: dict[str, tuple[str, ...]] = getattr(cls, "CLI_SECTIONS", {"options": ()})
-    where = {name: title for title, names in sections.items() for name in names}
-    missing = [f.name for f in fields if f.name not in where]
-    if len(sections) > 1 and missing:
+    group_of: dict[str, Any] = {}  # field -> its section's argument group (else the parser)
+    for title, names in getattr(cls, "CLI_SECTIONS", {}).items():
+        section = parser.add_argument_group(title)
+        group_of.update(dict.fromkeys(names, section))
+    if group_of and (missing := [f.name for f in fields if f.name not in group_of]):
         raise AssertionError(f"{cls.__name__}.CLI_SECTIONS misses {missing}")
-    groups = {t: parser.add_argument_group(t) for t in sections} if len(sections) > 1 else {}
     for f in fields:
         md = f.metadata
-        group = groups.get(where.get(f.name, ""), parser)
+        group = group_of.get(f.name, parser)
         flag = flag_of(cls, f.name)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if isinstance(default, bool):
