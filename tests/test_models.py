@@ -187,3 +187,60 @@ def test_models_follow_the_interface_and_register_by_architecture():
     with pytest.raises(TypeError, match="CausalLM"):
         Engine(object(), pool, name="bad")
     pool.close()
+
+
+def test_a_family_is_one_module_and_one_registry_entry(tmp_path):
+    """A new family declares its model, config.json reader, GGUF architecture and
+    presets in one place; the shared readers find each by name, and a name another
+    family holds is refused."""
+    import dataclasses
+
+    from jax_kvcached.models import BUILTIN_CONFIGS, LlamaModel, ModelConfig, registry
+    from jax_kvcached.models.config import hf_common
+    from jax_kvcached.models.family import Family, GGUFArch
+
+    class ToyModel(LlamaModel):
+        pass
+
+    preset = dataclasses.replace(BUILTIN_CONFIGS["tiny-llama"], model_type="toy_family")
+    fam = registry.add(Family(
+        name="toy_family", model=ToyModel, model_types=("toy_family",),
+        from_hf=lambda cfg: hf_common(cfg, qk_norm=bool(cfg.get("toy_norms"))),
+        gguf=(GGUFArch("toyarch", "toy_family"),), presets={"tiny-toy": preset},
+    ))  # fmt: skip
+    hf = {"model_type": "toy_family", "vocab_size": 64, "hidden_size": 32, "toy_norms": True,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}  # fmt: skip
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.qk_norm and cfg.model_type == "toy_family" and cfg.head_dim == 16
+    assert registry.family("toy_family") is fam and type(registry.build_model(cfg)) is ToyModel
+    assert BUILTIN_CONFIGS["tiny-toy"] is preset and "toyarch" in registry.gguf_archs()
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert ModelConfig.from_dir(str(tmp_path)) == cfg
+    for clash, what in ((dict(model_types=("qwen2",)), "model_type 'qwen2'"),
+                        (dict(gguf=(GGUFArch("gemma3", "x"),)), "architecture 'gemma3'"),
+                        (dict(presets={"tiny-qwen3": preset}), "preset 'tiny-qwen3'")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{what} is already registered"):
+            registry.add(Family(**{"name": "other", "model": ToyModel, "model_types": (),
+                                   **clash}))  # fmt: skip
+
+
+def test_the_shared_readers_name_no_family():
+    """The config.json, GGUF and checkpoint readers ask the families; none of them
+    names a family's model_type or GGUF architecture (llama: the default type and
+    SentencePiece's tokenizer name aside)."""
+    import ast
+    import pathlib
+
+    import jax_kvcached.models as m
+    from jax_kvcached.models import registry
+
+    names = set(registry.supported()) | set(registry.gguf_archs())
+    names -= {"llama", "toy_family", "toyarch"}
+    assert {"gemma3", "qwen3next", "gpt_oss", "deepseek2", "granitemoehybrid"} <= names
+    root = pathlib.Path(m.__file__).parent
+    for shared in ("config.py", "gguf.py", "loader.py", "pretrained.py", "registry.py",
+                   "family.py", "moe.py", "stack.py", "hybrid.py"):  # fmt: skip
+        tree = ast.parse((root / shared).read_text())
+        found = {n.value for n in ast.walk(tree)
+                 if isinstance(n, ast.Constant) and n.value in names}  # fmt: skip
+        assert found == set(), f"{shared} names {sorted(found)}"

@@ -405,7 +405,8 @@ def test_gpt_oss_experts_match_transformers():
     """GPT-OSS's form: a router with a bias (top-k of the logits, softmax over them),
     experts with biases, gate and up interleaved by column, the clamped SwiGLU; the
     checkpoint's tensors through split_gpt_oss_experts into our layout."""
-    from jax_kvcached.models.moe import MoE, expert_weights, split_gpt_oss_experts
+    from jax_kvcached.models.gpt_oss import split_gpt_oss_experts
+    from jax_kvcached.models.moe import MoE, expert_weights
 
     torch.manual_seed(2)
     hc = transformers.GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=8,
