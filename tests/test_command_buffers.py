@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_kvcached.engine.runner import COMMAND_BUFFER_COMMANDS, compiler_options
+from jax_kvcached.engine.device_choices import COMMAND_BUFFER_COMMANDS, compiler_options
 
 
 def test_cuda_steps_compile_as_command_buffers_with_branches_and_loops(monkeypatch):

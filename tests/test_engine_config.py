@@ -82,3 +82,20 @@ def test_each_rule_is_stated_once_in_the_package():
     for needle in ("must be at least max_batch", "must be >= 2", "must be at least max_num"):
         where = [p.relative_to(pkg).as_posix() for p, t in text.items() if needle in t]
         assert where == ["engine/config.py"], (needle, where)
+
+
+def test_the_environments_defaults_are_resolved_once_into_the_engines_config():
+    """Fields left to KVCACHED_* come from the pool's settings once, at the engine's
+    construction; a value given stays; the engine's config holds the resolved values."""
+    from jax_kvcached.memory.config import Config
+
+    env = Config.from_env({"KVCACHED_MAX_CACHED_TOKENS": "64",
+                           "KVCACHED_HOST_CACHE_TOKENS": "128",
+                           "KVCACHED_HOST_CACHE_BYTES": "1MiB"})  # fmt: skip
+    got = EngineConfig().with_defaults(env)
+    assert (got.max_cached_tokens, got.host_cache_tokens, got.host_cache_bytes) == (
+        64, 128, 1 << 20)
+    mine = EngineConfig(max_cached_tokens=0, host_cache_bytes="2MiB").with_defaults(env)
+    assert (mine.max_cached_tokens, mine.host_cache_tokens, mine.host_cache_bytes) == (
+        0, 128, 2 << 20)
+    assert EngineConfig().with_defaults(Config()).max_cached_tokens == 16000

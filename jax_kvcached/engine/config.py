@@ -17,7 +17,7 @@ import dataclasses
 import importlib.util
 from typing import Any, ClassVar
 
-from jax_kvcached.memory.config import parse_bytes
+from jax_kvcached.memory.config import Config, parse_bytes
 
 ATTENTION_IMPLS = ("auto", "host", "xla", "pallas", "pallas-interpret")
 EVICTION_POLICIES = ("lru", "lfu")
@@ -291,3 +291,12 @@ class EngineConfig:
     def replace(self, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def with_defaults(self, env: Config) -> EngineConfig:
+        """This config with the fields it leaves to the environment filled from ``env``
+        (the pool's ``KVCACHED_*`` settings: the prefix cache's bound and its host
+        tier), so the engine and everything it builds read one resolved config."""
+        fills = {"max_cached_tokens": env.max_cached_tokens,
+                 "host_cache_tokens": env.host_cache_tokens,
+                 "host_cache_bytes": env.host_cache_bytes}  # fmt: skip
+        return self.replace(**{k: v for k, v in fills.items() if getattr(self, k) is None})

@@ -108,7 +108,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
                 f"Engine mesh {_mesh_text(mesh)} does not match the pool's "
                 f"{_mesh_text(pool.mesh)}: create the pool with Pool(mesh=...) of that mesh"
             )
-        c = self.engine_config = config
+        c = self.engine_config = config.with_defaults(pool.config)
         name = c.name
         self.mesh = pool.mesh
         self.config = cfg
@@ -138,19 +138,14 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
                 max_prefill_tokens=c.max_prefill_tokens, max_model_len=self.max_model_len,
                 command_buffers=c.command_buffers, fuse_sampling=c.fuse_sampling,
             )  # fmt: skip
-            pc = pool.config  # the environment's defaults
             host_blocks = host_cache_blocks(
-                pc.host_cache_tokens if c.host_cache_tokens is None else c.host_cache_tokens,
-                pc.host_cache_bytes if c.host_cache_bytes is None else c.host_cache_bytes,
-                c.block_size,
+                c.host_cache_tokens, c.host_cache_bytes, c.block_size,
                 self.cache.block_bytes * self.cache.pages_per_kv_page * len(self.cache.shards),
             )  # fmt: skip
             self.kv = KVManager(
                 self.cache, self.max_model_len, prefix_caching=c.prefix_caching,
-                max_cached_tokens=(pc.max_cached_tokens if c.max_cached_tokens is None
-                                   else c.max_cached_tokens),
-                eviction=c.eviction, host_cache_blocks=host_blocks, windows=windows,
-                slot_blocks=self.runner.slot_blocks,
+                max_cached_tokens=c.max_cached_tokens, eviction=c.eviction,
+                host_cache_blocks=host_blocks, windows=windows, slot_blocks=self.runner.slot_blocks,
                 state_interval=c.state_checkpoint_tokens, events=self.kv_events,
             )  # fmt: skip
             if self.kv_events is not None:

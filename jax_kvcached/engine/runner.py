@@ -41,7 +41,7 @@ from flax import nnx
 
 from jax_kvcached.engine import executables
 from jax_kvcached.engine.compile_events import compile_events, thread_cache_hits
-from jax_kvcached.engine.config import ATTENTION_IMPLS
+from jax_kvcached.engine.device_choices import compiler_options, resolve_attention
 from jax_kvcached.engine.input_builder import InputBuilder, PreparedStep, StepInput
 from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.launches import Launches, count_launches
@@ -61,49 +61,6 @@ from jax_kvcached.models.sharding import shard_model
 
 log = logging.getLogger(__name__)
 
-
-
-def resolve_attention(impl: str, cache: KVCache) -> str:
-    """Validates an attention choice for ``cache``; ``auto`` becomes the Pallas kernel for
-    a CUDA cache and the host custom call for a host cache. The kernel's tiles span the
-    head dim, which Triton wants a power of two: a CUDA cache of another width (MLA's 576
-    latent) gets XLA's attention under ``auto``, and the log says so."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"attention must be one of {ATTENTION_IMPLS}, got {impl!r}")
-    if impl == "auto":
-        if cache.backend != "cuda":
-            return "host"
-        d = cache.head_dim
-        if d & (d - 1):
-            log.info("%s: head dim %d is not a power of two (Triton's tiles): XLA's attention "
-                     "instead of the Pallas kernel", cache.name, d)  # fmt: skip
-            return "xla"
-        return "pallas"
-    if impl == "host" and cache.backend != "host":
-        raise ValueError("attention='host' needs a host-backend cache")
-    return impl
-
-
-# XLA's default command-buffer commands plus conditionals and loops: the step's branches
-# (sampling, log-probabilities, prompt scores) and its scanned layers then run inside the
-# CUDA graph. A conditional outside one copies its predicate to the host and waits for
-# the device: a host sync in every step.
-COMMAND_BUFFER_COMMANDS = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
-
-
-def compiler_options(backend: str, command_buffers: bool | None = None) -> dict[str, str]:
-    """The XLA options the runner compiles its programs with. On CUDA the step runs as
-    command buffers (CUDA graphs: one launch replays a step's kernels) of
-    :data:`COMMAND_BUFFER_COMMANDS`; ``False`` turns them off; ``None`` (default): on,
-    unless ``XLA_FLAGS`` sets ``--xla_gpu_enable_command_buffer`` (that choice is kept).
-    A CPU has no command buffers: no options."""
-    if backend != "cuda":
-        return {}
-    if command_buffers is None:
-        if "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", ""):
-            return {}
-        command_buffers = True
-    return {"xla_gpu_enable_command_buffer": COMMAND_BUFFER_COMMANDS if command_buffers else ""}
 
 
 def src_rows(src: np.ndarray, rows: int) -> np.ndarray:

@@ -12,7 +12,6 @@ Sleep (:meth:`ServingLoop.sleep`, :meth:`ServingLoop.wake`, ``idle_sleep_s``,
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -25,45 +24,14 @@ from jax_kvcached.engine.engine import Engine, Prompt
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.sequence import Sequence as Seq
 from jax_kvcached.serve.errors import Conflict, Overloaded, Unavailable, UnknownModel
+from jax_kvcached.serve.model_stats import model_stats
+from jax_kvcached.serve.requests import EventCallback, Finished, Request
 from jax_kvcached.serve.sleep_control import LoopActions, SleepControl
 
-__all__ = ["Conflict", "Finished", "Overloaded", "Request", "ServingLoop", "Unavailable",
-           "UnknownModel"]  # fmt: skip
+__all__ = ["Conflict", "EventCallback", "Finished", "Overloaded", "Request", "ServingLoop",
+           "Unavailable", "UnknownModel"]  # fmt: skip
 
 log = logging.getLogger("jax_kvcached.serve.loop")
-
-
-@dataclasses.dataclass(frozen=True)
-class Finished:
-    """The last event of a request."""
-
-    finish_reason: str  # "stop", "length" or "abort"
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    preemptions: int
-    seed: int | None = None  # the sampling seed it ran with (drawn if it gave none)
-    logprobs: list[Any] | None = None  # per token (params.logprobs)
-    prompt_logprobs: list[Any] | None = None  # per prompt position (params.prompt_logprobs)
-
-
-# on_event(kind, value): ("token", int) (each preceded by ("logprobs", (logprob, top))
-# when the request asked for them), then ("done", Finished) or ("error", Exception).
-EventCallback = Callable[[str, Any], None]
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    model: str
-    prompt: Prompt  # validated by the model's engine
-    params: SamplingParams
-    on_event: EventCallback
-    submitted: float = dataclasses.field(default_factory=time.perf_counter)
-    request_id: int | None = None  # the engine's, once added
-    cancelled: bool = False
-    closed: bool = False  # done, failed or cancelled: no more events
-    fork_of: Request | None = None  # shares this earlier request's prompt KV (n samples)
-    cache_salt: str | None = None  # shares cached prefixes only with the same salt
 
 
 class ServingLoop:
@@ -341,53 +309,22 @@ class ServingLoop:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per-model queue, memory and cache figures (a snapshot; any thread)."""
-        out = {}
-        for name, eng in self.engines.items():  # engines may live in different pools
-            e = eng.stats()
-            pc, hc = e["prefix_cache"], e["host_cache"] or {}
-            out[name] = {
-                "waiting": e["waiting"],
-                "running": e["running"],
+        return {
+            name: model_stats(eng.stats(), eng.pool.memory_limit, {
                 "outstanding": self._outstanding[name],
-                "max_batch": e["max_batch"],
                 "max_queue": self.max_queue,
                 "steps": self.steps[name],
                 "finished": self.finished[name],
                 "errors": self.errors[name],
                 "generated_tokens": self.generated_tokens[name],
-                "preemptions": e["preemptions"],
-                "mapped_bytes": e["mapped_bytes"],
-                "weight_bytes": e["weight_bytes"],
-                "weight_packed_bytes": e["weight_packed_bytes"],
-                "limit_bytes": e["limit_bytes"],
-                # KV memory in use of what the model may map (its limit, else the pool)
-                "kv_usage": e["mapped_bytes"] / (e["limit_bytes"] or eng.pool.memory_limit),
-                "guarantee_bytes": e["guarantee_bytes"],
-                "prefix_hit_rate": pc["hit_rate"] if pc else 0.0,
-                "prefix_cached_tokens": pc["cached_tokens"] if pc else 0,
-                "prefix_hits_tokens": pc["hits_tokens"] if pc else 0,
-                "prefix_queries_tokens": pc["queries_tokens"] if pc else 0,
-                # the prefix cache's host tier (zeros without one)
-                "host_hit_rate": hc["hits_tokens"] / pc["queries_tokens"]
-                if hc and pc and pc["queries_tokens"]
-                else 0.0,
-                "host_hits_tokens": hc.get("hits_tokens", 0),
-                "host_restores": hc.get("restores", 0),
-                "host_bytes_to_host": hc.get("bytes_to_host", 0),
-                "host_bytes_from_host": hc.get("bytes_from_host", 0),
-                "host_entries": hc.get("entries", 0),
-                "host_bytes": hc.get("bytes", 0),
-                "host_capacity_bytes": hc.get("capacity_bytes", 0),
                 "failed": name in self.failed,
-                "kv_cache_groups": e["kv_cache_groups"],
-                "sleeping": e["sleeping"],
-                "sleep_level": e["sleep_level"],
                 "sleeps": self.sleeps[name],
                 "wakes": self.wakes[name],
                 "wake_failures": self.wake_failures[name],
                 "waiting_for_wake": self.sleep_control.waiting(name),
-            }
-        return out
+            })  # fmt: skip
+            for name, eng in self.engines.items()  # engines may live in different pools
+        }
 
     # -- the loop thread -------------------------------------------------------------
     def _run(self) -> None:
@@ -502,20 +439,7 @@ class ServingLoop:
                 self._close(req, "error", s.error)
                 continue
             self.finished[name] += 1
-            self._close(
-                req,
-                "done",
-                Finished(
-                    finish_reason=s.finish_reason or "",
-                    prompt_tokens=len(s.prompt),
-                    completion_tokens=len(s.output),
-                    cached_tokens=s.cached_tokens,
-                    preemptions=s.preemptions,
-                    seed=s.params.seed,
-                    logprobs=s.logprobs,
-                    prompt_logprobs=s.prompt_logprobs,
-                ),
-            )
+            self._close(req, "done", Finished.of(s))
 
     def _close(self, req: Request, kind: str | None, value: Any) -> None:
         with self._lock:  # (the loop thread, or stop() past a stuck step)

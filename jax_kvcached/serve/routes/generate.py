@@ -27,6 +27,7 @@ from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.serve.access_log import note
 from jax_kvcached.serve.auth import tenant_salt
 from jax_kvcached.serve.context import AppContext, ServedModel
+from jax_kvcached.serve.logprobs import chat_logprobs, completion_logprobs
 from jax_kvcached.serve.loop import Finished, Overloaded, ServingLoop, Unavailable
 from jax_kvcached.serve.protocol import (
     APIError,
@@ -251,61 +252,6 @@ async def watch_disconnect(request: Request, choices: list[_Choice]) -> None:
                 c.gen.cancel()
                 c.gen.events.put_nowait(("gone", None))
             return
-
-
-def _token_text(m: ServedModel, token: int) -> str:
-    return m.tokenizer.decode([token])
-
-
-def chat_logprobs(m: ServedModel, entries: list[Any], k: int) -> dict[str, Any]:
-    """OpenAI's chat ``logprobs``: per token its text, bytes, logprob and top ``k``."""
-
-    def one(token: int, lp: float) -> dict[str, Any]:
-        s = _token_text(m, token)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
-
-    content = [
-        {**one(t, lp), "top_logprobs": [one(i, v) for i, v in top[:k]]} for t, lp, top in entries
-    ]
-    return {"content": content, "refusal": None}
-
-
-def completion_logprobs(
-    m: ServedModel, entries: list[Any], k: int, prompt: Prompt | None = None,
-    prompt_lps: list[Any] | None = None, offset: int = 0,
-) -> dict[str, Any]:  # fmt: skip
-    """OpenAI's completions ``logprobs`` (tokens, token_logprobs, top_logprobs,
-    text_offset); with ``prompt`` (echo) the prompt's tokens come first: the first with
-    null, the others with their logprob and the top ``k`` at that position."""
-    tokens, lps, tops, offsets = [], [], [], []
-    pos = offset
-
-    def add(token: int, lp: float | None, top: dict[str, float] | None) -> None:
-        nonlocal pos
-        s = _token_text(m, token)
-        tokens.append(s)
-        lps.append(lp)
-        tops.append(top)
-        offsets.append(pos)
-        pos += len(s)
-
-    if prompt is not None:
-        for i, t in enumerate(prompt.token_ids):
-            e = prompt_lps[i] if prompt_lps and i < len(prompt_lps) else None
-            if e is None:
-                add(t, None, None)
-            else:
-                alts = {}
-                for j, v in e[1][:k]:
-                    alts.setdefault(_token_text(m, j), v)
-                alts.setdefault(_token_text(m, t), e[0])  # the prompt's token is always in
-                add(t, e[0], alts)
-    for t, lp, top in entries:
-        alts = {}
-        for i, v in top[:k]:
-            alts.setdefault(_token_text(m, i), v)
-        add(t, lp, alts)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _sse(payload: Any) -> str:
