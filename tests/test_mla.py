@@ -343,8 +343,8 @@ def test_many_heads_over_one_latent_run_in_chunks_in_the_pallas_kernel():
     """DeepSeek-V3's 128 heads over one latent: more rows than a program takes, so the
     kernel (interpreted) runs them in chunks of heads; the result is XLA's. Under
     ``auto`` a CUDA cache whose width is not a power of two gets XLA's attention."""
-    from jax_kvcached.engine.pallas_attention import item_tile
     from jax_kvcached.engine.device_choices import resolve_attention
+    from jax_kvcached.engine.pallas_attention import item_tile
 
     pool = host_pool(2048 * PAGE, page_size=PAGE)
     c = pool.create_kv_cache("mla", 1, 1, 32, "float32", block_size=16, latent=True)
