@@ -42,6 +42,7 @@ bench: install-test
 	$(BIN)/python benchmarks/bench_prefix.py
 	$(BIN)/python benchmarks/bench_multitenant.py
 	$(BIN)/python benchmarks/bench_openai_features.py
+	$(BIN)/python benchmarks/bench_structured.py
 	$(BIN)/python benchmarks/bench_decode.py --parts launches --out benchmarks/results/bench_decode_launches.json
 	$(BIN)/python benchmarks/bench_serving.py
 	$(BIN)/python benchmarks/bench_hybrid.py

@@ -83,6 +83,10 @@ class HFTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def to_json(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (for grammar engines: llguidance)."""
+        return self._tok.to_str()
+
 
 def _read_json(path: str) -> dict[str, Any]:
     if not os.path.exists(path):

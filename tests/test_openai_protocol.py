@@ -117,10 +117,20 @@ def test_harmless_fields_are_accepted_and_output_changing_ones_refused():
     assert parse_chat(ok) == plain  # accepted, and they change nothing
     assert parse_completion({"model": "m", "prompt": "x", "store": True}).prompts == ["x"]
     for extra, param, msg in [
-        ({"response_format": {"type": "json_object"}}, "response_format", "not supported yet"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format",
-         "not supported yet"),
+         "name"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format", "schema"),
+        ({"response_format": {"type": "xml"}}, "response_format", "must be"),
         ({"response_format": "text"}, "response_format", "must be"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+         "exactly one"),
+        ({"structured_outputs": {"structural_tag": "t"}}, "structured_outputs",
+         "not supported"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty"),
+        ({"structured_outputs": {"json": "{oops"}}, "structured_outputs", "not JSON"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+         "structured_outputs", "not both"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
         ({"tool_choice": "required"}, "tool_choice", "'none' or 'auto'"),
         ({"metadata": "x"}, "metadata", "must be a dict"),

@@ -2,6 +2,9 @@
 the values are right (log-probabilities against a dense reference forward, n samples
 against single seeded runs, penalties and batches against the engine alone)."""
 
+import json
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,7 +236,8 @@ def test_harmless_fields_pass_and_unsupported_ones_are_clear_400s(server):
     )  # fmt: skip
     assert r.choices[0].message.role == "assistant"
     for kw, param in [
-        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+         "response_format"),
         (dict(n=17), "n"),
         (dict(top_logprobs=3), "top_logprobs"),
     ]:
@@ -244,6 +248,55 @@ def test_harmless_fields_pass_and_unsupported_ones_are_clear_400s(server):
         assert e.value.body["param"] == param
     with pytest.raises(openai.BadRequestError):
         server.client.completions.create(model="llama", prompt="x", suffix="y")
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 5},
+                                           "temp": {"type": "integer"}},
+          "required": ["city", "temp"], "additionalProperties": False}  # fmt: skip
+
+
+def test_structured_outputs_over_the_sdk(server):
+    """response_format json_schema and json_object, vLLM's structured_outputs (regex,
+    choice), streamed and with n > 1: every finished choice holds its structure."""
+    chat = [{"role": "user", "content": "weather?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA,
+                                                  "strict": True}}  # fmt: skip
+    r = server.client.chat.completions.create(
+        model="llama", messages=chat, max_tokens=200, temperature=1.0, seed=5, n=2,
+        response_format=fmt,
+    )  # fmt: skip
+    for c in r.choices:
+        assert c.finish_reason == "stop", c.message.content
+        value = json.loads(c.message.content)
+        assert set(value) == {"city", "temp"} and type(value["temp"]) is int
+        assert len(value["city"]) <= 5
+    obj = server.client.chat.completions.create(
+        model="llama", messages=chat, max_tokens=120, temperature=1.0, seed=2,
+        extra_body={"structured_outputs": {"json_object": True,
+                                           "disable_any_whitespace": True}},
+    )  # fmt: skip
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    stream = server.client.completions.create(
+        model="llama", prompt="code: ", max_tokens=20, temperature=1.0, seed=1, stream=True,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{2}[0-9]{4}"}},
+    )  # fmt: skip
+    text, reasons = "", []
+    for chunk in stream:
+        text += chunk.choices[0].text
+        reasons.append(chunk.choices[0].finish_reason)
+    assert re.fullmatch("[A-Z]{2}[0-9]{4}", text) and reasons[-1] == "stop"
+    pick = server.client.completions.create(
+        model="llama", prompt="pick: ", max_tokens=20,
+        extra_body={"structured_outputs": {"choice": ["alpha", "beta"]}},
+    )  # fmt: skip
+    assert pick.choices[0].text in ("alpha", "beta")
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client.chat.completions.create(
+            model="llama", messages=chat, response_format={
+                "type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "bogus"}}},
+        )  # fmt: skip
+    assert e.value.body["param"] == "response_format" and "bogus" in e.value.body["message"]
+    assert e.value.body["code"] == "invalid_structured_output"
 
 
 def test_accounting_is_exact_after_the_sdk_calls(server):

@@ -36,6 +36,7 @@ from jax_kvcached.engine.scheduler import Scheduler
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.engine.sleep_mode import SleepMode
 from jax_kvcached.engine.step_pacer import StepPacer
+from jax_kvcached.engine.structured import GrammarCompiler
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.config import host_cache_blocks
 from jax_kvcached.memory.errors import PoolExhausted
@@ -178,6 +179,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self.log_every = c.log_every
         self.overlap = c.overlap
         self._ids = itertools.count()
+        # Structured outputs: compiled for this model's tokenizer; constrained requests.
+        self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, cfg.eos_ids)
+        self._constrained = 0
         self._by_id: dict[int, Sequence] = {}
         self._inflight: deque[PendingStep] = deque()  # dispatched, oldest first
         self._lock = threading.RLock()  # steps vs. another tenant's reclaim
@@ -254,6 +258,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         with self._lock:
             rid = next(self._ids)
             seq = Sequence(rid, ids, params, on_token, on_logprobs=on_logprobs)
+            if params.structured is not None:
+                seq.grammar = self.grammars.state(params.structured)
+                self._constrained += 1
             if params.stop:
                 seq.detok = TextStream(self.tokenizer.decode, list(params.stop))
             seq.extra = extra_key_bytes(self.name, cache_salt, adapter_id)
@@ -372,8 +379,11 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         says why: they can never fit). A sleeping engine steps nothing."""
         if self._asleep is not None:
             return []
+        first: list[Sequence] = []
+        if self._inflight and self._grammar_waits():
+            first = self.complete(self._inflight[0])  # its tokens come before the masks
         new = self.dispatch() if self.scheduler.has_work else None
-        rejected, self._rejected = self._rejected, []
+        rejected, self._rejected = first + self._rejected, []
         if not self._inflight:
             return rejected
         if self.overlap and new is not None and len(self._inflight) == 1:
@@ -462,6 +472,14 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         """Ends a sequence whose output stops (the output processor's call)."""
         self.scheduler.finish(seq, reason)
         self._by_id.pop(seq.request_id, None)
+
+    def _grammar_waits(self) -> bool:
+        """A constrained sequence's token is in flight: its next mask needs it."""
+        if not self._constrained:
+            return False
+        live = [s for s in self._by_id.values() if s.grammar is not None]
+        self._constrained = len(live)  # (finished and aborted ones drop out here)
+        return any(s.num_pending for s in live)
 
     def _reclaim(self, pages: int) -> int:
         """Another tenant needs memory: the KV manager evicts idle cached prefixes.

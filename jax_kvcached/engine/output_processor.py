@@ -100,7 +100,10 @@ class OutputProcessor:
                 self._accepted(s)
             if s.detok is not None:
                 s.detok.feed(tok)
-            reason = self._stop_reason(s, tok)
+            if s.grammar is not None and not s.grammar.accept(tok):
+                s.error = RuntimeError(f"the structured output refused token {tok} that its "
+                                       f"mask allowed: {s.grammar.error}")  # fmt: skip
+            reason = "error" if s.error is not None else self._stop_reason(s, tok)
             if reason:
                 self._finish(s, reason)
                 done.append(s)
@@ -113,6 +116,8 @@ class OutputProcessor:
         if tok in s.params.stop_token_ids or (tok in self._eos and not s.params.ignore_eos):
             return "stop"
         if s.detok is not None and s.detok.stopped:
+            return "stop"
+        if s.grammar is not None and s.grammar.finished:  # the structure is complete
             return "stop"
         if len(s.token_ids) - s.num_prompt >= s.params.max_tokens:
             return "length"

@@ -47,7 +47,7 @@ from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.launches import Launches, count_launches
 from jax_kvcached.engine.logit_inputs import entry_sizes
 from jax_kvcached.engine.recurrent import slot_blocks
-from jax_kvcached.engine.sampler_programs import sampler_programs
+from jax_kvcached.engine.sampler_programs import mask_rows, sampler_programs
 from jax_kvcached.engine.sampling import NUM_CANDIDATES
 from jax_kvcached.engine.sleep import Offloaded
 from jax_kvcached.engine.step_layout import NUM_PARAMS
@@ -211,6 +211,7 @@ class ModelRunner:
         self._jitted_sample = jax.jit(self._per_device(sample_rows, (None, None), None))
         self._jitted_process = jax.jit(self._per_device(process_rows, (None,) * 6, None))
         self._jitted_logprobs = jax.jit(self._per_device(logprob_rows, (None,) * 3, None))
+        self._jitted_mask = jax.jit(self._per_device(mask_rows, (None, None), None))
         # One block copy per KV cache group (a fork's copy-on-write of a partial block).
         view_spec = None if self.mesh is None else cache.sharding.spec
         self._jitted_copy = [
@@ -282,11 +283,13 @@ class ModelRunner:
         return set(self._samplers)
 
     def extra_keys(self) -> list[tuple]:
-        """The logit-processing (rows, token-list width) and log-probability (rows)
-        functions a step may call, compiled by :meth:`compile` with the samplers."""
+        """The logit-processing (rows, token-list width), log-probability (rows) and
+        token-mask (rows) functions a step may call, compiled by :meth:`compile` with the
+        samplers."""
         keys: list[tuple] = [("copy", g) for g in range(self.cache.num_groups)]
         keys += [("logprobs", r) for r in self.sampler_sizes]
         keys += [("process", r, p) for r in self.sampler_sizes for p in self.entry_sizes]
+        keys += [("mask", r) for r in self.sampler_sizes]
         return keys
 
     def launches(self, key: tuple[int, int] | int) -> Launches:
@@ -368,6 +371,9 @@ class ModelRunner:
             return self._jitted_sample, (logits, np.zeros((NUM_PARAMS, key), np.int32))
         if key[0] == "logprobs":
             return self._jitted_logprobs, (logits, self.last_tokens, np.full(rows, -1, np.int32))
+        if key[0] == "mask":
+            words = (self.config.vocab_size + 31) // 32
+            return self._jitted_mask, (logits, np.full((rows, words), -1, np.int32))
         if key[0] == "process":
             p = key[2]
             args = (np.zeros((rows, p), np.int32), np.zeros((3, rows, p), np.float32),
@@ -468,6 +474,9 @@ class ModelRunner:
                 if step.processing is not None:
                     process = self._program(("process", rows, step.processing[0].shape[1]))
                     processed = process(logits, *step.processing, self.last_tokens, hint)
+                    self.dispatches += 1
+                if step.mask is not None:  # a structured output's allowed tokens
+                    processed = self._program(("mask", rows))(processed, step.mask)
                     self.dispatches += 1
                 sampled = self._program(rows)(processed, step.params)  # (one transfer)
                 self.dispatches += 1

@@ -1,5 +1,6 @@
 """The programs that run right behind a step, on its logits, without a host round trip:
-logit processing (penalties, biases), sampling, and the sampled tokens' log-probabilities.
+logit processing (penalties, biases), a structured output's token mask, sampling, and the
+sampled tokens' log-probabilities.
 
 Each takes the step's logits of every sequence slot ``(max_rows, vocab)`` and works on its
 first ``rows`` rows (a power of two, from the shape of its other inputs), so each compiles
@@ -51,3 +52,13 @@ def sampler_programs(
         return jnp.zeros((max_rows,), jnp.int32).at[: logits.shape[0]].set(nxt)
 
     return sample_rows, process_rows, logprob_rows
+
+
+def mask_rows(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """The logits with each of the first ``mask.shape[0]`` rows' disallowed tokens at
+    -inf; ``mask`` ``(rows, words)`` int32: bit ``t % 32`` of word ``t // 32`` set when
+    token ``t`` is allowed (a structured output's grammar; -1 words allow all)."""
+    n, words = mask.shape
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(n, words * 32)[:, : logits.shape[1]] != 0
+    return logits.at[:n].set(jnp.where(allowed, logits[:n], -jnp.inf))

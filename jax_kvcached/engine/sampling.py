@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_kvcached.engine.structured import Structured
+
 NUM_CANDIDATES = 64
 
 
@@ -63,6 +65,9 @@ class SamplingParams:
     # Log-probability of every prompt token after the first (and the ``logprobs`` most
     # likely at each position); the prompt is then computed in full (no prefix reuse).
     prompt_logprobs: bool = False
+    # The output held to a JSON schema, a regex, a choice or a grammar (engine.structured);
+    # the request stops when it is complete.
+    structured: Structured | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):  # {id: bias} as OpenAI writes it
@@ -95,6 +100,8 @@ class SamplingParams:
         for name, v in reals:
             if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                 raise ValueError(f"{name} must be a finite number, got {v!r}")
+        if self.structured is not None and not isinstance(self.structured, Structured):
+            raise TypeError(f"structured must be a Structured, got {self.structured!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.engine.structured import GrammarState
 
 
 @dataclasses.dataclass(eq=False)  # identity: queues hold and remove these objects
@@ -55,6 +56,9 @@ class Sequence:
     # The output's text, matched against params.stop as tokens arrive (None: no stop
     # strings).
     detok: TextStream | None = None
+    # The matcher of a structured output (params.structured): the next token's mask, and
+    # each sampled token (engine.structured).
+    grammar: GrammarState | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

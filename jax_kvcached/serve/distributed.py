@@ -293,11 +293,17 @@ class MirroredEngine:
         self._ops: list[tuple] = []
         self._lock = threading.RLock()
 
+    # Structured outputs: not across hosts yet (each rank would need the request's
+    # matcher, and the step channel carries no grammar); the routes answer 400.
+    grammars = None
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
     def add_request(self, prompt: Any, params: SamplingParams | None = None,
                     on_token: Any = None, **kw: Any) -> int:  # fmt: skip
+        if params is not None and params.structured is not None:
+            raise ValueError("structured outputs are not served across hosts yet")
         ids = list(self._engine.prompt(prompt).token_ids)
         params = (params or SamplingParams()).seeded()  # one seed for every rank
         with self._lock:

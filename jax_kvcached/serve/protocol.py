@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any
 
 from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.engine.structured import Structured
+from jax_kvcached.serve.structured_request import FieldError, structured_of
 
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
@@ -14,7 +16,8 @@ _COMMON = {
     "stop_token_ids",
     # accepted and ignored (they change nothing here): see _HARMLESS
     "metadata", "store", "service_tier", "parallel_tool_calls", "tools", "tool_choice",
-    "response_format",
+    # structured outputs: serve/structured_request.py
+    "response_format", "structured_outputs",
     # vLLM's extensions (https://docs.vllm.ai: "Extra parameters"): see _vllm_extras
     "include_stop_str_in_output", "add_special_tokens", "truncate_prompt_tokens", "request_id",
     "priority", "skip_special_tokens", "spaces_between_special_tokens",
@@ -107,6 +110,10 @@ class GenerationRequest:
     request_id: str | None = None  # the response's id: cmpl-<request_id>
     add_generation_prompt: bool = True  # chat
     continue_final_message: bool = False  # chat: the last (assistant) message goes on
+    # The output held to a schema, regex, choice or grammar (response_format,
+    # structured_outputs); None: free text.
+    structured: Structured | None = None
+    structured_param: str = "response_format"  # the field that gave it
 
     def sampling(
         self, max_tokens: int, index: int = 0, defaults: dict[str, float] | None = None
@@ -139,6 +146,7 @@ class GenerationRequest:
             # best_of ranks the samples by their log-probability
             logprobs=0 if self.logprobs is None and self.best_of > self.n else self.logprobs,
             prompt_logprobs=scoring,
+            structured=self.structured,
         ).seeded()
 
 
@@ -198,17 +206,6 @@ def _check_ignored(body: dict) -> None:
         raise _bad("'tools' (function calling) is not supported by this server", "tools")
     if body.get("tool_choice") not in (None, "none", "auto"):
         raise _bad("'tool_choice' must be 'none' or 'auto' (no tools are supported)", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind in ("json_object", "json_schema"):
-            raise _bad(
-                f"response_format {kind!r} (constrained decoding) is not supported yet; "
-                "use {'type': 'text'}",
-                "response_format",
-            )
-        if kind != "text" or set(fmt) != {"type"}:
-            raise _bad("'response_format' must be {'type': 'text'}", "response_format")
 
 
 def _vllm_extras(body: dict, chat: bool) -> dict[str, Any]:
@@ -328,8 +325,18 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
         continuous_usage=_flag(opts, "continuous_usage_stats") and _flag(opts, "include_usage"),
         ignore_eos=_flag(body, "ignore_eos"),
         cache_salt=salt,
+        structured=_structured(body),
+        structured_param="structured_outputs" if body.get("structured_outputs") is not None
+        else "response_format",
         **_vllm_extras(body, chat),
     )
+
+
+def _structured(body: dict) -> Structured | None:
+    try:
+        return structured_of(body)
+    except FieldError as e:
+        raise _bad(str(e), e.param) from None
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:

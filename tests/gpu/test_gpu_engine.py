@@ -205,3 +205,33 @@ def test_forks_of_a_hybrid_model_on_cuda_match_the_cpu_run():
     cpu = run("host", jax.devices("cpu")[0])
     assert len({tuple(t) for t in cpu}) == 1  # greedy: every fork samples the same
     assert run("cuda", gpus()[0]) == cpu
+
+
+def _structured(backend, device):
+    import json
+
+    from jax_kvcached.engine.structured import Structured
+    from jax_kvcached.models import ByteTokenizer
+
+    with jax.default_device(device):
+        pool = kv.Pool("256MiB", backend=backend, min_reserved_pages=0, max_reserved_pages=0)
+        eng = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"], seed=3), pool, name="m",
+                     max_batch=4, tokenizer=ByteTokenizer())  # fmt: skip
+        specs = [Structured("regex", "[0-9]{2}-[a-z]{3}"),
+                 Structured("choice", json.dumps(["red", "green"]))]  # fmt: skip
+        outs = eng.generate(PROMPTS[:3], [SamplingParams(max_tokens=16, structured=s)
+                                          for s in specs] + [SamplingParams(max_tokens=8)])
+        eng.reset_prefix_cache()
+        assert set(pool.mapped_pages_per_device().values()) == {0}
+        pool.close()
+    return [o.text for o in outs]
+
+
+def test_structured_outputs_on_cuda_match_the_cpu_run():
+    """The grammar's token mask runs behind the step on the device (greedy rows): the
+    same texts as the CPU run, each of its structure."""
+    import re
+
+    cpu = _structured("host", jax.devices("cpu")[0])
+    assert re.fullmatch("[0-9]{2}-[a-z]{3}", cpu[0]) and cpu[1] in ("red", "green")
+    assert _structured("cuda", gpus()[0]) == cpu

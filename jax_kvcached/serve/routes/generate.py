@@ -109,7 +109,27 @@ def prepare(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[
         max_tokens = eng.max_new_tokens(max(len(p) for p in prompts), req.max_tokens)
     except ContextLengthExceeded as e:
         raise APIError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
+    if req.structured is not None:  # compiled here, off the event loop (then cached)
+        _compile(eng, req)
     return m, prompts, max_tokens
+
+
+def _compile(eng: Any, req: GenerationRequest) -> None:
+    """Compiles the request's structured output for the model (a 400 naming what is
+    wrong with the schema or grammar)."""
+    param = req.structured_param
+    grammars = getattr(eng, "grammars", None)
+    if grammars is None:
+        raise APIError(400, "structured outputs are not served by a model spread across "
+                       "hosts yet", param=param)  # fmt: skip
+    try:
+        grammars.compile(req.structured)
+    except ImportError:
+        raise APIError(400, "structured outputs need llguidance (pip install llguidance)",
+                       param=param) from None  # fmt: skip
+    except ValueError as e:
+        raise APIError(400, f"the structured output does not compile: {e}", param=param,
+                       code="invalid_structured_output") from None  # fmt: skip
 
 
 def start(

@@ -1,0 +1,128 @@
+"""Structured outputs through the engine: each constrained output matches its schema,
+regex, choice or grammar; a constraint that cannot finish ends with "length"; free rows
+in the same batch are untouched; no compile after warm-up; accounting stays exact."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+from conftest import check_group_accounting, host_pool
+
+from jax_kvcached.engine.engine import Engine
+from jax_kvcached.engine.sampling import SamplingParams
+from jax_kvcached.engine.structured import GrammarCompiler, Structured
+from jax_kvcached.models import (
+    BUILTIN_CONFIGS,
+    ByteTokenizer,
+    GGUFCheckpoint,
+    build_model,
+    pretrained_path,
+)
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 6},
+                   "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "ok": {"enum": ["yes", "no"]}},
+    "required": ["name", "n", "ok"], "additionalProperties": False,
+}  # fmt: skip
+
+
+def _holds(value, schema=SCHEMA):
+    """``value`` against SCHEMA's rules (its keys, types, bounds and enum)."""
+    assert set(value) == set(schema["required"])
+    assert isinstance(value["name"], str) and len(value["name"]) <= 6
+    assert type(value["n"]) is int and 0 <= value["n"] <= 99
+    assert value["ok"] in ("yes", "no")
+
+
+@pytest.fixture(scope="module")
+def engine():
+    pool = host_pool()
+    eng = Engine(build_model(BUILTIN_CONFIGS["tiny-llama"], seed=0), pool, name="m",
+                 max_batch=8, tokenizer=ByteTokenizer())  # fmt: skip
+    eng.compile()
+    yield eng
+    pool.close()
+
+
+def test_each_constrained_output_holds_its_structure(engine):
+    json_spec = Structured("json", json.dumps(SCHEMA), compact=True)
+    params = [SamplingParams(max_tokens=80, temperature=1.0, seed=s, structured=json_spec)
+              for s in range(4)]  # fmt: skip
+    params += [
+        SamplingParams(max_tokens=16, temperature=1.0, seed=7,
+                       structured=Structured("choice", json.dumps(["red", "green", "blue"]))),
+        SamplingParams(max_tokens=16, temperature=1.0, seed=8,
+                       structured=Structured("regex", r"[0-9]{3}-[a-z]{2,4}")),
+        SamplingParams(max_tokens=48, temperature=1.0, seed=9,  # GBNF, converted to Lark
+                       structured=Structured("grammar", 'root ::= "x" ("ab" | "cd")+ "y"')),
+        SamplingParams(max_tokens=60, temperature=1.0, seed=10,
+                       structured=Structured("json_object", compact=True)),
+    ]  # fmt: skip
+    free = SamplingParams(max_tokens=12)
+    prompts = [[256, *range(40 + i, 60 + i)] for i in range(len(params) + 1)]
+    outs = engine.generate(prompts, [*params, free])
+    for o in outs[:4]:
+        assert o.finish_reason == "stop", o.text
+        _holds(json.loads(o.text))
+    assert outs[4].finish_reason == "stop" and outs[4].text in ("red", "green", "blue")
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", outs[5].text), outs[5].text
+    assert re.fullmatch(r"x(ab|cd)+y", outs[6].text), outs[6].text
+    assert isinstance(json.loads(outs[7].text), dict)
+    assert {o.finish_reason for o in outs[4:-1]} == {"stop"}
+    # the free row of the same batch is what it is alone
+    alone = engine.generate([prompts[-1]], free)[0]
+    assert outs[-1].token_ids == alone.token_ids and outs[-1].finish_reason == "length"
+    assert engine.runner.compiles_after_warmup == 0  # the mask programs were warmed up
+    check_group_accounting(engine)
+
+
+def test_without_the_mask_the_outputs_break_their_structure(engine):
+    """The same seeds unconstrained: the model (random weights) writes no such text, so
+    the structure above comes from the mask."""
+    outs = engine.generate([[256, *range(40 + i, 60 + i)] for i in range(4)],
+                           [SamplingParams(max_tokens=80, temperature=1.0, seed=s)
+                            for s in range(4)])  # fmt: skip
+    for o in outs:
+        with pytest.raises(ValueError):
+            json.loads(o.text)
+
+
+def test_a_constraint_that_cannot_finish_ends_with_length(engine):
+    p = SamplingParams(max_tokens=10, structured=Structured("regex", "a{50}"))
+    out = engine.generate([[256, 65, 66]], p)[0]
+    assert out.finish_reason == "length" and out.text == "a" * 10
+    check_group_accounting(engine)
+
+
+def test_a_bad_schema_or_grammar_is_an_error_naming_it(engine):
+    for spec, words in [(Structured("json", json.dumps({"type": "bogus"})), "bogus"),
+                        (Structured("grammar", "start: undefined_rule"), "undefined_rule"),
+                        (Structured("regex", "(unclosed"), "regex")]:  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            engine.grammars.compile(spec)
+        with pytest.raises(ValueError, match=words):
+            engine.add_request([256, 65], SamplingParams(structured=spec))
+    with pytest.raises(ValueError, match="choice"):
+        Structured("choice", "[]").grammar()
+    with pytest.raises(ValueError, match="kind"):
+        Structured("yaml", "x")
+    assert engine.num_waiting == 0 and not engine.has_work
+
+
+def test_the_mask_of_a_real_tokenizer_allows_exactly_the_fitting_tokens():
+    """SmolLM2's BPE vocabulary (its GGUF's tokenizer): after '"' in a JSON string of
+    digits, the allowed tokens are the vocabulary entries made only of digits (and the
+    closing quote's); the bitmask says so bit by bit."""
+    ck = GGUFCheckpoint(pretrained_path("smollm2-135m"))
+    tok, cfg = ck.tokenizer(), ck.config()
+    spec = Structured("regex", "[0-9]+")
+    state = GrammarCompiler(tok, cfg.vocab_size, cfg.eos_ids).state(spec)
+    bits = np.unpackbits(state.mask().view(np.uint8), bitorder="little")[: cfg.vocab_size]
+    allowed = set(np.flatnonzero(bits).tolist())
+    digits = {i for i in range(cfg.vocab_size) if (t := tok.decode([i])) and t.isdigit()
+              and t.isascii()}  # fmt: skip
+    assert allowed == digits and len(digits) >= 10
+    assert state.accept(next(iter(digits))) and not state.finished
