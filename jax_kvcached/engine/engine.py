@@ -193,42 +193,6 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self._reload = reload  # a fresh model of the same weights (a level-2 wake)
         pool.set_reclaimer(name, self._reclaim)
 
-    @classmethod
-    def from_pretrained(
-        cls,
-        source: str,
-        pool: Pool,
-        *,
-        dtype: Any = None,
-        download: bool = False,
-        seed: int = 0,
-        quantization: str | None = None,
-        **kwargs: Any,
-    ) -> Engine:
-        """An engine for :func:`jax_kvcached.models.load_pretrained`'s ``source`` (a
-        packaged model's name, a preset, a GGUF file or a checkpoint folder) with its
-        tokenizer and chat template; ``dtype`` defaults to what the pool's device computes
-        well (fp32 on a CPU, bf16 on a GPU). ``kwargs`` go to the constructor (a
-        ``config`` and / or its fields); the KV cache is named after ``source`` unless
-        they name it. ``quantization``: packed weights (see ``load_pretrained``)."""
-        from jax_kvcached.models.pretrained import load_pretrained, weights_dtype
-
-        dtype = dtype or weights_dtype(source, pool.device)
-        pre = load_pretrained(
-            source, dtype=dtype, seed=seed, download=download, quantization=quantization
-        )
-        config = kwargs.get("config")
-        if "name" not in kwargs and (config is None or config.name == EngineConfig.name):
-            kwargs["name"] = source
-        # a level-2 sleep drops the weights: waking reads the checkpoint again
-        kwargs.setdefault(
-            "reload",
-            lambda: load_pretrained(
-                source, dtype=dtype, seed=seed, quantization=quantization
-            ).model,
-        )
-        return cls(pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs)
-
     @property
     def prefix_cache(self) -> PrefixCache | None:
         return self.kv.prefix_cache

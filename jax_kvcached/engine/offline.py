@@ -1,4 +1,5 @@
-"""The offline API: ``generate`` and ``chat`` over an engine's step loop.
+"""The offline API: an engine from a model's name or checkpoint, and ``generate`` and
+``chat`` over its step loop.
 
 :class:`OfflineAPI` is the part of :class:`~jax_kvcached.engine.engine.Engine` a script
 calls: it validates every prompt before queueing any, runs the loop until they finish
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+from jax_kvcached.engine.config import EngineConfig
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.models.chat_template import ChatTemplate
@@ -76,12 +78,48 @@ def _text(tokenizer: Any, s: Sequence) -> str | None:
 
 
 class OfflineAPI:
-    """``generate`` / ``chat`` of an engine (a mixin of :class:`Engine`, which gives
-    ``encode``, ``add_request``, ``run``, ``take_finished``, ``tokenizer`` and
-    ``chat_template``)."""
+    """``from_pretrained``, ``generate`` and ``chat`` of an engine (a mixin of
+    :class:`Engine`, which gives ``encode``, ``add_request``, ``run``,
+    ``take_finished``, ``tokenizer`` and ``chat_template``)."""
 
     tokenizer: Any
     chat_template: ChatTemplate | None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str,
+        pool: Any,
+        *,
+        dtype: Any = None,
+        download: bool = False,
+        seed: int = 0,
+        quantization: str | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """An engine for :func:`jax_kvcached.models.load_pretrained`'s ``source`` (a
+        packaged model's name, a preset, a GGUF file or a checkpoint folder) with its
+        tokenizer and chat template; ``dtype`` defaults to what the pool's device computes
+        well (fp32 on a CPU, bf16 on a GPU). ``kwargs`` go to the constructor (a
+        ``config`` and / or its fields); the KV cache is named after ``source`` unless
+        they name it. ``quantization``: packed weights (see ``load_pretrained``)."""
+        from jax_kvcached.models.pretrained import load_pretrained, weights_dtype
+
+        dtype = dtype or weights_dtype(source, pool.device)
+        pre = load_pretrained(
+            source, dtype=dtype, seed=seed, download=download, quantization=quantization
+        )
+        config = kwargs.get("config")
+        if "name" not in kwargs and (config is None or config.name == EngineConfig.name):
+            kwargs["name"] = source
+        # a level-2 sleep drops the weights: waking reads the checkpoint again
+        kwargs.setdefault(
+            "reload",
+            lambda: load_pretrained(
+                source, dtype=dtype, seed=seed, quantization=quantization
+            ).model,
+        )
+        return cls(pre.model, pool, tokenizer=pre.tokenizer, chat_template=pre.template, **kwargs)
 
     def generate(
         self,
