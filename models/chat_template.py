@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 log = logging.getLogger("jax_kvcached.models.chat_template")
 
@@ -50,10 +50,19 @@ class ChatTemplate:
             return cls()
         return cls(source, **special)
 
-    def render(self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt of ``messages``; ``tools`` (OpenAI's function list) reach the
+        template as transformers passes them (``tools``; absent when None)."""
+        extra = {} if tools is None else {"tools": list(tools)}
         return self._template.render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **self._context
-        )
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            **extra, **self._context,
+        )  # fmt: skip
 
 
 class TemplateError(ValueError):

@@ -299,11 +299,78 @@ def test_structured_outputs_over_the_sdk(server):
     assert e.value.body["code"] == "invalid_structured_output"
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}},
+        "required": ["zone"], "additionalProperties": False}}},
+]  # fmt: skip
+
+
+def test_tool_calls_over_the_sdk(server):
+    """A named function and tool_choice required hold the output to calls (whole and
+    streamed); the call and its result go back in; tool_choice auto reads the model's
+    <tool_call> blocks with the server's hermes parser; a thinking model's thought comes
+    apart (the outputs forced by a regex here: the model has random weights)."""
+    chat = [{"role": "user", "content": "weather in Oslo?"}]
+    named = server.client.chat.completions.create(
+        model="llama", messages=chat, tools=TOOLS, max_tokens=100, temperature=1.0, seed=4,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    msg, call = named.choices[0].message, named.choices[0].message.tool_calls[0]
+    assert named.choices[0].finish_reason == "tool_calls" and msg.content is None
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    stream = server.client.chat.completions.create(
+        model="llama", messages=chat, tools=TOOLS, tool_choice="required", max_tokens=150,
+        temperature=1.0, seed=6, stream=True, parallel_tool_calls=False,
+    )  # fmt: skip
+    calls, reasons = [], []
+    for chunk in stream:
+        calls += chunk.choices[0].delta.tool_calls or []
+        reasons.append(chunk.choices[0].finish_reason)
+    assert len(calls) == 1 and reasons[-1] == "tool_calls"
+    assert calls[0].function.name in ("get_weather", "get_time")
+    json.loads(calls[0].function.arguments)
+    back = server.client.chat.completions.create(
+        model="llama", tools=TOOLS, tool_choice="none", max_tokens=3, messages=[
+            *chat, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}],
+    )  # fmt: skip
+    assert back.choices[0].message.tool_calls is None
+    with pytest.raises(openai.BadRequestError) as e:  # auto without the server's parser
+        server.client.chat.completions.create(model="llama", messages=chat, tools=TOOLS)
+    assert e.value.body["param"] == "tool_choice" and "--tool-call-parser" in e.value.body[
+        "message"]  # fmt: skip
+    served = server.app_models["qwen"]
+    served.tool_parser, served.reasoning_parser = "hermes", "deepseek_r1"
+    try:
+        forced = (r"cold there\.</think>I will check\.<tool_call>\{\"name\": "
+                  r"\"get_time\", \"arguments\": \{\"zone\": \"cet\"\}\}</tool_call>")
+        kw = dict(model="qwen", messages=chat, tools=TOOLS, max_tokens=120,
+                  extra_body={"structured_outputs": {"regex": forced}})  # fmt: skip
+        auto = server.client.chat.completions.create(**kw).choices[0]
+        assert auto.finish_reason == "tool_calls" and auto.message.content == "I will check."
+        assert auto.message.model_extra["reasoning_content"] == "cold there."
+        assert [(c.function.name, json.loads(c.function.arguments))
+                for c in auto.message.tool_calls] == [("get_time", {"zone": "cet"})]
+        deltas = [c.choices[0].delta for c in server.client.chat.completions.create(
+            **kw, stream=True) if c.choices]  # fmt: skip
+        thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+        streamed = [c for d in deltas for c in d.tool_calls or []]
+        assert thought == "cold there." and streamed[0].function.name == "get_time"
+        assert "".join(d.content or "" for d in deltas) == "I will check."
+    finally:
+        served.tool_parser = served.reasoning_parser = None
+
+
 def test_accounting_is_exact_after_the_sdk_calls(server):
-    eng, pc = server.engine, server.engine.prefix_cache
     server.loop.stop()  # no request in flight
-    c = eng.cache
-    assert c.num_used_blocks == pc.num_cached_blocks
-    assert set(c.mapped_page_ids()) == {c.page_of(b) for b in pc.cached_blocks()}
-    eng.reset_prefix_cache()
+    for eng in server.engines.values():  # (each model the calls used)
+        c, pc = eng.cache, eng.prefix_cache
+        assert c.num_used_blocks == pc.num_cached_blocks
+        assert set(c.mapped_page_ids()) == {c.page_of(b) for b in pc.cached_blocks()}
+        eng.reset_prefix_cache()
     assert server.pool.stats()["mapped_pages"] == 0

@@ -13,6 +13,8 @@ import re
 from typing import Any, ClassVar
 
 from jax_kvcached.engine.config import ConfigError, EngineConfig, option
+from jax_kvcached.serve.reasoning import PARSERS as REASONING_PARSERS
+from jax_kvcached.serve.tools import PARSERS as TOOL_PARSERS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -38,6 +40,8 @@ class ServeConfig:
                         "log_level", "access_log", "allowed_origins", "allowed_hosts"),
         "keys and tenants": ("api_key", "api_key_file", "tenant_keys_file", "admin_key",
                              "admin_key_file", "allow_unauthenticated_admin"),
+        "tools and reasoning (chat)": ("enable_auto_tool_choice", "tool_call_parser",
+                                       "reasoning_parser"),
     }  # fmt: skip
 
     models: list[str] = option(
@@ -216,6 +220,20 @@ class ServeConfig:
         "loopback --host, localhost, 127.0.0.1 and ::1, against DNS rebinding; else any)",
         metavar="HOST,...",
     )  # fmt: skip
+    enable_auto_tool_choice: bool = option(
+        False, "serve tool_choice 'auto': the model decides whether to call a tool, and "
+        "--tool-call-parser reads the calls from its text (default: off; such requests "
+        "get a 400)",
+    )  # fmt: skip
+    tool_call_parser: str | None = option(
+        None, "how the models write tool calls: hermes (<tool_call> JSON blocks: Hermes, "
+        "Qwen 2.5 / 3) or llama3_json (a JSON call as the whole output)",
+        choices=TOOL_PARSERS,
+    )  # fmt: skip
+    reasoning_parser: str | None = option(
+        None, "split a thinking model's <think> ... </think> out of the content into "
+        "reasoning_content: deepseek_r1 or qwen3 (default: off)", choices=REASONING_PARSERS,
+    )  # fmt: skip
     max_body_bytes: int = option(1 << 20, "the largest request body", cli=False)
     max_connections: int = option(
         1024, "concurrent connections and requests the server takes; past them it answers "
@@ -224,6 +242,13 @@ class ServeConfig:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice", "needs --tool-call-parser")
+        if self.tool_call_parser not in (None, *TOOL_PARSERS):
+            raise ConfigError("tool_call_parser", f"must be one of {', '.join(TOOL_PARSERS)}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ConfigError("reasoning_parser",
+                              f"must be one of {', '.join(REASONING_PARSERS)}")  # fmt: skip
         if self.dtype not in DTYPES:
             raise ConfigError("dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:

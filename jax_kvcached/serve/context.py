@@ -27,6 +27,10 @@ class ServedModel:
     # Sampling defaults for fields a request omits (generation config + --default-*).
     defaults: dict[str, float] = dataclasses.field(default_factory=dict)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # The server's parsers (serve/tools.py, serve/reasoning.py): None: off (a tool_choice
+    # "auto" request is then a 400; thought stays in the content).
+    tool_parser: str | None = None
+    reasoning_parser: str | None = None
 
 
 def parse_json(raw: bytes) -> Any:

@@ -418,10 +418,14 @@ def _load(
     log.info("compilation cache: %s", cache_dir or "off")
     models: dict[str, ServedModel] = {}
     for i, spec in enumerate(specs):
-        models[spec.name] = build_served(
+        served = build_served(
             spec, pool, c.engine, seed=c.seed + i, dtype=c.dtype, chat_template=c.chat_template,
             generation_config=c.generation_config, default_sampling=c.default_sampling,
             quantization=c.quantization,
+        )  # fmt: skip
+        models[spec.name] = dataclasses.replace(
+            served, reasoning_parser=c.reasoning_parser,
+            tool_parser=c.tool_call_parser if c.enable_auto_tool_choice else None,
         )  # fmt: skip
         if hc := models[spec.name].engine.stats()["host_cache"]:
             log.info(

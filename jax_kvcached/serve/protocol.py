@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.structured import Structured
 from jax_kvcached.serve.structured_request import FieldError, structured_of
+from jax_kvcached.serve.tools import Tools, ToolsError, parse_tools
 
 _COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
@@ -15,9 +17,9 @@ _COMMON = {
     "ignore_eos", "cache_salt", "logit_bias", "repetition_penalty", "min_tokens",
     "stop_token_ids",
     # accepted and ignored (they change nothing here): see _HARMLESS
-    "metadata", "store", "service_tier", "parallel_tool_calls", "tools", "tool_choice",
-    # structured outputs: serve/structured_request.py
-    "response_format", "structured_outputs",
+    "metadata", "store", "service_tier",
+    # function calling (serve/tools.py) and structured outputs (serve/structured_request.py)
+    "parallel_tool_calls", "tools", "tool_choice", "response_format", "structured_outputs",
     # vLLM's extensions (https://docs.vllm.ai: "Extra parameters"): see _vllm_extras
     "include_stop_str_in_output", "add_special_tokens", "truncate_prompt_tokens", "request_id",
     "priority", "skip_special_tokens", "spaces_between_special_tokens",
@@ -32,7 +34,7 @@ _HARMLESS: dict[str, tuple[type, ...]] = {
 _COMPLETION = _COMMON | {"prompt", "echo", "best_of", "suffix"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs",
                    "add_generation_prompt", "continue_final_message"}  # fmt: skip
-_ROLES = ("system", "user", "assistant", "developer")
+_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 class APIError(Exception):
@@ -78,7 +80,7 @@ class GenerationRequest:
     model: str
     chat: bool
     prompts: list[str | list[int]] | None  # completions: one or a batch
-    messages: list[dict[str, str]] | None  # chat, content flattened to text
+    messages: list[dict[str, Any]] | None  # chat, content flattened to text
     max_tokens: int | None  # None: up to the model's length limit; 0: echo scoring only
     # None: the field was omitted: the served model's default applies (see sampling()).
     temperature: float | None
@@ -114,6 +116,7 @@ class GenerationRequest:
     # structured_outputs); None: free text.
     structured: Structured | None = None
     structured_param: str = "response_format"  # the field that gave it
+    tools: Tools | None = None  # chat: its tools and tool_choice (serve/tools.py)
 
     def sampling(
         self, max_tokens: int, index: int = 0, defaults: dict[str, float] | None = None
@@ -202,10 +205,6 @@ def _check_ignored(body: dict) -> None:
         v = body.get(key)
         if v is not None and (not isinstance(v, types) or (types == (str,) and not v)):
             raise _bad(f"'{key}' must be a {types[0].__name__}, got {v!r}", key)
-    if body.get("tools") not in (None, []):
-        raise _bad("'tools' (function calling) is not supported by this server", "tools")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise _bad("'tool_choice' must be 'none' or 'auto' (no tools are supported)", "tool_choice")
 
 
 def _vllm_extras(body: dict, chat: bool) -> dict[str, Any]:
@@ -257,6 +256,8 @@ def _parse_common(body: Any, chat: bool) -> dict[str, Any]:
         raise _bad("'model' is required and must be a string", "model")
     if "suffix" in body:
         _unsupported(body, "suffix", (None,))
+    if not chat and body.get("tools") not in (None, []):
+        raise _bad("'tools' are for /v1/chat/completions", "tools")
     _check_ignored(body)
     stop = body.get("stop")
     if stop is None:
@@ -391,16 +392,27 @@ def parse_completion(body: Any) -> GenerationRequest:
 
 
 def parse_chat(body: Any) -> GenerationRequest:
-    """Validates a ``/v1/chat/completions`` body (text messages)."""
+    """Validates a ``/v1/chat/completions`` body (text messages; tools)."""
     common = _parse_common(body, chat=True)
-    return GenerationRequest(prompts=None, messages=chat_messages(body.get("messages")), **common)
+    try:
+        tools = parse_tools(body)
+    except ToolsError as e:
+        raise _bad(str(e), e.param) from None
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:  # tool_choice required or a named function
+        if common["structured"] is not None:
+            raise _bad(f"tool_choice {tools.choice!r} cannot combine with "
+                       f"'{common['structured_param']}'", "tool_choice")  # fmt: skip
+        common.update(structured=forced, structured_param="tool_choice")
+    messages = chat_messages(body.get("messages"))
+    return GenerationRequest(prompts=None, messages=messages, tools=tools, **common)
 
 
 def chat_messages(messages: Any) -> list[dict[str, str]]:
     """Validated chat messages with their content flattened to text."""
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages")
-    flat = []
+    flat: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             raise _bad(f"messages[{i}] needs a 'role' among {list(_ROLES)}", "messages")
@@ -409,7 +421,42 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
             if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 raise _bad(f"messages[{i}]: only text content parts are supported", "messages")
             content = "".join(str(p.get("text", "")) for p in content)
+        calls = m.get("tool_calls") if m["role"] == "assistant" else None
+        if content is None and calls:  # an assistant turn of calls only
+            content = ""
         if not isinstance(content, str):
             raise _bad(f"messages[{i}] needs a string 'content'", "messages")
-        flat.append({"role": m["role"], "content": content})
+        msg: dict[str, Any] = {"role": m["role"], "content": content}
+        if m["role"] == "tool":
+            tid = m.get("tool_call_id")
+            if not isinstance(tid, str) or not tid:
+                raise _bad(f"messages[{i}]: a tool message needs its 'tool_call_id'", "messages")
+            msg["tool_call_id"] = tid
+        if calls is not None:
+            msg["tool_calls"] = _message_calls(calls, i)
+        flat.append(msg)
     return flat
+
+
+def _message_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, their arguments as objects (the form chat
+    templates read, as transformers gives them)."""
+    what = f"messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', " \
+           "'function': {'name', 'arguments'}}"
+    if not isinstance(calls, list):
+        raise _bad(what, "messages")
+    out = []
+    for c in calls:
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise _bad(what, "messages")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise _bad(f"messages[{i}]: a tool call's arguments are not JSON",
+                           "messages") from None  # fmt: skip
+        out.append({"id": str(c.get("id", "")), "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})  # fmt: skip
+    return out

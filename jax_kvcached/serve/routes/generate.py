@@ -26,6 +26,7 @@ from jax_kvcached.engine.engine import Prompt
 from jax_kvcached.memory.errors import ContextLengthExceeded, PoolExhausted
 from jax_kvcached.serve.access_log import note
 from jax_kvcached.serve.auth import tenant_salt
+from jax_kvcached.serve.chat_output import ChatStream, finish_reason, message
 from jax_kvcached.serve.context import AppContext, ServedModel
 from jax_kvcached.serve.logprobs import chat_logprobs, completion_logprobs
 from jax_kvcached.serve.loop import Finished, Overloaded, ServingLoop, Unavailable
@@ -82,9 +83,14 @@ def prepare(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[
     """The model, the prompts (validated once, here) and the tokens each may generate."""
     m = ctx.served(req.model)
     eng = m.engine
+    if req.tools is not None and req.tools.choice == "auto" and m.tool_parser is None:
+        raise APIError(400, '"auto" tool choice needs the server started with '
+                       "--enable-auto-tool-choice and --tool-call-parser (or tool_choice "
+                       "'required', 'none' or a named function)", param="tool_choice")  # fmt: skip
     if req.chat:
         try:  # a template may refuse messages (raise_exception) or fail on them
-            text = m.chat_template.render(req.messages, req.add_generation_prompt)
+            tools = list(req.tools.tools) if req.tools is not None else None
+            text = m.chat_template.render(req.messages, req.add_generation_prompt, tools=tools)
         except Exception as e:
             raise APIError(400, f"the chat template failed: {e}", param="messages") from None
         if req.continue_final_message:
@@ -282,6 +288,7 @@ class _Response:
     """Builds the choices of one HTTP response."""
 
     def __init__(self, req: GenerationRequest, m: ServedModel) -> None:
+        self.streams: dict[int, ChatStream] = {}  # chat: each streamed choice's splitter
         self.req, self.m = req, m
         self.prompt_logprobs: dict[int, list[Any]] = {}  # by prompt: its first sample's
 
@@ -310,8 +317,10 @@ class _Response:
         text = "".join(c.text)
         lps = self.logprobs(c, c.logprobs, True)
         if self.req.chat:
-            msg = {"role": "assistant", "content": text}
-            return {"index": index, "message": msg, "logprobs": lps, "finish_reason": c.reason}
+            m = self.m
+            msg = message(text, self.req.tools, m.tool_parser, m.reasoning_parser)
+            return {"index": index, "message": msg, "logprobs": lps,
+                    "finish_reason": finish_reason(c.reason, msg)}  # fmt: skip
         text = self.echo_text(c) + text
         return {"index": index, "text": text, "logprobs": lps, "finish_reason": c.reason}
 
@@ -320,6 +329,31 @@ class _Response:
             return {"index": index, "text": text or "", "logprobs": lps, "finish_reason": reason}
         d = {} if text is None else {"content": text}
         return {"index": index, "delta": d, "logprobs": lps, "finish_reason": reason}
+
+    def deltas(self, index: int, text: str, lps: Any) -> list[dict]:
+        """A streamed choice's chunks for its new text (chat: its thought, content and
+        calls apart; a possible call is held)."""
+        if not self.req.chat:
+            return [self.delta(index, text, lps, None)]
+        stream = self.streams.setdefault(index, ChatStream(
+            self.req.tools, self.m.tool_parser, self.m.reasoning_parser))  # fmt: skip
+        out = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+               for d in stream.feed(text)]  # fmt: skip
+        if lps is not None:  # (held text's logprobs still go out, on an empty delta)
+            out = out or [{"index": index, "delta": {}, "logprobs": None, "finish_reason": None}]
+            out[0]["logprobs"] = lps
+        return out
+
+    def last_deltas(self, index: int, reason: str | None) -> list[dict]:
+        """A streamed choice's last chunks: what it held (calls), then its reason."""
+        if not self.req.chat:
+            return [self.delta(index, None, None, reason)]
+        stream = self.streams.get(index)
+        held = stream.finish() if stream is not None else []
+        out = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+               for d in held]  # fmt: skip
+        calls = stream.calls if stream is not None else []
+        return [*out, self.delta(index, None, None, finish_reason(reason, calls))]
 
 
 def _usage(choices: list[_Choice]) -> dict[str, Any]:
@@ -442,12 +476,12 @@ async def generate(
                 if kind == "text":
                     text, entries = value
                     lps = build.logprobs(c, entries, False) if entries else None
-                    yield _sse({**head, "choices": [build.delta(index, text, lps, None)],
-                                **running()})  # fmt: skip
+                    for d in build.deltas(index, text, lps):
+                        yield _sse({**head, "choices": [d], **running()})
                 elif kind == "done":
                     left -= 1
-                    yield _sse({**head, "choices": [build.delta(index, None, None, value)],
-                                **running()})  # fmt: skip
+                    for d in build.last_deltas(index, value):
+                        yield _sse({**head, "choices": [d], **running()})
                 else:
                     left -= 1
                     failed = True

@@ -1,0 +1,181 @@
+"""Function calling in chat: a request's ``tools`` and ``tool_choice``, the constraint
+that forces a call, and the calls read back out of the model's text.
+
+* ``tool_choice`` ``none``: the tools reach the chat template only; ``required`` or a
+  named function: the output is held (structured outputs) to a JSON array of
+  ``{"name", "parameters"}`` calls (vLLM's form) or to the named function's parameters
+  (compact JSON), and becomes ``tool_calls``; ``auto``: the model decides, and the server's
+  ``--tool-call-parser`` reads its calls out of the text (``hermes``: ``<tool_call>{"name",
+  "arguments"}</tool_call>`` blocks, as Hermes, Qwen 2.5 / 3 and many others write them;
+  ``llama3_json``: a JSON object ``{"name", "parameters"}`` as the whole output, or
+  several separated by ``;``), like vLLM's ``--enable-auto-tool-choice``.
+* A call the parser cannot read stays text (``content``), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import secrets
+from typing import Any
+
+from jax_kvcached.engine.structured import Structured
+
+PARSERS = ("hermes", "llama3_json")
+MAX_TOOLS = 128
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+HERMES_START = "<tool_call>"
+
+
+class ToolsError(ValueError):
+    """A malformed ``tools`` / ``tool_choice`` (the request's 400 names ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclasses.dataclass(frozen=True)
+class Tools:
+    """A chat request's tools: the list as given (for the template), the choice
+    (``none``, ``auto``, ``required`` or ``function``: ``name``) and whether several
+    calls may come at once."""
+
+    tools: tuple[dict[str, Any], ...]
+    choice: str
+    name: str | None = None
+    parallel: bool = True
+
+    def function(self, name: str) -> dict[str, Any]:
+        return next(t["function"] for t in self.tools if t["function"]["name"] == name)
+
+    def constraint(self) -> Structured | None:
+        """The structured output that forces a call (None: ``auto`` / ``none``)."""
+        if self.choice == "function":
+            params = self.function(self.name).get("parameters") or {"type": "object"}
+            return Structured("json", json.dumps(params), compact=True)
+        if self.choice != "required":
+            return None
+        calls = [{"type": "object", "properties": {
+                      "name": {"enum": [t["function"]["name"]]},
+                      "parameters": t["function"].get("parameters") or {"type": "object"}},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for t in self.tools]  # fmt: skip
+        schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return Structured("json", json.dumps(schema), compact=True)
+
+
+def parse_tools(body: dict[str, Any]) -> Tools | None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat body (None: no
+    tools); ToolsError naming the field for a malformed one."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise ToolsError("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise ToolsError(f"'tools' must be a list of up to {MAX_TOOLS} tools", "tools")
+    names = []
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict):
+            raise ToolsError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+                             "tools")  # fmt: skip
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ToolsError(f"tools[{i}].function.name must be 1-64 letters, digits, _ . -",
+                             "tools")  # fmt: skip
+        if not isinstance(f.get("parameters", {}), dict):
+            raise ToolsError(f"tools[{i}].function.parameters must be a JSON schema object",
+                             "tools")  # fmt: skip
+        if not isinstance(f.get("description", ""), str):
+            raise ToolsError(f"tools[{i}].function.description must be a string", "tools")
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise ToolsError("'tools' names a function twice", "tools")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolsError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if choice is None or choice in ("none", "auto", "required"):
+        return Tools(tuple(tools), choice or "auto", parallel=parallel)
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and named in names):
+        raise ToolsError("'tool_choice' must be none, auto, required or {'type': 'function', "
+                         "'function': {'name': <one of the tools>}}", "tool_choice")  # fmt: skip
+    return Tools(tuple(tools), "function", named, parallel)
+
+
+def _call(name: str, arguments: Any) -> dict[str, Any]:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return {"id": f"call_{secrets.token_hex(12)}", "type": "function",
+            "function": {"name": name, "arguments": args}}  # fmt: skip
+
+
+def read_calls(
+    text: str, tools: Tools, parser: str | None
+) -> tuple[str | None, list[dict[str, Any]]]:
+    """(the message's content, its tool calls) of a finished output."""
+    names = {t["function"]["name"] for t in tools.tools}
+    if tools.choice == "function":
+        return None, [_call(tools.name, text)]
+    if tools.choice == "required":
+        try:
+            calls = json.loads(text)
+            return None, [_call(c["name"], c["parameters"]) for c in calls]
+        except (ValueError, TypeError, KeyError):  # (cut by max_tokens: left as text)
+            return text, []
+    if tools.choice != "auto" or parser is None:
+        return text, []
+    if parser == "hermes":
+        calls = []
+        for block in _HERMES.findall(text):
+            try:
+                c = json.loads(block)
+                if c["name"] in names:
+                    calls.append(_call(c["name"], c.get("arguments", {})))
+                    continue
+            except (ValueError, TypeError, KeyError):
+                pass
+            return text, []  # one unreadable call: all of it stays text
+        rest = _HERMES.sub("", text).strip()
+        return (rest or None) if calls else text, calls
+    # llama3_json: the whole output is one call, or several separated by ";"
+    body = text.strip().removeprefix("<|python_tag|>")
+    if not body.startswith("{"):
+        return text, []
+    calls = []
+    try:
+        for part in body.split(";"):
+            c = json.loads(part)
+            if c["name"] not in names:
+                return text, []
+            calls.append(_call(c["name"], c.get("parameters", c.get("arguments", {}))))
+    except (ValueError, TypeError, KeyError):
+        return text, []
+    return None, calls
+
+
+def holds_from(text: str, tools: Tools | None, parser: str | None) -> int:
+    """Where a streamed output's text stops being content and may be a call (held back
+    until the output ends); ``len(text)`` when none of it may."""
+    if tools is None or tools.choice == "none":
+        return len(text)
+    if tools.choice in ("required", "function"):
+        return 0
+    if parser == "llama3_json":
+        stripped = text.lstrip()
+        if not stripped or stripped[0] in "{<":
+            return 0
+        return len(text)
+    if parser == "hermes":
+        at = text.find(HERMES_START)
+        if at >= 0:
+            return at
+        for k in range(len(HERMES_START) - 1, 0, -1):  # a start tag's prefix at the end
+            if text.endswith(HERMES_START[:k]):
+                return len(text) - k
+    return len(text)
