@@ -297,6 +297,19 @@ def test_structured_outputs_over_the_sdk(server):
         )  # fmt: skip
     assert e.value.body["param"] == "response_format" and "bogus" in e.value.body["message"]
     assert e.value.body["code"] == "invalid_structured_output"
+    # the server goes on serving; the SDK's parse helper gets its Pydantic object
+    import pydantic
+
+    class Weather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=5)
+        temp: int
+
+    parsed = server.client.chat.completions.parse(
+        model="llama", messages=chat, response_format=Weather, max_tokens=200,
+        temperature=1.0, seed=3,
+    )  # fmt: skip
+    got = parsed.choices[0].message.parsed
+    assert isinstance(got, Weather) and len(got.city) <= 5
 
 
 TOOLS = [
@@ -331,9 +344,11 @@ def test_tool_calls_over_the_sdk(server):
     for chunk in stream:
         calls += chunk.choices[0].delta.tool_calls or []
         reasons.append(chunk.choices[0].finish_reason)
-    assert len(calls) == 1 and reasons[-1] == "tool_calls"
-    assert calls[0].function.name in ("get_weather", "get_time")
-    json.loads(calls[0].function.arguments)
+    # the call, then its arguments (OpenAI's fragments), one index
+    assert {c.index for c in calls} == {0} and reasons[-1] == "tool_calls"
+    assert calls[0].id.startswith("call_") and calls[0].function.name in ("get_weather",
+                                                                         "get_time")
+    json.loads("".join(c.function.arguments or "" for c in calls))
     back = server.client.chat.completions.create(
         model="llama", tools=TOOLS, tool_choice="none", max_tokens=3, messages=[
             *chat, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
@@ -361,6 +376,7 @@ def test_tool_calls_over_the_sdk(server):
         thought = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
         streamed = [c for d in deltas for c in d.tool_calls or []]
         assert thought == "cold there." and streamed[0].function.name == "get_time"
+        assert json.loads("".join(c.function.arguments for c in streamed)) == {"zone": "cet"}
         assert "".join(d.content or "" for d in deltas) == "I will check."
     finally:
         served.tool_parser = served.reasoning_parser = None

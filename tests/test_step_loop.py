@@ -43,6 +43,17 @@ def reference_sample(logits, temperature, top_k, top_p, seed, step):
     return int(kept[np.argmax(score)])
 
 
+def test_gumbel_noise_is_finite_for_every_hash():
+    """The extreme hashes map inside (0, 1): the noise is finite, so a -inf logit (a
+    structured output's mask) is never picked (24 bits once rounded the top one to 1.0,
+    noise +inf)."""
+    from jax_kvcached.engine.sampling import open_unit
+
+    u = np.asarray(open_unit(jnp.asarray([0, 1, 2**31, 2**32 - 512, 2**32 - 1], jnp.uint32)))
+    assert (u > 0).all() and (u < 1).all()
+    assert np.isfinite(-np.log(-np.log(u))).all()
+
+
 def _rows(rng, n, v, ties):
     logits = rng.integers(-6, 6, size=(n, v)).astype(np.float32) if ties else (
         rng.normal(0, 3, size=(n, v)).astype(np.float32)

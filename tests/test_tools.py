@@ -87,6 +87,12 @@ def test_calls_read_from_the_models_text():
     assert content is None and [c["function"]["name"] for c in calls] == ["get_time",
                                                                           "get_weather"]
     assert read_calls("sure", tools, "llama3_json") == ("sure", [])
+    content, calls = read_calls('[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "cet"}}]',
+                                tools, "mistral")  # fmt: skip
+    assert content is None and calls[0]["function"]["name"] == "get_time"
+    assert read_calls('[{"name": "get_time", "arguments": {}}]', tools, "mistral")[1]
+    for bad in ('[{"name": "nope", "arguments": {}}]', "[1, 2]", "no calls"):
+        assert read_calls(bad, tools, "mistral") == (bad, [])
     forced = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
     _, calls = read_calls('[{"name":"get_time","parameters":{"zone":"utc"}}]', forced, None)
     assert calls[0]["function"]["arguments"] == '{"zone": "utc"}'
@@ -99,6 +105,21 @@ def test_thought_is_split_from_the_content():
     assert split("still thinking", "deepseek_r1") == ("still thinking", "")
     assert split("x</think>y", "deepseek_r1") == ("x", "y")
     assert split("<think>x</think>y", None) == (None, "<think>x</think>y")
+
+
+def _assemble(fragments):
+    """Streamed tool-call deltas put together as a client does: by index, the first
+    fragment's id and name, the arguments' fragments concatenated."""
+    calls = {}
+    for frag in fragments:
+        for d in frag:
+            c = calls.setdefault(d["index"], {"id": None, "function": {"name": None,
+                                                                       "arguments": ""}})
+            c["id"] = c["id"] or d.get("id")
+            f = d.get("function", {})
+            c["function"]["name"] = c["function"]["name"] or f.get("name")
+            c["function"]["arguments"] += f.get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
@@ -117,10 +138,11 @@ def test_a_stream_in_any_chunks_says_what_the_whole_message_says(chunk):
     deltas += stream.finish()
     thought = "".join(d.get("reasoning_content", "") for d in deltas)
     content = "".join(d.get("content", "") for d in deltas)
-    calls = [c for d in deltas for c in d.get("tool_calls", [])]
+    calls = _assemble(d["tool_calls"] for d in deltas if "tool_calls" in d)
     assert thought == whole["reasoning_content"] == "need weather"
     assert content.strip() == whole["content"] == "Checking <now>."
     assert [c["function"] for c in calls] == [c["function"] for c in whole["tool_calls"]]
+    assert calls[0]["id"] == stream.calls[0]["id"]
     assert finish_reason("stop", whole) == finish_reason("stop", stream.calls) == "tool_calls"
     assert finish_reason("length", whole) == "length"
     plain = ChatStream(None, None, None)

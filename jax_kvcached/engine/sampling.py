@@ -169,8 +169,14 @@ def gumbel_noise(seeds: jax.Array, steps: jax.Array, ids: jax.Array) -> jax.Arra
     row = _mix(_mix(seeds.astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9)) + steps.astype(jnp.uint32))
     col = _mix(ids.astype(jnp.uint32) * jnp.uint32(0x27D4EB2F) + jnp.uint32(0x165667B1))
     bits = _mix(_mix(row[:, None] ^ col) + row[:, None])
-    u = ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
-    return -jnp.log(-jnp.log(u))
+    return -jnp.log(-jnp.log(open_unit(bits)))
+
+
+def open_unit(bits: jax.Array) -> jax.Array:
+    """uint32 hash bits -> float32 strictly inside (0, 1): 23 bits, so the largest is
+    1 - 2**-24 (24 bits would round it to 1.0 in float32, whose Gumbel noise is +inf:
+    a token picked whatever its logit, even a masked -inf one)."""
+    return ((bits >> 9).astype(jnp.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 def sample(

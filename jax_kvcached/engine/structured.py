@@ -81,21 +81,36 @@ class Structured:
 class GrammarState:
     """One sequence's matcher: the tokens allowed next, and the tokens it took."""
 
-    def __init__(self, matcher: Any, words: int) -> None:
+    def __init__(self, matcher: Any, words: int, eos_ids: Sequence[int] = ()) -> None:
         self._m = matcher
         self._words = words
+        self._eos = list(eos_ids)
 
     def mask(self) -> np.ndarray:
         """The next token's bitmask ``(words,)`` int32: bit ``t % 32`` of word
-        ``t // 32`` set for each token the grammar allows."""
+        ``t // 32`` set for each token the grammar allows. A matcher that failed (a
+        grammar past llguidance's limits) allows only EOS; its next token is then
+        refused, and the request ends with the error (never a token the grammar did
+        not allow)."""
         out = np.zeros(self._words, np.int32)
         self._m.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        if self._m.is_error():
+            out[:] = 0
+            for t in self._eos:
+                out[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
         return out
 
     def accept(self, token: int) -> bool:
         """Takes a sampled token; False if the grammar refuses it (its mask did not
         allow it)."""
         return bool(self._m.consume_token(token))
+
+    def rollback(self, n: int) -> None:
+        """Gives back the last ``n`` tokens taken (drafted tokens a verification
+        rejected)."""
+        if n and not self._m.rollback(n):
+            raise ValueError(f"the structured output cannot roll back {n} tokens: "
+                             f"{self.error}")  # fmt: skip
 
     @property
     def finished(self) -> bool:
@@ -155,7 +170,7 @@ class GrammarCompiler:
         matcher = LLMatcher(self._ll_tokenizer(), self.compile(spec))
         if matcher.is_error():
             raise ValueError(f"{spec.kind}: {matcher.get_error()}")
-        return GrammarState(matcher, self.words)
+        return GrammarState(matcher, self.words, self._eos)
 
 
 class _ByteVocabulary:

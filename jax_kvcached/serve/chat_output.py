@@ -70,7 +70,13 @@ class ChatStream:
             if self.calls:
                 if content:
                     out.append({"content": content})
-                out.append({"tool_calls": [{"index": i, **c} for i, c in enumerate(self.calls)]})
+                for i, c in enumerate(self.calls):  # as OpenAI streams them: the call,
+                    f = c["function"]  # then its arguments
+                    out.append({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                                "function": {"name": f["name"],
+                                                             "arguments": ""}}]})
+                    out.append({"tool_calls": [{"index": i, "function": {
+                        "arguments": f["arguments"]}}]})  # fmt: skip
                 return out
         if rest:
             out.append({"content": rest})

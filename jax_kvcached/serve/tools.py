@@ -8,7 +8,9 @@ that forces a call, and the calls read back out of the model's text.
   ``--tool-call-parser`` reads its calls out of the text (``hermes``: ``<tool_call>{"name",
   "arguments"}</tool_call>`` blocks, as Hermes, Qwen 2.5 / 3 and many others write them;
   ``llama3_json``: a JSON object ``{"name", "parameters"}`` as the whole output, or
-  several separated by ``;``), like vLLM's ``--enable-auto-tool-choice``.
+  several separated by ``;``; ``mistral``: ``[TOOL_CALLS]`` then a JSON array of
+  ``{"name", "arguments"}``, the marker absent when the tokenizer skips it as a special
+  token), like vLLM's ``--enable-auto-tool-choice``. Qwen3 writes the hermes form.
 * A call the parser cannot read stays text (``content``), as in vLLM.
 """
 
@@ -22,7 +24,7 @@ from typing import Any
 
 from jax_kvcached.engine.structured import Structured
 
-PARSERS = ("hermes", "llama3_json")
+PARSERS = ("hermes", "llama3_json", "mistral")
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -143,6 +145,14 @@ def read_calls(
             return text, []  # one unreadable call: all of it stays text
         rest = _HERMES.sub("", text).strip()
         return (rest or None) if calls else text, calls
+    if parser == "mistral":  # [TOOL_CALLS] [{"name", "arguments"}, ...]
+        body = text.strip().removeprefix("[TOOL_CALLS]").strip()
+        try:
+            calls = [_call(c["name"], c.get("arguments", {})) for c in json.loads(body)
+                     if c["name"] in names or _unknown(c["name"])]  # fmt: skip
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return text, []
+        return (None, calls) if calls else (text, [])
     # llama3_json: the whole output is one call, or several separated by ";"
     body = text.strip().removeprefix("<|python_tag|>")
     if not body.startswith("{"):
@@ -159,6 +169,10 @@ def read_calls(
     return None, calls
 
 
+def _unknown(name: str) -> bool:
+    raise KeyError(name)  # (a call of a function the request has not: all stays text)
+
+
 def holds_from(text: str, tools: Tools | None, parser: str | None) -> int:
     """Where a streamed output's text stops being content and may be a call (held back
     until the output ends); ``len(text)`` when none of it may."""
@@ -166,9 +180,9 @@ def holds_from(text: str, tools: Tools | None, parser: str | None) -> int:
         return len(text)
     if tools.choice in ("required", "function"):
         return 0
-    if parser == "llama3_json":
+    if parser in ("llama3_json", "mistral"):  # a call is the whole output
         stripped = text.lstrip()
-        if not stripped or stripped[0] in "{<":
+        if not stripped or stripped[0] in "{<[":
             return 0
         return len(text)
     if parser == "hermes":
