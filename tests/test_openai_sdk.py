@@ -297,6 +297,17 @@ def test_structured_outputs_over_the_sdk(server):
         )  # fmt: skip
     assert e.value.body["param"] == "response_format" and "bogus" in e.value.body["message"]
     assert e.value.body["code"] == "invalid_structured_output"
+    # a model without a chat template: chat is a 400 naming the way out, completions serve
+    served = server.app_models["qwen"]
+    template, served.chat_template = served.chat_template, None
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            server.client.chat.completions.create(model="qwen", messages=chat, max_tokens=2)
+        assert e.value.body["code"] == "no_chat_template"
+        assert "/v1/completions" in e.value.body["message"]
+        assert server.client.completions.create(model="qwen", prompt="x", max_tokens=2).choices
+    finally:
+        served.chat_template = template
     # the server goes on serving; the SDK's parse helper gets its Pydantic object
     import pydantic
 

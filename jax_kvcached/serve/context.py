@@ -23,7 +23,8 @@ from jax_kvcached.serve.protocol import APIError
 class ServedModel:
     engine: Engine
     tokenizer: Any  # encode(str, add_special_tokens=True) -> ids, decode(ids) -> str
-    chat_template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)
+    # None: the checkpoint has none (and no --chat-template): chat is a 400.
+    chat_template: ChatTemplate | None = dataclasses.field(default_factory=ChatTemplate)
     # Sampling defaults for fields a request omits (generation config + --default-*).
     defaults: dict[str, float] = dataclasses.field(default_factory=dict)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))

@@ -158,7 +158,11 @@ def build_served(
     log.info("loading %s from %s (%s, quantization %s)", spec.name, where, jnp.dtype(dt).name,
              quantization)  # fmt: skip
     pre = load_pretrained(spec.source, dtype=dt, seed=seed, quantization=quant)
-    template = pre.template
+    # A checkpoint without a template serves no chat (a preset's plain one is its own).
+    template = pre.template if pre.chat_template is not None or not pre.path else None
+    if template is None and chat_template is None:
+        log.warning("%s has no chat template: /v1/chat/completions answers 400 for it "
+                    "(use /v1/completions, or --chat-template FILE)", spec.name)  # fmt: skip
     if chat_template is not None:
         try:
             with open(chat_template, encoding="utf-8") as f:
@@ -167,7 +171,8 @@ def build_served(
             raise ValueError(f"--chat-template {chat_template}: {e.strerror}") from None
     settings = engine.replace(name=spec.name, memory_limit=spec.limit,
                               memory_guarantee=spec.guarantee)  # fmt: skip
-    served = Engine(pre.model, pool, settings, tokenizer=pre.tokenizer, chat_template=template)
+    served = Engine(pre.model, pool, settings, tokenizer=pre.tokenizer,
+                    chat_template=template or pre.template)  # (the library's fallback)
     defaults = generation_defaults(pre.generation, generation_config, default_sampling or {})
     if defaults:
         log.info("%s: sampling defaults for omitted fields: %s", spec.name, defaults)

@@ -88,6 +88,7 @@ def prepare(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[
                        "--enable-auto-tool-choice and --tool-call-parser (or tool_choice "
                        "'required', 'none' or a named function)", param="tool_choice")  # fmt: skip
     if req.chat:
+        _check_template(m, req.model)
         try:  # a template may refuse messages (raise_exception) or fail on them
             tools = list(req.tools.tools) if req.tools is not None else None
             text = m.chat_template.render(req.messages, req.add_generation_prompt, tools=tools)
@@ -118,6 +119,13 @@ def prepare(ctx: AppContext, req: GenerationRequest) -> tuple[ServedModel, list[
     if req.structured is not None:  # compiled here, off the event loop (then cached)
         _compile(eng, req)
     return m, prompts, max_tokens
+
+
+def _check_template(m: ServedModel, model: str) -> None:
+    if m.chat_template is None:  # (vLLM answers the same)
+        raise APIError(400, f"model {model!r} has no chat template: use /v1/completions, or "
+                       "start the server with --chat-template FILE", param="messages",
+                       code="no_chat_template")  # fmt: skip
 
 
 def _compile(eng: Any, req: GenerationRequest) -> None:

@@ -43,6 +43,10 @@ def routes(ctx: AppContext) -> list[Route]:
         if ("prompt" in body) == ("messages" in body):
             raise APIError(400, "give one of 'prompt' or 'messages'")
         if "messages" in body:
+            if m.chat_template is None:
+                raise APIError(400, f"model {body['model']!r} has no chat template: "
+                               "tokenize a 'prompt'", param="messages",
+                               code="no_chat_template")  # fmt: skip
             messages = chat_messages(body["messages"])
             gen = _bool(body, "add_generation_prompt", True)
             try:
