@@ -178,3 +178,29 @@ def test_smollm2s_constrained_answers_validate():
         jsonschema.validate(json.loads(o.text), schema)
     check_group_accounting(eng)
     pool.close()
+
+
+def test_a_constrained_steps_forward_pass_overlaps_the_previous_steps_completion(engine):
+    """The host's work behind a structured output stays off the device's critical path:
+    each constrained step's forward pass is dispatched while the previous step is still
+    in flight; only its sampling waits for the masks (the previous tokens taken)."""
+    runner, inflight_at_forward = engine.runner, []
+    execute = runner.execute
+
+    def recording(step):
+        if step.deferred:
+            inflight_at_forward.append(engine.num_inflight)
+        return execute(step)
+
+    runner.execute = recording
+    try:
+        p = SamplingParams(max_tokens=12, temperature=1.0, seed=3,
+                           structured=Structured("regex", "[a-z]{40}"))  # fmt: skip
+        out = engine.generate([[256, 70, 71, 72]], p)[0]
+    finally:
+        runner.execute = execute
+    assert re.fullmatch("[a-z]{12}", out.text) and out.finish_reason == "length"
+    # the first step (the prompt) has nothing before it; every decode step overlaps
+    assert inflight_at_forward[0] == 0 and set(inflight_at_forward[1:]) == {1}
+    assert len(inflight_at_forward) == 12
+    check_group_accounting(engine)

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
+import numpy as np
+
 from jax_kvcached.engine.compile_events import compile_events, fresh_compiles
 from jax_kvcached.engine.config import EngineConfig
 from jax_kvcached.engine.detokenizer import TextStream
@@ -179,9 +181,8 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self.log_every = c.log_every
         self.overlap = c.overlap
         self._ids = itertools.count()
-        # Structured outputs: compiled for this model's tokenizer; constrained requests.
+        # Structured outputs: compiled for this model's tokenizer.
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, cfg.eos_ids)
-        self._constrained = 0
         self._by_id: dict[int, Sequence] = {}
         self._inflight: deque[PendingStep] = deque()  # dispatched, oldest first
         self._lock = threading.RLock()  # steps vs. another tenant's reclaim
@@ -224,7 +225,6 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             seq = Sequence(rid, ids, params, on_token, on_logprobs=on_logprobs)
             if params.structured is not None:
                 seq.grammar = self.grammars.state(params.structured)
-                self._constrained += 1
             if params.stop:
                 seq.detok = TextStream(self.tokenizer.decode, list(params.stop))
             seq.extra = extra_key_bytes(self.name, cache_salt, adapter_id)
@@ -343,11 +343,13 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         says why: they can never fit). A sleeping engine steps nothing."""
         if self._asleep is not None:
             return []
-        first: list[Sequence] = []
-        if self._inflight and self._grammar_waits():
-            first = self.complete(self._inflight[0])  # its tokens come before the masks
         new = self.dispatch() if self.scheduler.has_work else None
-        rejected, self._rejected = first + self._rejected, []
+        rejected, self._rejected = self._rejected, []
+        if new is not None and new.sample_later is not None and len(self._inflight) > 1:
+            # Structured rows: their masks need the previous step's tokens. It completes
+            # while this step's forward pass runs, then this step samples.
+            rejected += self.complete(self._inflight[0])
+            self._sample_deferred()
         if not self._inflight:
             return rejected
         if self.overlap and new is not None and len(self._inflight) == 1:
@@ -368,6 +370,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         with self._lock:
             if len(self._inflight) > 1:
                 raise RuntimeError("complete() a dispatched step before dispatching another")
+            self._sample_deferred()  # (its tokens feed this step's device-fed rows)
             started = time.perf_counter()
             self.kv.poll()
             out = self.scheduler.schedule()
@@ -406,8 +409,21 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             step.logprobs = result.logprobs
             if prepared.scored and result.scores is not None:
                 step.scores, step.scored = result.scores, prepared.scored
+            if prepared.deferred:
+                step.sample_later = lambda: self._sample(step, prepared, result.logits)
             self._inflight.append(step)
+            if len(self._inflight) == 1:
+                self._sample_deferred()  # (nothing older: its masks are known now)
             return step
+
+    def _sample(self, step: PendingStep, prepared: Any, logits: Any) -> None:
+        """Samples a deferred step: its structured rows' masks (the others: -1, all
+        allowed), then the programs behind the step."""
+        mask = np.full((prepared.logit_rows, self.grammars.words), -1, np.int32)
+        for s, i in prepared.grammar_rows:
+            if s.finish_reason is None:  # (one that ended meanwhile samples unmasked)
+                mask[i] = s.grammar.mask()
+        step.tokens, step.logprobs = self.runner.sample(prepared, logits, mask)
 
     def complete(self, step: PendingStep | None) -> list[Sequence]:
         """Waits for a dispatched step's tokens (the oldest in flight), streams them and
@@ -417,6 +433,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         with self._lock:
             if not self._inflight or step is not self._inflight[0]:
                 raise RuntimeError("this step is not the engine's oldest dispatched step")
+            self._sample_deferred()
             self._inflight.popleft()
             done = self.outputs.process(step)
             self._finished.extend(done)
@@ -437,13 +454,12 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self.scheduler.finish(seq, reason)
         self._by_id.pop(seq.request_id, None)
 
-    def _grammar_waits(self) -> bool:
-        """A constrained sequence's token is in flight: its next mask needs it."""
-        if not self._constrained:
-            return False
-        live = [s for s in self._by_id.values() if s.grammar is not None]
-        self._constrained = len(live)  # (finished and aborted ones drop out here)
-        return any(s.num_pending for s in live)
+    def _sample_deferred(self) -> None:
+        """Samples the oldest step in flight if it waits for its masks (every older
+        step has completed, so its structured rows' matchers have their tokens)."""
+        if self._inflight and self._inflight[0].sample_later is not None:
+            later, self._inflight[0].sample_later = self._inflight[0].sample_later, None
+            later()
 
     def _reclaim(self, pages: int) -> int:
         """Another tenant needs memory: the KV manager evicts idle cached prefixes.

@@ -50,8 +50,8 @@ class StepInput:
     # A recurrent group's state slot: (blocks read, blocks written, checkpoint blocks,
     # tokens before the checkpoint or -1); read from zeros when ``start`` is 0.
     state: tuple[list[int], list[int], list[int], int] | None = None
-    # A structured output's bitmask of the tokens allowed next ``(words,)`` (None: all).
-    mask: np.ndarray | None = None
+    # A structured output samples here: its mask waits for its previous token.
+    constrained: bool = False
 
 
 @dataclasses.dataclass
@@ -73,9 +73,10 @@ class PreparedStep:
     # scored for prompt log-probabilities as (sequence, first column, start, count).
     sampling: list[tuple[Seq, int]] = dataclasses.field(default_factory=list)
     scored: list[tuple[Seq, int, int, int]] = dataclasses.field(default_factory=list)
-    # The allowed-token bitmasks of the logit rows ``(logit_rows, words)`` (-1: all), when
-    # a row's output is structured; the step then samples behind its program.
-    mask: np.ndarray | None = None
+    # Rows of structured outputs: the step runs its forward pass, and samples once
+    # their masks are known (the previous step's tokens taken: ModelRunner.sample).
+    deferred: bool = False
+    grammar_rows: list[tuple[Seq, int]] = dataclasses.field(default_factory=list)
 
 
 class InputBuilder:
@@ -136,10 +137,7 @@ class InputBuilder:
                     row.entries = row_entries(
                         s.params, s.prompt, s.output, s.num_output, self.eos_ids
                     )
-                if s.grammar is not None:
-                    if s.num_pending:  # (the engine completes its step first)
-                        raise RuntimeError("a structured output's mask needs its last token")
-                    row.mask = s.grammar.mask()
+                row.constrained = s.grammar is not None
                 sampling.append((s, i))
             if s.params.prompt_logprobs and start < s.num_prompt and n > 1:
                 # each position's target: the next prompt token (-1 past the prompt)
@@ -154,6 +152,7 @@ class InputBuilder:
         inputs, sampling, scored = self.rows(out)
         step = self.build(inputs)
         step.sampling = sampling
+        step.grammar_rows = [(s, i) for s, i in sampling if s.grammar is not None]
         step.scored = [(s, step.starts[i], start, n) for s, i, start, n in scored]
         return step
 
@@ -250,17 +249,11 @@ class InputBuilder:
             rows, self.entry_sizes,
         )  # fmt: skip
         want_logprobs = any(x.params is not None and x.params.logprobs is not None for x in batch)
-        mask = None
-        if any(x.mask is not None for x in batch):
-            words = next(len(x.mask) for x in batch if x.mask is not None)
-            mask = np.full((rows, words), -1, np.int32)
-            for i, x in enumerate(batch):
-                if x.mask is not None:
-                    mask[i] = x.mask
+        deferred = any(x.constrained for x in batch)
         # A fused step samples (and scores) its rows itself, unless a row processes its
         # logits or masks them; otherwise (processing, masking,) sampling and
         # log-probabilities follow as programs of their own.
-        fused = self.fused(t) and processing is None and mask is None
+        fused = self.fused(t) and processing is None and not deferred
         flags = (SAMPLE | (LOGPROBS if want_logprobs else 0)) if fused else 0
         packed = lay.pack(
             tokens=tokens, positions=positions, slots=slots, targets=targets,
@@ -273,5 +266,6 @@ class InputBuilder:
         return PreparedStep(
             shape=shape, packed=packed, num_rows=len(batch), logit_rows=rows, params=params,
             src=src[: len(batch)], processing=processing, want_logprobs=want_logprobs,
-            fused=fused, has_targets=bool((targets >= 0).any()), starts=starts, mask=mask,
+            fused=fused, has_targets=bool((targets >= 0).any()), starts=starts,
+            deferred=deferred,
         )  # fmt: skip

@@ -39,6 +39,9 @@ class PendingStep:
     position: int = 0  # the furthest prompt position they reach
     started: float = 0.0  # perf_counter() when it was scheduled
     ready: float | None = None  # perf_counter() when its tokens reached the host
+    # A step with structured rows samples once its masks are known (the engine calls it
+    # when every older step has completed); None: sampled already.
+    sample_later: Callable[[], None] | None = None
 
 
 class OutputProcessor:

@@ -211,7 +211,10 @@ class ModelRunner:
         self._jitted_sample = jax.jit(self._per_device(sample_rows, (None, None), None))
         self._jitted_process = jax.jit(self._per_device(process_rows, (None,) * 6, None))
         self._jitted_logprobs = jax.jit(self._per_device(logprob_rows, (None,) * 3, None))
-        self._jitted_mask = jax.jit(self._per_device(mask_rows, (None, None), None))
+        # A structured output's mask and the sampler, one program (one dispatch).
+        self._jitted_mask = jax.jit(self._per_device(
+            lambda logits, mask, params: sample_rows(mask_rows(logits, mask), params),
+            (None, None, None), None))  # fmt: skip
         # One block copy per KV cache group (a fork's copy-on-write of a partial block).
         view_spec = None if self.mesh is None else cache.sharding.spec
         self._jitted_copy = [
@@ -284,8 +287,8 @@ class ModelRunner:
 
     def extra_keys(self) -> list[tuple]:
         """The logit-processing (rows, token-list width), log-probability (rows) and
-        token-mask (rows) functions a step may call, compiled by :meth:`compile` with the
-        samplers."""
+        masked-sampler (rows) functions a step may call, compiled by :meth:`compile` with
+        the samplers."""
         keys: list[tuple] = [("copy", g) for g in range(self.cache.num_groups)]
         keys += [("logprobs", r) for r in self.sampler_sizes]
         keys += [("process", r, p) for r in self.sampler_sizes for p in self.entry_sizes]
@@ -373,7 +376,8 @@ class ModelRunner:
             return self._jitted_logprobs, (logits, self.last_tokens, np.full(rows, -1, np.int32))
         if key[0] == "mask":
             words = (self.config.vocab_size + 31) // 32
-            return self._jitted_mask, (logits, np.full((rows, words), -1, np.int32))
+            return self._jitted_mask, (logits, np.full((rows, words), -1, np.int32),
+                                       np.zeros((NUM_PARAMS, rows), np.int32))
         if key[0] == "process":
             p = key[2]
             args = (np.zeros((rows, p), np.int32), np.zeros((3, rows, p), np.float32),
@@ -458,35 +462,50 @@ class ModelRunner:
         ``step.logit_rows`` sequence slots ``(rows, vocab)``, the sampled next tokens
         ``(max_rows,)`` (rows past the batch and rows without ``params`` are padding),
         the log-probabilities and the targets' scores (None when no row asked for them)
-        and the step's fence."""
+        and the step's fence. A ``deferred`` step (structured rows) runs its forward pass
+        only: :meth:`sample` samples it once its masks are known."""
         program = self._program(step.shape)
         with self._context():
             (logits, scores, sampled, lps), self.token = program(
                 self.weights.arrays, self.cache.view, step.packed, self.last_tokens, self.token
             )
             self.dispatches += 1
+            scores = scores if step.has_targets else None
+            if step.deferred:
+                return StepResult(logits, None, None, scores, self.token)
             out_lps = lps if step.fused and step.want_logprobs else None
             if not step.fused:
-                # Dispatched right behind the step: no host round trip in between.
-                rows = step.logit_rows
-                hint = src_rows(step.src, rows)
-                processed = logits
-                if step.processing is not None:
-                    process = self._program(("process", rows, step.processing[0].shape[1]))
-                    processed = process(logits, *step.processing, self.last_tokens, hint)
-                    self.dispatches += 1
-                if step.mask is not None:  # a structured output's allowed tokens
-                    processed = self._program(("mask", rows))(processed, step.mask)
-                    self.dispatches += 1
-                sampled = self._program(rows)(processed, step.params)  # (one transfer)
-                self.dispatches += 1
-                if step.want_logprobs:
-                    logprobs = self._program(("logprobs", rows))
-                    out_lps = logprobs(logits, sampled, hint)
-                    self.dispatches += 1
+                sampled, out_lps = self._behind(step, logits, None)
             self.last_tokens = sampled  # (the next step's device-fed rows read them)
-        return StepResult(logits, sampled, out_lps, scores if step.has_targets else None,
-                          self.token)  # fmt: skip
+        return StepResult(logits, sampled, out_lps, scores, self.token)
+
+    def sample(self, step: PreparedStep, logits: jax.Array, mask: np.ndarray) -> tuple:
+        """A deferred step's sampled tokens and log-probabilities, its rows' logits
+        masked by ``mask`` ``(logit_rows, words)`` first (-1 words: no constraint)."""
+        with self._context():
+            sampled, lps = self._behind(step, logits, mask)
+            self.last_tokens = sampled
+        return sampled, lps
+
+    def _behind(self, step: PreparedStep, logits: jax.Array, mask: np.ndarray | None) -> tuple:
+        """Logit processing, the mask, sampling and log-probabilities of a step, as
+        programs dispatched right behind it (no host round trip in between)."""
+        rows = step.logit_rows
+        hint = src_rows(step.src, rows)
+        processed, out_lps = logits, None
+        if step.processing is not None:
+            process = self._program(("process", rows, step.processing[0].shape[1]))
+            processed = process(logits, *step.processing, self.last_tokens, hint)
+            self.dispatches += 1
+        if mask is not None:  # a structured output's allowed tokens, then sampling
+            sampled = self._program(("mask", rows))(processed, mask, step.params)
+        else:
+            sampled = self._program(rows)(processed, step.params)  # (one transfer)
+        self.dispatches += 1
+        if step.want_logprobs:
+            out_lps = self._program(("logprobs", rows))(logits, sampled, hint)
+            self.dispatches += 1
+        return sampled, out_lps
 
     def copy_block(self, src: int, dst: int, group: int = 0) -> jax.Array:
         """Copies block ``src`` into block ``dst`` of KV cache group ``group`` (every
