@@ -30,8 +30,14 @@ def test_guidellm_runs_against_serve_without_an_error(tmp_path):
     try:
         server.first_answer()
         for i, route in enumerate(("/v1/completions", "/v1/chat/completions")):
-            res = run_guidellm(GUIDELLM, server.url, tok, args, str(tmp_path / f"{i}.json"),
-                               seed=i, route=route)  # fmt: skip
+            for attempt in range(2):
+                res = run_guidellm(GUIDELLM, server.url, tok, args,
+                                   str(tmp_path / f"{i}-{attempt}.json"), seed=i, route=route)
+                # guidellm's scheduler (two processes) can end its run with one answered
+                # request still uncounted: neither successful, errored nor incomplete.
+                # That run goes again once; any error, or a second short run, fails.
+                if res["requests"] == 4 or res["errored"]:
+                    break
             assert res["requests"] == 4 and res["errored"] == 0, (route, res["errors"])
             assert res["output_tokens_mean"] == 8, res  # (guidellm asks to ignore EOS)
             assert res["prompt_tokens_mean"] >= 48, res
