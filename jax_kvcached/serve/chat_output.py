@@ -25,9 +25,8 @@ def message(text: str, tools: Tools | None, tool_parser: str | None,
     return msg
 
 
-def finish_reason(reason: str | None, msg_or_calls: Any) -> str | None:
+def finish_reason(reason: str | None, calls: list[dict[str, Any]] | None) -> str | None:
     """``tool_calls`` for an output that stopped as calls."""
-    calls = msg_or_calls.get("tool_calls") if isinstance(msg_or_calls, dict) else msg_or_calls
     return "tool_calls" if calls and reason == "stop" else reason
 
 

@@ -227,7 +227,8 @@ class ServeConfig:
     )  # fmt: skip
     tool_call_parser: str | None = option(
         None, "how the models write tool calls: hermes (<tool_call> JSON blocks: Hermes, "
-        "Qwen 2.5 / 3) or llama3_json (a JSON call as the whole output)",
+        "Qwen 2.5 / 3), llama3_json (a JSON call as the whole output) or mistral "
+        "([TOOL_CALLS] and a JSON array of calls)",
         choices=TOOL_PARSERS,
     )  # fmt: skip
     reasoning_parser: str | None = option(

@@ -132,45 +132,40 @@ def read_calls(
             return text, []
     if tools.choice != "auto" or parser is None:
         return text, []
-    if parser == "hermes":
-        calls = []
-        for block in _HERMES.findall(text):
-            try:
-                c = json.loads(block)
-                if c["name"] in names:
-                    calls.append(_call(c["name"], c.get("arguments", {})))
-                    continue
-            except (ValueError, TypeError, KeyError):
-                pass
-            return text, []  # one unreadable call: all of it stays text
-        rest = _HERMES.sub("", text).strip()
-        return (rest or None) if calls else text, calls
-    if parser == "mistral":  # [TOOL_CALLS] [{"name", "arguments"}, ...]
-        body = text.strip().removeprefix("[TOOL_CALLS]").strip()
-        try:
-            calls = [_call(c["name"], c.get("arguments", {})) for c in json.loads(body)
-                     if c["name"] in names or _unknown(c["name"])]  # fmt: skip
-        except (ValueError, TypeError, KeyError, AttributeError):
-            return text, []
-        return (None, calls) if calls else (text, [])
-    # llama3_json: the whole output is one call, or several separated by ";"
-    body = text.strip().removeprefix("<|python_tag|>")
-    if not body.startswith("{"):
-        return text, []
-    calls = []
-    try:
-        for part in body.split(";"):
-            c = json.loads(part)
-            if c["name"] not in names:
+    try:  # each parser's calls, as parsed JSON: any unreadable, all stays text
+        if parser == "hermes":  # <tool_call>{"name", "arguments"}</tool_call> blocks
+            calls = _known_calls([json.loads(b) for b in _HERMES.findall(text)], names,
+                                 "arguments")  # fmt: skip
+            rest = _HERMES.sub("", text).strip()
+            return ((rest or None), calls) if calls else (text, [])
+        body = text.strip()
+        if parser == "mistral":  # [TOOL_CALLS] [{"name", "arguments"}, ...]
+            calls = _known_calls(json.loads(body.removeprefix("[TOOL_CALLS]").strip()),
+                                 names, "arguments")  # fmt: skip
+        else:  # llama3_json: the whole output one call, or several separated by ";"
+            body = body.removeprefix("<|python_tag|>")
+            if not body.startswith("{"):
                 return text, []
-            calls.append(_call(c["name"], c.get("parameters", c.get("arguments", {}))))
-    except (ValueError, TypeError, KeyError):
+            calls = _known_calls([json.loads(p) for p in body.split(";")], names,
+                                 "parameters", "arguments")  # fmt: skip
+    except ValueError:
         return text, []
-    return None, calls
+    return (None, calls) if calls else (text, [])
 
 
-def _unknown(name: str) -> bool:
-    raise KeyError(name)  # (a call of a function the request has not: all stays text)
+def _known_calls(objs: Any, names: set[str], *arg_keys: str) -> list[dict[str, Any]]:
+    """The tool calls of parsed JSON objects ``{"name", <the first of arg_keys>}``; none
+    (the output stays text) unless every one names a function of the request."""
+    if not isinstance(objs, list):
+        return []
+    calls = []
+    for c in objs:
+        if not isinstance(c, dict) or not isinstance(c.get("name"), str) or (
+            c["name"] not in names
+        ):
+            return []
+        calls.append(_call(c["name"], next((c[k] for k in arg_keys if k in c), {})))
+    return calls
 
 
 def holds_from(text: str, tools: Tools | None, parser: str | None) -> int:

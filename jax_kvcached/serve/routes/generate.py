@@ -328,7 +328,7 @@ class _Response:
             m = self.m
             msg = message(text, self.req.tools, m.tool_parser, m.reasoning_parser)
             return {"index": index, "message": msg, "logprobs": lps,
-                    "finish_reason": finish_reason(c.reason, msg)}  # fmt: skip
+                    "finish_reason": finish_reason(c.reason, msg.get("tool_calls"))}  # fmt: skip
         text = self.echo_text(c) + text
         return {"index": index, "text": text, "logprobs": lps, "finish_reason": c.reason}
 
