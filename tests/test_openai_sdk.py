@@ -372,6 +372,7 @@ def test_tool_calls_over_the_sdk(server):
         "message"]  # fmt: skip
     served = server.app_models["qwen"]
     served.tool_parser, served.reasoning_parser = "hermes", "deepseek_r1"
+    served.constrain_thought = True  # the regex scripts the thought too (random weights)
     try:
         forced = (r"cold there\.</think>I will check\.<tool_call>\{\"name\": "
                   r"\"get_time\", \"arguments\": \{\"zone\": \"cet\"\}\}</tool_call>")
@@ -389,8 +390,13 @@ def test_tool_calls_over_the_sdk(server):
         assert thought == "cold there." and streamed[0].function.name == "get_time"
         assert json.loads("".join(c.function.arguments for c in streamed)) == {"zone": "cet"}
         assert "".join(d.content or "" for d in deltas) == "I will check."
+        served.constrain_thought = False  # the regex holds the answer: the thought is free
+        stuck = server.client.chat.completions.create(**{**kw, "max_tokens": 8}).choices[0]
+        assert stuck.finish_reason == "length" and stuck.message.content == ""
+        assert not stuck.message.model_extra["reasoning_content"].startswith("cold")
     finally:
         served.tool_parser = served.reasoning_parser = None
+        served.constrain_thought = False
 
 
 def test_accounting_is_exact_after_the_sdk_calls(server):

@@ -91,7 +91,23 @@ def test_calls_read_from_the_models_text():
                                 tools, "mistral")  # fmt: skip
     assert content is None and calls[0]["function"]["name"] == "get_time"
     assert read_calls('[{"name": "get_time", "arguments": {}}]', tools, "mistral")[1]
-    for bad in ('[{"name": "nope", "arguments": {}}]', "[1, 2]", "no calls"):
+    for bad in ('[{"name": "nope", "arguments": {}}]', "[1, 2]", "no calls",
+                '[TOOL_CALLS]nope[ARGS]{}', '[TOOL_CALLS]get_time[ARGS]{oops',
+                '[TOOL_CALLS]get_time{"zone": "cet"}[TOOL_CALLS]get_weather[ARGS]{}'):
+        assert read_calls(bad, tools, "mistral") == (bad, [])
+    # Mistral's v11 form: a name and [ARGS] per call, after any content
+    content, calls = read_calls('Checking.[TOOL_CALLS]get_time[ARGS]{"zone": "cet"}'
+                                '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]'
+                                '{"city": "Oslo"}', tools, "mistral")  # fmt: skip
+    assert content == "Checking." and [(c["function"]["name"], json.loads(
+        c["function"]["arguments"])) for c in calls] == [("get_time", {"zone": "cet"}),
+                                                         ("get_weather", {"city": "Oslo"})]
+    # the markers skipped as special tokens: name{...} calls of the request's functions
+    content, calls = read_calls('get_time{"zone": "utc"} get_weather{"city": "Rome"}', tools,
+                                "mistral")  # fmt: skip
+    assert content is None and [c["function"]["name"] for c in calls] == ["get_time",
+                                                                          "get_weather"]
+    for bad in ('get_time{"zone": "utc"} and more', 'getaway{"a": 1}', "get_time is 5"):
         assert read_calls(bad, tools, "mistral") == (bad, [])
     forced = parse_tools({"tools": [WEATHER, TIME], "tool_choice": "required"})
     _, calls = read_calls('[{"name":"get_time","parameters":{"zone":"utc"}}]', forced, None)
@@ -122,15 +138,24 @@ def _assemble(fragments):
     return [calls[i] for i in sorted(calls)]
 
 
+STREAMED = [  # (tool parser, output, its content)
+    ("hermes", '<think>need weather</think>\nChecking <now>.\n<tool_call>{"name": '
+     '"get_weather", "arguments": {"city": "Oslo"}}</tool_call>', "Checking <now>."),
+    ("mistral", '<think>need weather</think>Checking [now].[TOOL_CALLS]get_weather[ARGS]'
+     '{"city": "Oslo"}', "Checking [now]."),
+    ("mistral", '<think>need weather</think>get_weather{"city": "Oslo"}', None),
+]  # fmt: skip
+
+
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
-def test_a_stream_in_any_chunks_says_what_the_whole_message_says(chunk):
+@pytest.mark.parametrize("case", range(len(STREAMED)))
+def test_a_stream_in_any_chunks_says_what_the_whole_message_says(chunk, case):
     """Thought, content and calls streamed character by character (tags split across
     chunks) add up to the whole output's message; held calls come at the end."""
     tools = parse_tools({"tools": [WEATHER, TIME]})
-    text = ('<think>need weather</think>\nChecking <now>.\n<tool_call>{"name": "get_weather", '
-            '"arguments": {"city": "Oslo"}}</tool_call>')  # fmt: skip
-    whole = message(text, tools, "hermes", "qwen3")
-    stream = ChatStream(tools, "hermes", "qwen3")
+    parser, text, said = STREAMED[case]
+    whole = message(text, tools, parser, "qwen3")
+    stream = ChatStream(tools, parser, "qwen3")
     deltas = []
     for i in range(0, len(text), chunk):
         deltas += stream.feed(text[i : i + chunk])
@@ -140,8 +165,9 @@ def test_a_stream_in_any_chunks_says_what_the_whole_message_says(chunk):
     content = "".join(d.get("content", "") for d in deltas)
     calls = _assemble(d["tool_calls"] for d in deltas if "tool_calls" in d)
     assert thought == whole["reasoning_content"] == "need weather"
-    assert content.strip() == whole["content"] == "Checking <now>."
+    assert (content.strip() or None) == whole["content"] == said
     assert [c["function"] for c in calls] == [c["function"] for c in whole["tool_calls"]]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert calls[0]["id"] == stream.calls[0]["id"]
     calls_of_whole = whole["tool_calls"]
     assert finish_reason("stop", calls_of_whole) == finish_reason("stop", stream.calls) == (

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from jax_kvcached.engine.detokenizer import TextStream
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.structured import GrammarState
+from jax_kvcached.engine.thinking import ThinkingGrammar
 
 
 @dataclasses.dataclass(eq=False)  # identity: queues hold and remove these objects
@@ -58,7 +59,7 @@ class Sequence:
     detok: TextStream | None = None
     # The matcher of a structured output (params.structured): the next token's mask, and
     # each sampled token (engine.structured).
-    grammar: GrammarState | None = None
+    grammar: GrammarState | ThinkingGrammar | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

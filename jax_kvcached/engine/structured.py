@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from jax_kvcached.engine.thinking import END, PARSERS, START, ThinkingGrammar
+
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 _CACHE = 256  # compiled grammars kept per engine
 
@@ -40,10 +42,16 @@ class Structured:
     value: str = ""
     # JSON without whitespace between tokens (vLLM's ``disable_any_whitespace``).
     compact: bool = False
+    # A thinking model's reasoning parser (``deepseek_r1`` or ``qwen3``): the constraint
+    # holds the answer after ``</think>``, the thought runs free (engine.thinking).
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
+        if self.reasoning not in (None, *PARSERS):
+            raise ValueError(f"structured output reasoning must be one of {PARSERS} or None, "
+                             f"got {self.reasoning!r}")  # fmt: skip
         if not isinstance(self.value, str) or (self.kind != "json_object" and not self.value):
             raise ValueError(f"a {self.kind!r} structured output needs its text")
 
@@ -85,6 +93,11 @@ class GrammarState:
         self._m = matcher
         self._words = words
         self._eos = list(eos_ids)
+
+    @property
+    def words(self) -> int:
+        """int32 words of the bitmask."""
+        return self._words
 
     def mask(self) -> np.ndarray:
         """The next token's bitmask ``(words,)`` int32: bit ``t % 32`` of word
@@ -148,6 +161,7 @@ class GrammarCompiler:
         """The validated grammar of ``spec`` (cached); ValueError naming the problem."""
         from llguidance import LLMatcher
 
+        spec = dataclasses.replace(spec, reasoning=None)  # (the thought is not grammar)
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
@@ -163,14 +177,21 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
         return grammar
 
-    def state(self, spec: Structured) -> GrammarState:
-        """A fresh matcher of ``spec`` for one sequence."""
+    def state(self, spec: Structured) -> GrammarState | ThinkingGrammar:
+        """A fresh matcher of ``spec`` for one sequence (behind its thought where
+        ``spec.reasoning`` names a parser)."""
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self._ll_tokenizer(), self.compile(spec))
         if matcher.is_error():
             raise ValueError(f"{spec.kind}: {matcher.get_error()}")
-        return GrammarState(matcher, self.words, self._eos)
+        state = GrammarState(matcher, self.words, self._eos)
+        if spec.reasoning is None:
+            return state
+        enc = self._tokenizer.encode
+        return ThinkingGrammar(state, spec.reasoning, enc(START, add_special_tokens=False),
+                               enc(END, add_special_tokens=False), self._eos, self._vocab,
+                               self._tokenizer.decode)  # fmt: skip
 
 
 class _ByteVocabulary:

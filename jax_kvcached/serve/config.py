@@ -41,7 +41,8 @@ class ServeConfig:
         "keys and tenants": ("api_key", "api_key_file", "tenant_keys_file", "admin_key",
                              "admin_key_file", "allow_unauthenticated_admin"),
         "tools and reasoning (chat)": ("enable_auto_tool_choice", "tool_call_parser",
-                                       "reasoning_parser"),
+                                       "reasoning_parser",
+                                       "structured_outputs_in_reasoning"),
     }  # fmt: skip
 
     models: list[str] = option(
@@ -233,7 +234,12 @@ class ServeConfig:
     )  # fmt: skip
     reasoning_parser: str | None = option(
         None, "split a thinking model's <think> ... </think> out of the content into "
-        "reasoning_content: deepseek_r1 or qwen3 (default: off)", choices=REASONING_PARSERS,
+        "reasoning_content: deepseek_r1 or qwen3 (default: off); a request's structured "
+        "output then holds only the answer after </think>", choices=REASONING_PARSERS,
+    )  # fmt: skip
+    structured_outputs_in_reasoning: bool = option(
+        False, "hold the thought to a request's structured output too (vLLM's "
+        "enable_in_reasoning; default: off, only the answer after </think>)",
     )  # fmt: skip
     max_body_bytes: int = option(1 << 20, "the largest request body", cli=False)
     max_connections: int = option(

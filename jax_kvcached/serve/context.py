@@ -32,6 +32,8 @@ class ServedModel:
     # "auto" request is then a 400; thought stays in the content).
     tool_parser: str | None = None
     reasoning_parser: str | None = None
+    # A structured output holds the thought too (else only the answer after </think>).
+    constrain_thought: bool = False
 
 
 def parse_json(raw: bytes) -> Any:

@@ -430,6 +430,7 @@ def _load(
         )  # fmt: skip
         models[spec.name] = dataclasses.replace(
             served, reasoning_parser=c.reasoning_parser,
+            constrain_thought=c.structured_outputs_in_reasoning,
             tool_parser=c.tool_call_parser if c.enable_auto_tool_choice else None,
         )  # fmt: skip
         if hc := models[spec.name].engine.stats()["host_cache"]:

@@ -119,12 +119,18 @@ class GenerationRequest:
     tools: Tools | None = None  # chat: its tools and tool_choice (serve/tools.py)
 
     def sampling(
-        self, max_tokens: int, index: int = 0, defaults: dict[str, float] | None = None
-    ) -> SamplingParams:
+        self, max_tokens: int, index: int = 0, defaults: dict[str, float] | None = None,
+        reasoning_parser: str | None = None,
+    ) -> SamplingParams:  # fmt: skip
         """The parameters of sample ``index`` of a prompt: seed ``seed + index`` (so
         sample i equals a single request with that seed). A field the request omitted
         takes the served model's ``defaults`` (its generation config, the operator's
-        ``--default-*`` flags), else OpenAI's (temperature 1, top_p 1, no top_k)."""
+        ``--default-*`` flags), else OpenAI's (temperature 1, top_p 1, no top_k). A chat
+        request's constraint holds the answer after the thought where the model has a
+        ``reasoning_parser``."""
+        structured = self.structured
+        if structured is not None and self.chat and reasoning_parser is not None:
+            structured = dataclasses.replace(structured, reasoning=reasoning_parser)
         seed = None if self.seed is None else (self.seed + index) % (1 << 32)
         scoring = self.echo and self.logprobs is not None
         given = {k: getattr(self, k) for k in SAMPLING_DEFAULTS}
@@ -149,7 +155,7 @@ class GenerationRequest:
             # best_of ranks the samples by their log-probability
             logprobs=0 if self.logprobs is None and self.best_of > self.n else self.logprobs,
             prompt_logprobs=scoring,
-            structured=self.structured,
+            structured=structured,
         ).seeded()
 
 

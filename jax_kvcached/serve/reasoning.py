@@ -3,13 +3,15 @@
 
 ``deepseek_r1``: the template opens the thought in the prompt, so the output is thought
 until ``</think>`` (an output that never closes it is all thought). ``qwen3``: a thought
-only when the output opens with ``<think>`` (Qwen3 with thinking off writes none).
+only when the output opens with ``<think>`` (Qwen3 with thinking off writes none). A
+structured output of a chat request holds only the answer (engine.thinking).
 """
 
 from __future__ import annotations
 
-PARSERS = ("deepseek_r1", "qwen3")
-START, END = "<think>", "</think>"
+from jax_kvcached.engine.thinking import END, PARSERS, START
+
+__all__ = ["END", "PARSERS", "START", "ReasoningStream", "split"]
 
 
 def split(text: str, parser: str | None) -> tuple[str | None, str]:

@@ -9,8 +9,9 @@ that forces a call, and the calls read back out of the model's text.
   "arguments"}</tool_call>`` blocks, as Hermes, Qwen 2.5 / 3 and many others write them;
   ``llama3_json``: a JSON object ``{"name", "parameters"}`` as the whole output, or
   several separated by ``;``; ``mistral``: ``[TOOL_CALLS]`` then a JSON array of
-  ``{"name", "arguments"}``, the marker absent when the tokenizer skips it as a special
-  token), like vLLM's ``--enable-auto-tool-choice``. Qwen3 writes the hermes form.
+  ``{"name", "arguments"}``, or, from Mistral's v11 tokenizers on, ``[TOOL_CALLS]name[ARGS]
+  {...}`` per call; the marker absent when the tokenizer skips it as a special token), like
+  vLLM's ``--enable-auto-tool-choice``. Qwen3 writes the hermes form.
 * A call the parser cannot read stays text (``content``), as in vLLM.
 """
 
@@ -29,6 +30,7 @@ MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 HERMES_START = "<tool_call>"
+_MISTRAL_CALLS, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
 class ToolsError(ValueError):
@@ -139,6 +141,8 @@ def read_calls(
             rest = _HERMES.sub("", text).strip()
             return ((rest or None), calls) if calls else (text, [])
         body = text.strip()
+        if parser == "mistral" and not body.startswith(("[{", "[TOOL_CALLS] [", "[TOOL_CALLS][")):
+            return _mistral_v11(text, names)
         if parser == "mistral":  # [TOOL_CALLS] [{"name", "arguments"}, ...]
             calls = _known_calls(json.loads(body.removeprefix("[TOOL_CALLS]").strip()),
                                  names, "arguments")  # fmt: skip
@@ -150,6 +154,39 @@ def read_calls(
                                  "parameters", "arguments")  # fmt: skip
     except ValueError:
         return text, []
+    return (None, calls) if calls else (text, [])
+
+
+def _mistral_v11(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    """Mistral's tokenizer v11+ form: ``[TOOL_CALLS]name[ARGS]{...}`` per call (a
+    ``[CALL_ID]id`` may follow the name), after any content; with the markers skipped as
+    special tokens, ``name{...}`` calls of the request's functions make the whole output."""
+    if _MISTRAL_CALLS not in text:
+        return _mistral_bare(text, names)
+    head, *pieces = text.split(_MISTRAL_CALLS)
+    objs = []
+    for piece in pieces:
+        name, sep, args = piece.partition(_MISTRAL_ARGS)
+        if not sep:
+            return text, []
+        objs.append({"name": name.partition("[CALL_ID]")[0].strip(),
+                     "arguments": json.loads(args)})  # fmt: skip
+    calls = _known_calls(objs, names, "arguments")
+    return ((head.strip() or None), calls) if calls else (text, [])
+
+
+def _mistral_bare(text: str, names: set[str]) -> tuple[str | None, list[dict[str, Any]]]:
+    body, at, objs = text.strip(), 0, []
+    decoder = json.JSONDecoder()
+    while at < len(body):
+        m = _NAME.match(body, at)
+        if m is None or m.group() not in names or not body.startswith("{", m.end()):
+            return text, []
+        args, at = decoder.raw_decode(body, m.end())
+        objs.append({"name": m.group(), "arguments": args})
+        while at < len(body) and body[at].isspace():
+            at += 1
+    calls = _known_calls(objs, names, "arguments")
     return (None, calls) if calls else (text, [])
 
 
@@ -175,16 +212,30 @@ def holds_from(text: str, tools: Tools | None, parser: str | None) -> int:
         return len(text)
     if tools.choice in ("required", "function"):
         return 0
-    if parser in ("llama3_json", "mistral"):  # a call is the whole output
-        stripped = text.lstrip()
-        if not stripped or stripped[0] in "{<[":
-            return 0
-        return len(text)
+    stripped = text.lstrip()
+    if parser in ("llama3_json", "mistral") and (not stripped or stripped[0] in "{<["):
+        return 0  # a call is the whole output
+    if parser == "mistral":  # a bare name{...} call, or content then [TOOL_CALLS]
+        names = [t["function"]["name"] for t in tools.tools]
+        head = _NAME.match(stripped)
+        if head is not None:
+            name, rest = head.group(), stripped[head.end() :]
+            if (name in names and rest[:1] == "{") or (
+                not rest and any(n.startswith(name) for n in names)
+            ):  # fmt: skip
+                return 0
+        return _held_at(text, _MISTRAL_CALLS)
     if parser == "hermes":
-        at = text.find(HERMES_START)
-        if at >= 0:
-            return at
-        for k in range(len(HERMES_START) - 1, 0, -1):  # a start tag's prefix at the end
-            if text.endswith(HERMES_START[:k]):
-                return len(text) - k
+        return _held_at(text, HERMES_START)
+    return len(text)
+
+
+def _held_at(text: str, tag: str) -> int:
+    """Where ``tag`` begins in ``text``, or a prefix of it at the end (else the end)."""
+    at = text.find(tag)
+    if at >= 0:
+        return at
+    for k in range(len(tag) - 1, 0, -1):
+        if text.endswith(tag[:k]):
+            return len(text) - k
     return len(text)

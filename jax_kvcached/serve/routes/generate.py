@@ -169,7 +169,8 @@ def start(
             samples = []
             for j in range(req.best_of):
                 try:  # (Engine.add_request clips top_k to the vocabulary)
-                    params = req.sampling(max_tokens, j, m.defaults)
+                    thought = None if m.constrain_thought else m.reasoning_parser
+                    params = req.sampling(max_tokens, j, m.defaults, thought)
                 except (TypeError, ValueError) as e:  # parse_* validated already
                     raise APIError(400, str(e)) from None
                 vocab = m.engine.config.vocab_size  # checked here for a 400 (not a 500)
