@@ -323,6 +323,36 @@ def test_structured_outputs_over_the_sdk(server):
     assert isinstance(got, Weather) and len(got.city) <= 5
 
 
+def test_langchains_structured_output_and_tools(server):
+    """LangChain's OpenAI chat model against the server: ``with_structured_output`` with
+    a Pydantic model, and ``bind_tools`` with a named and a required tool choice, each
+    give its object or calls (the constraint holds the random model's text to them)."""
+    from typing import Literal
+
+    import pydantic
+    from langchain_openai import ChatOpenAI
+
+    class Weather(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=5)
+        temp: int
+
+    def get_time(zone: Literal["utc", "cet"]) -> str:
+        """The time in a zone."""
+        return zone
+
+    llm = ChatOpenAI(model="llama", base_url=f"{server.url}/v1", api_key=KEY, max_retries=0,
+                     max_tokens=200, temperature=1.0, seed=3)  # fmt: skip
+    got = llm.with_structured_output(Weather).invoke("weather in Oslo?")
+    assert isinstance(got, Weather) and len(got.city) <= 5
+    for choice in ("get_time", "required"):
+        msg = llm.bind_tools([get_time], tool_choice=choice,
+                             parallel_tool_calls=False).invoke("time?")  # fmt: skip
+        assert [(c["name"], set(c["args"])) for c in msg.tool_calls] == [("get_time",
+                                                                          {"zone"})]
+        assert msg.tool_calls[0]["args"]["zone"] in ("utc", "cet")
+        assert msg.response_metadata["finish_reason"] == "tool_calls"
+
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},

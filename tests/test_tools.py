@@ -30,12 +30,23 @@ def test_tool_choices_and_their_constraints():
     named = _chat(tools=[WEATHER, TIME],
                   tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert named.structured_param == "tool_choice"
-    assert json.loads(named.structured.value) == TIME["function"]["parameters"]
+    assert json.loads(named.structured.value) == {**TIME["function"]["parameters"],
+                                                  "additionalProperties": False}
     req = _chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
     schema = json.loads(req.structured.value)
     assert schema["type"] == "array" and schema["minItems"] == schema["maxItems"] == 1
     assert [a["properties"]["name"]["enum"] for a in schema["items"]["anyOf"]] == [
         ["get_weather"], ["get_time"]]
+    # parameters that do not say additionalProperties take only their properties
+    loose = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "object", "properties": {
+            "b": {"type": "integer"}}}, "c": {"type": "object", "additionalProperties": True,
+                                              "properties": {}}}}}}  # fmt: skip
+    held = json.loads(_chat(tools=[loose], tool_choice="required").structured.value)
+    params = held["items"]["anyOf"][0]["properties"]["parameters"]
+    assert params["additionalProperties"] is False
+    assert params["properties"]["a"]["additionalProperties"] is False
+    assert params["properties"]["c"]["additionalProperties"] is True
     for body, param, words in [
         (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
          "tool_choice", "one of the tools"),

@@ -1,17 +1,19 @@
 """Function calling in chat: a request's ``tools`` and ``tool_choice``, the constraint
 that forces a call, and the calls read back out of the model's text.
 
-* ``tool_choice`` ``none``: the tools reach the chat template only; ``required`` or a
-  named function: the output is held (structured outputs) to a JSON array of
-  ``{"name", "parameters"}`` calls (vLLM's form) or to the named function's parameters
-  (compact JSON), and becomes ``tool_calls``; ``auto``: the model decides, and the server's
-  ``--tool-call-parser`` reads its calls out of the text (``hermes``: ``<tool_call>{"name",
-  "arguments"}</tool_call>`` blocks, as Hermes, Qwen 2.5 / 3 and many others write them;
-  ``llama3_json``: a JSON object ``{"name", "parameters"}`` as the whole output, or
-  several separated by ``;``; ``mistral``: ``[TOOL_CALLS]`` then a JSON array of
-  ``{"name", "arguments"}``, or, from Mistral's v11 tokenizers on, ``[TOOL_CALLS]name[ARGS]
-  {...}`` per call; the marker absent when the tokenizer skips it as a special token), like
-  vLLM's ``--enable-auto-tool-choice``. Qwen3 writes the hermes form.
+* ``tool_choice`` ``none``: the tools reach the chat template only.
+* ``required`` or a named function: the output is held (structured outputs) to a JSON
+  array of ``{"name", "parameters"}`` calls (vLLM's form) or to the named function's
+  parameters (compact JSON; an object that does not say ``additionalProperties`` takes
+  only its properties), and becomes ``tool_calls``.
+* ``auto``: the model decides, and the server's ``--tool-call-parser`` reads its calls
+  out of the text, like vLLM's ``--enable-auto-tool-choice``:
+  ``hermes``: ``<tool_call>{"name", "arguments"}</tool_call>`` blocks, as Hermes, Qwen
+  2.5 / 3 and many others write them; ``llama3_json``: a JSON object ``{"name",
+  "parameters"}`` as the whole output, or several separated by ``;``; ``mistral``:
+  ``[TOOL_CALLS]`` then a JSON array of ``{"name", "arguments"}``, or, from Mistral's v11
+  tokenizers on, ``[TOOL_CALLS]name[ARGS]{...}`` per call (the markers may be skipped as
+  special tokens).
 * A call the parser cannot read stays text (``content``), as in vLLM.
 """
 
@@ -58,19 +60,41 @@ class Tools:
     def constraint(self) -> Structured | None:
         """The structured output that forces a call (None: ``auto`` / ``none``)."""
         if self.choice == "function":
-            params = self.function(self.name).get("parameters") or {"type": "object"}
+            params = _closed(self.function(self.name).get("parameters") or {"type": "object"})
             return Structured("json", json.dumps(params), compact=True)
         if self.choice != "required":
             return None
         calls = [{"type": "object", "properties": {
                       "name": {"enum": [t["function"]["name"]]},
-                      "parameters": t["function"].get("parameters") or {"type": "object"}},
+                      "parameters": _closed(t["function"].get("parameters")
+                                            or {"type": "object"})},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for t in self.tools]  # fmt: skip
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if not self.parallel:
             schema["maxItems"] = 1
         return Structured("json", json.dumps(schema), compact=True)
+
+
+def _closed(schema: Any) -> Any:
+    """A function's parameters as the arguments it takes: an object schema that does not
+    say ``additionalProperties`` takes only its ``properties`` (as OpenAI's strict tools,
+    and vLLM's default xgrammar backend, read it); the rest as given."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) if k in _SUBSCHEMAS else v for k, v in schema.items()}
+    for k in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(schema.get(k), dict):
+            out[k] = {name: _closed(v) for name, v in schema[k].items()}
+    if "properties" in schema and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = ("items", "prefixItems", "anyOf", "oneOf", "allOf", "not", "if", "then",
+               "else", "additionalProperties", "contains")  # fmt: skip
 
 
 def parse_tools(body: dict[str, Any]) -> Tools | None:
