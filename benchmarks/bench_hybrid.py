@@ -34,6 +34,7 @@ from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.memory.errors import PoolExhausted
+from jax_kvcached.models.interface import FULL
 
 MiB = 1 << 20
 
@@ -99,7 +100,8 @@ def run(model, reqs, *, free: bool, budget: str, decode_tokens: int, max_batch: 
     decode = [(d, n) for d, n in decode if d <= 3 * median]
     secs = sum(d for d, _ in decode)
     decode_tps = sum(n for _, n in decode) / secs if secs > 0 else None
-    groups = [(len(g.layers), w) for g, w in zip(eng.cache.groups, eng.windows, strict=True)]
+    groups = [(len(g.layers), s.window)
+              for g, s in zip(eng.cache.groups, eng.group_specs, strict=True)]
     eng.reset_prefix_cache()
     leftover = eng.cache.mapped_pages
     eng.close()
@@ -121,12 +123,12 @@ def fits_at_once(cfg, n: int, budget: str, free: bool, dtype, page: str = "2MiB"
     as they advance) until one no longer fits. Exact to the page; no model runs."""
     pool = kv.Pool(budget, backend=BACKEND, page_size=page, min_reserved_pages=0,
                    max_reserved_pages=0)  # fmt: skip
-    layers, windows = kv_cache_groups(cfg.layer_windows())
+    layers, specs = kv_cache_groups(cfg.layer_specs())
     if not free:
-        layers, windows = (0,) * cfg.num_layers, (0,)
+        layers, specs = (0,) * cfg.num_layers, (FULL,)
     cache = pool.create_kv_cache("m", cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype,
                                  16, layer_groups=layers)  # fmt: skip
-    kvm = KVManager(cache, n + 16, prefix_caching=False, windows=windows)
+    kvm = KVManager(cache, n + 16, prefix_caching=False, specs=specs)
     held = 0
     try:
         while True:

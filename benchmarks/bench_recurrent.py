@@ -28,13 +28,14 @@ import time
 
 import jax_kvcached as kv
 from jax_kvcached.engine.engine import Engine
-from jax_kvcached.engine.kv_groups import RECURRENT, kv_cache_groups
+from jax_kvcached.engine.kv_groups import kv_cache_groups
 from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.recurrent import slot_blocks
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
 from jax_kvcached.models.gated_deltanet import LinearAttentionConfig
+from jax_kvcached.models.interface import FULL, RECURRENT, KVSpec
 
 # Qwen3-Next-80B-A3B's cache geometry (transformers' Qwen3NextConfig defaults).
 NEXT = dict(layers=48, every=4, kv_heads=2, head_dim=256,
@@ -42,24 +43,24 @@ NEXT = dict(layers=48, every=4, kv_heads=2, head_dim=256,
                                          head_v_dim=128, conv_kernel=4))  # fmt: skip
 
 
-def _mapped(windows: tuple[int, ...], tokens: int, state_elems: int, seqs: int = 4) -> dict:
-    """Mapped bytes per group of a ``tokens``-token sequence in a cache of ``windows``:
+def _mapped(specs: tuple[KVSpec, ...], tokens: int, state_elems: int, seqs: int = 4) -> dict:
+    """Mapped bytes per group of a ``tokens``-token sequence in a cache of ``specs``:
     ``seqs`` of them given their blocks, the mapped bytes divided by ``seqs`` (so one
     sequence's partly filled last pages weigh little)."""
-    layer_groups, group_windows = kv_cache_groups(windows)
+    layer_groups, group_specs = kv_cache_groups(specs)
     pool = kv.Pool("16GiB", backend="host", min_reserved_pages=0, max_reserved_pages=0)
-    cache = pool.create_kv_cache("m", len(windows), NEXT["kv_heads"], NEXT["head_dim"],
+    cache = pool.create_kv_cache("m", len(specs), NEXT["kv_heads"], NEXT["head_dim"],
                                  "bfloat16", 16, layer_groups=layer_groups)  # fmt: skip
-    slots = slot_blocks(cache, state_elems) if RECURRENT in group_windows else 0
-    mgr = KVManager(cache, tokens + 16, prefix_caching=False, windows=group_windows,
+    slots = slot_blocks(cache, state_elems) if RECURRENT in group_specs else 0
+    mgr = KVManager(cache, tokens + 16, prefix_caching=False, specs=group_specs,
                     slot_blocks=slots)  # fmt: skip
     held = []
     for i in range(seqs):
         seq = Sequence(i, [1] * tokens, SamplingParams(max_tokens=1))
         assert mgr.admit(seq) is not None and mgr.grow(seq, tokens)
         held.append(seq)
-    out = {("recurrent" if w == RECURRENT else "attention"): g.mapped_bytes / seqs
-           for g, w in zip(cache.groups, group_windows, strict=True)}  # fmt: skip
+    out = {("recurrent" if s == RECURRENT else "attention"): g.mapped_bytes / seqs
+           for g, s in zip(cache.groups, group_specs, strict=True)}  # fmt: skip
     out["total"] = cache.mapped_bytes / seqs
     out["slot_blocks"] = slots
     for seq in held:
@@ -71,9 +72,9 @@ def _mapped(windows: tuple[int, ...], tokens: int, state_elems: int, seqs: int =
 
 def bench_memory(contexts: list[int]) -> dict:
     lin = NEXT["linear"]
-    hybrid = tuple(0 if (i + 1) % NEXT["every"] == 0 else RECURRENT
+    hybrid = tuple(FULL if (i + 1) % NEXT["every"] == 0 else RECURRENT
                    for i in range(NEXT["layers"]))  # fmt: skip
-    dense = (0,) * NEXT["layers"]
+    dense = (FULL,) * NEXT["layers"]
     out = {"state_values_per_layer": lin.state_elems, "rows": []}
     for n in contexts:
         h, d = _mapped(hybrid, n, lin.state_elems), _mapped(dense, n, 0)

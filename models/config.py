@@ -10,7 +10,7 @@ from typing import Any
 
 from . import registry
 from .gated_deltanet import LinearAttentionConfig
-from .interface import RECURRENT
+from .interface import FULL, RECURRENT, KVSpec
 from .mamba2 import Mamba2Config
 from .mla import MLAConfig
 from .moe import MoEConfig
@@ -109,14 +109,20 @@ class ModelConfig:
         if not 0.0 < self.partial_rotary_factor <= 1.0:
             raise ValueError("model config: partial_rotary_factor must be in (0, 1]")
 
-    def layer_windows(self) -> tuple[int, ...]:
-        """Each layer's attention window (0: full attention; ``RECURRENT``: a recurrent
-        layer), the engine's KV cache groups and attention windows come from."""
+    def layer_specs(self) -> tuple[KVSpec, ...]:
+        """What each layer keeps per sequence (full attention, a sliding window, a
+        recurrent state): the engine's KV cache groups and their managers come from it."""
         w = self.sliding_window or 0
+        attention = KVSpec.sliding(w) if w else FULL
         if self.layer_types is None:
-            return (w,) * self.num_layers
-        kinds = {"sliding_attention": w, "linear_attention": RECURRENT}
-        return tuple(kinds.get(t, 0) for t in self.layer_types)
+            return (attention,) * self.num_layers
+        kinds = {"sliding_attention": attention, "linear_attention": RECURRENT}
+        return tuple(kinds.get(t, FULL) for t in self.layer_types)
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window in tokens (0: all of them; a recurrent layer,
+        which does not attend, 0)."""
+        return tuple(s.window for s in self.layer_specs())
 
     @property
     def state_elems(self) -> int:

@@ -28,8 +28,9 @@ axis it gives (see ``models.sharding``); ``attend`` then receives each device's 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 
@@ -37,9 +38,41 @@ import jax
 Attend = Callable[..., tuple[jax.Array, Any]]
 # recur(layer, step_fn, init, xs, carry) -> (per-token outputs, carry)
 Recur = Callable[..., tuple[Any, Any]]
-# The "window" ``ModelConfig.layer_windows()`` gives a recurrent layer: it carries a
-# state, not K/V per token (the engine gives such layers a state-slot group).
-RECURRENT = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSpec:
+    """What one layer keeps per sequence (``ModelConfig.layer_specs()``): the K/V of
+    every token (``full``), of its last ``window`` tokens (``sliding``), or a fixed-size
+    recurrent state (``recurrent``: Gated DeltaNet, Mamba2). Layers of one spec share a
+    KV cache group, and the engine picks each group's manager by its kind."""
+
+    kind: str = "full"
+    window: int = 0
+
+    KINDS: ClassVar[tuple[str, ...]] = ("full", "sliding", "recurrent")
+
+    def __post_init__(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"a layer's KV kind must be one of {self.KINDS}, got {self.kind!r}")
+        if isinstance(self.window, bool) or not isinstance(self.window, int):
+            raise ValueError(f"a layer's window must be an int, got {self.window!r}")
+        if (self.kind == "sliding") != (self.window > 0) or self.window < 0:
+            raise ValueError(f"a sliding layer has a positive window, and only it: "
+                             f"{self.kind} with window {self.window}")  # fmt: skip
+
+    @classmethod
+    def sliding(cls, window: int) -> KVSpec:
+        return cls("sliding", window)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Groups go full first, then windows ascending, the recurrent group last."""
+        return self.KINDS.index(self.kind), self.window
+
+
+FULL = KVSpec()
+RECURRENT = KVSpec("recurrent")
 
 
 def chunk_size() -> int:

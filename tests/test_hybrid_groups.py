@@ -18,6 +18,7 @@ from jax_kvcached.engine.kv_manager import KVManager
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+from jax_kvcached.models.interface import FULL, KVSpec
 
 PAGE = 65536
 # Prompts longer than the windows; chunks of 16 straddle the window boundaries.
@@ -51,7 +52,8 @@ def _bound_checker(eng):
     def checked(seq, num_tokens):
         ok = grow(seq, num_tokens)
         chunk = num_tokens - seq.num_computed
-        for g, w in enumerate(kvm.windows):
+        for g, spec in enumerate(kvm.specs):
+            w = spec.window
             if w and ok:
                 held = sum(1 for b in seq.tables[g] if b)
                 bound = -(-(w + chunk) // bs) + 1
@@ -63,11 +65,15 @@ def _bound_checker(eng):
     return worst
 
 
+def _specs(*windows):
+    return tuple(KVSpec.sliding(w) if w else FULL for w in windows)
+
+
 def test_groups_follow_the_layers_windows():
-    assert kv_cache_groups((16, 0, 16, 0)) == ((1, 0, 1, 0), (0, 16))
-    assert kv_cache_groups((24, 24)) == ((0, 0), (24,))
-    assert kv_cache_groups((0, 0, 0)) == ((0, 0, 0), (0,))
-    assert kv_cache_groups((512, 512, 0, 1024)) == ((1, 1, 0, 2), (0, 512, 1024))
+    assert kv_cache_groups(_specs(16, 0, 16, 0)) == ((1, 0, 1, 0), _specs(0, 16))
+    assert kv_cache_groups(_specs(24, 24)) == ((0, 0), _specs(24))
+    assert kv_cache_groups(_specs(0, 0, 0)) == ((0, 0, 0), _specs(0))
+    assert kv_cache_groups(_specs(512, 512, 0, 1024)) == ((1, 1, 0, 2), _specs(0, 512, 1024))
 
 
 @pytest.mark.parametrize("name", ["tiny-swa", "tiny-mistral", "window-5"])
@@ -250,7 +256,7 @@ def test_sliding_tables_hold_exactly_the_window(window, block, prompt, chunks):
     the held blocks are within the bound, and after release every page is back."""
     pool = kv.Pool(64 * PAGE, page_size=PAGE, backend="host")
     cache = pool.create_kv_cache("h", 2, 1, 16, "float32", block, layer_groups=(0, 1))
-    kvm = KVManager(cache, 4096, prefix_caching=False, windows=(0, window))
+    kvm = KVManager(cache, 4096, prefix_caching=False, specs=_specs(0, window))
     seq = Sequence(0, list(range(prompt)), SamplingParams())
     assert kvm.admit(seq) == 0
     pos = 0

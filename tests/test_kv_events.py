@@ -17,6 +17,7 @@ from jax_kvcached.engine.kv_events import KVEventLog, external_hash  # noqa: E40
 from jax_kvcached.engine.prefix_cache import extra_key_bytes, hash_block  # noqa: E402
 from jax_kvcached.engine.sampling import SamplingParams  # noqa: E402
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model  # noqa: E402
+from jax_kvcached.models.interface import FULL  # noqa: E402
 
 
 # -- vLLM's schema (vllm/distributed/kv_events.py: the batch an array, each event a map
@@ -217,7 +218,7 @@ def test_stored_hashes_are_the_prefix_chain_of_their_tokens(pool):
 
 
 def test_reset_with_blocks_held_removes_only_the_idle_ones(pool):
-    log = KVEventLog(16, [0])
+    log = KVEventLog(16, [FULL])
 
     class Cache:
         listener = None
@@ -252,7 +253,7 @@ def test_bad_endpoints_fail_at_start_naming_the_setting(pool):
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     try:
         with pytest.raises(ValueError, match=f"cannot open 'tcp://127.0.0.1:{port}'"):
-            KVEventPublisher(KVEventLog(16, [0]), "tcp://127.0.0.1:5999",
+            KVEventPublisher(KVEventLog(16, [FULL]), "tcp://127.0.0.1:5999",
                              f"tcp://127.0.0.1:{port}")  # fmt: skip
         with pytest.raises(ValueError, match="cannot open"):
             Engine(build_model(LLAMA, seed=3), pool, host_cache_tokens=64,
@@ -289,9 +290,9 @@ def test_hashes_only_bounded_inbound_and_rate_limited_replays(pool, caplog):
     assert private_endpoint("tcp://127.0.0.1:5557") and private_endpoint("ipc:///tmp/x")
     assert not private_endpoint("tcp://*:5557") and not private_endpoint("tcp://10.0.0.1:1")
     with caplog.at_level(logging.WARNING, logger="jax_kvcached.engine.kv_event_publisher"):
-        KVEventPublisher(KVEventLog(16, [0]), "tcp://127.0.0.1:0").close()
+        KVEventPublisher(KVEventLog(16, [FULL]), "tcp://127.0.0.1:0").close()
         assert "carry every stored block's token ids" not in caplog.text
-        KVEventPublisher(KVEventLog(16, [0]), "tcp://*:0").close()
+        KVEventPublisher(KVEventLog(16, [FULL]), "tcp://*:0").close()
     assert "carry every stored block's token ids" in caplog.text
 
 
@@ -311,7 +312,7 @@ def test_curve_admits_only_known_subscribers(pool, tmp_path):
     os.chmod(curve, 0o700)
     with pytest.raises(ValueError, match="no subscriber's certificate"):
         zmq.auth.create_certificates(str(curve), "server")
-        KVEventPublisher(KVEventLog(16, [0]), "tcp://*:0", curve_dir=str(curve))
+        KVEventPublisher(KVEventLog(16, [FULL]), "tcp://*:0", curve_dir=str(curve))
     zmq.auth.create_certificates(str(curve / "clients"), "router")
     stranger_dir = tmp_path / "stranger"
     stranger_dir.mkdir()
@@ -352,6 +353,6 @@ def test_curve_admits_only_known_subscribers(pool, tmp_path):
     ctx.destroy(linger=0)  # (the subscribers and their monitors)
     os.chmod(curve, 0o750)  # others may read our secret key: refused
     with pytest.raises(ValueError, match="readable by others"):
-        KVEventPublisher(KVEventLog(16, [0]), "tcp://*:0", curve_dir=str(curve))
+        KVEventPublisher(KVEventLog(16, [FULL]), "tcp://*:0", curve_dir=str(curve))
     with pytest.raises(ValueError, match="needs a bound endpoint"):
-        KVEventPublisher(KVEventLog(16, [0]), "tcp://10.0.0.1:5", curve_dir=str(curve))
+        KVEventPublisher(KVEventLog(16, [FULL]), "tcp://10.0.0.1:5", curve_dir=str(curve))

@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from jax_kvcached.engine.engine import Engine
-from jax_kvcached.engine.kv_groups import RECURRENT, kv_cache_groups
+from jax_kvcached.engine.kv_groups import kv_cache_groups
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, ModelConfig, build_model
 from jax_kvcached.models.gated_deltanet import (
@@ -31,6 +31,7 @@ from jax_kvcached.models.gated_deltanet import (
     delta_rule_chunk,
     delta_rule_step,
 )
+from jax_kvcached.models.interface import FULL, RECURRENT, KVSpec
 from jax_kvcached.models.loader import load_checkpoint
 from jax_kvcached.models.mamba2 import Mamba2Config, mamba2_chunk, mamba2_step
 
@@ -74,7 +75,7 @@ def hf_next(tmp_path_factory):
 def test_a_qwen3_next_folder_matches_transformers(hf_next):
     hf, path = hf_next
     cfg, model = load_checkpoint(path, dtype=jnp.float32)
-    assert cfg.layer_windows() == (RECURRENT, RECURRENT, RECURRENT, 0)
+    assert cfg.layer_specs() == (RECURRENT, RECURRENT, RECURRENT, FULL)
     assert cfg.rotary_dim == 4 and cfg.moe.shared_gate and cfg.moe.dense_layers == (1,)
     assert cfg.state_elems == 3 * (2 * 16 + 32) + 4 * 8 * 8  # conv window + S
     assert_logits_match(hf, model, cfg)
@@ -111,7 +112,7 @@ def hf_granite(tmp_path_factory):
 def test_a_granite_4_h_folder_matches_transformers(hf_granite):
     hf, path = hf_granite
     cfg, model = load_checkpoint(path, dtype=jnp.float32)
-    assert cfg.layer_windows() == (RECURRENT, RECURRENT, 0, RECURRENT) and not cfg.rope
+    assert cfg.layer_specs() == (RECURRENT, RECURRENT, FULL, RECURRENT) and not cfg.rope
     assert cfg.state_elems == 3 * (128 + 2 * 2 * 16) + 8 * 16 * 16  # conv window + S
     assert_logits_match(hf, model, cfg)
 
@@ -300,12 +301,12 @@ def test_a_granitehybrid_gguf_matches_transformers(hf_granite, tmp_path):
     _granitehybrid_gguf(hf, folder, path)
     cfg, model = load_checkpoint(str(path), dtype=jnp.float32)
     assert cfg.model_type == "granitemoehybrid" and not cfg.rope and cfg.linear.num_groups == 2
-    assert cfg.layer_windows() == (RECURRENT, RECURRENT, 0, RECURRENT)
+    assert cfg.layer_specs() == (RECURRENT, RECURRENT, FULL, RECURRENT)
     assert_logits_match(hf, model, cfg)
 
 
 def _state_group(eng):
-    (g,) = [g for g, w in enumerate(eng.windows) if w == RECURRENT]
+    (g,) = [g for g, s in enumerate(eng.group_specs) if s == RECURRENT]
     return eng.cache.groups[g], eng.kv.prefix_caches[g], eng.kv.managers[g]
 
 
@@ -409,12 +410,16 @@ def test_a_state_checkpoint_comes_back_from_the_host_tier(how, follow_up):
 
 
 def _group_index(eng):
-    return [w for w in eng.windows].index(RECURRENT)
+    return list(eng.group_specs).index(RECURRENT)
 
 
 def test_recurrent_groups_and_bad_configs_fail_naming_the_field():
-    assert kv_cache_groups((RECURRENT, 0, RECURRENT, 16)) == ((2, 0, 2, 1), (0, 16, RECURRENT))
-    assert kv_cache_groups((RECURRENT, 16), merge_windows=True) == ((1, 0), (0, RECURRENT))
+    w16 = KVSpec.sliding(16)
+    assert kv_cache_groups((RECURRENT, FULL, RECURRENT, w16)) == ((2, 0, 2, 1),
+                                                                 (FULL, w16, RECURRENT))
+    assert kv_cache_groups((RECURRENT, w16), merge_windows=True) == ((1, 0), (FULL, RECURRENT))
+    with pytest.raises(TypeError, match="KVSpec"):
+        kv_cache_groups((0, -1))
     base = BUILTIN_CONFIGS["tiny-qwen3-next"]
     with pytest.raises(ValueError, match="layer_types.*mamba"):
         dataclasses.replace(base, layer_types=("mamba",) * 3 + ("full_attention",))

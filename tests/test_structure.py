@@ -7,6 +7,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import make_cache
 
 import jax_kvcached
@@ -302,6 +303,7 @@ def test_the_kv_manager_asks_group_managers_and_never_branches_on_a_group_type()
     and each type is a class."""
     from jax_kvcached.engine import kv_group_managers as m
     from jax_kvcached.engine.kv_group_managers import RecurrentStateManager, make_manager
+    from jax_kvcached.models.interface import FULL, RECURRENT, KVSpec
 
     tree = ast.parse((PKG / "engine" / "kv_manager.py").read_text())
     methods = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
@@ -317,10 +319,14 @@ def test_the_kv_manager_asks_group_managers_and_never_branches_on_a_group_type()
     kinds = {c.kind for c in (m.FullAttentionManager, m.SlidingWindowManager,
                               RecurrentStateManager)}  # fmt: skip
     assert kinds == {"full", "sliding", "recurrent"}
-    assert make_manager(0, _FakeGroup(), 16, None).kind == "full"
-    assert make_manager(8, _FakeGroup(), 16, None).window == 8
-    assert make_manager(-1, _FakeGroup(), 16, None, slot_blocks=2, interval=64).kind == (
+    assert make_manager(FULL, _FakeGroup(), 16, None).kind == "full"
+    assert make_manager(KVSpec.sliding(8), _FakeGroup(), 16, None).window == 8
+    assert make_manager(RECURRENT, _FakeGroup(), 16, None, slot_blocks=2, interval=64).kind == (
         "recurrent")  # fmt: skip
+    assert set(m.MANAGERS) == set(KVSpec.KINDS)  # a manager per kind of layer spec
+    for bad in [("sliding", 0), ("full", 8), ("recurrent", -1), ("shared", 0)]:
+        with pytest.raises(ValueError):
+            KVSpec(*bad)
 
 
 class _FakeGroup:

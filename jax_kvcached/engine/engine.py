@@ -119,8 +119,8 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self.chat_template = chat_template
         self.max_model_len = c.max_model_len or cfg.max_position_embeddings
         # KV cache groups: layers of one attention kind and window share a block table.
-        layer_groups, windows = kv_cache_groups(
-            cfg.layer_windows(), merge_windows=not c.free_window_blocks  # (all kept)
+        layer_groups, specs = kv_cache_groups(
+            cfg.layer_specs(), merge_windows=not c.free_window_blocks  # (all kept)
         )
         self.cache: KVCache = pool.create_kv_cache(
             name, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, c.kv_dtype or model.dtype,
@@ -128,11 +128,11 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             memory_guarantee=c.memory_guarantee, layer_groups=layer_groups,
             latent=bool(getattr(cfg, "kv_latent", False)),
         )  # fmt: skip
-        self.windows = windows  # each KV cache group's window (0: full attention)
+        self.group_specs = specs  # what each KV cache group's layers keep
         self.name = name
         self.pool = pool
         # KV-cache events (vLLM's), published from a thread when an endpoint is set.
-        self.kv_events = KVEventLog(c.block_size, windows) if c.kv_events else None
+        self.kv_events = KVEventLog(c.block_size, specs) if c.kv_events else None
         self.kv_event_publisher: KVEventPublisher | None = None
         try:
             self.runner = ModelRunner(
@@ -148,7 +148,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             self.kv = KVManager(
                 self.cache, self.max_model_len, prefix_caching=c.prefix_caching,
                 max_cached_tokens=c.max_cached_tokens, eviction=c.eviction,
-                host_cache_blocks=host_blocks, windows=windows, slot_blocks=self.runner.slot_blocks,
+                host_cache_blocks=host_blocks, specs=specs, slot_blocks=self.runner.slot_blocks,
                 state_interval=c.state_checkpoint_tokens, events=self.kv_events,
             )  # fmt: skip
             if self.kv_events is not None:

@@ -35,7 +35,7 @@ from typing import Any
 
 import msgpack
 
-from jax_kvcached.engine.kv_groups import RECURRENT
+from jax_kvcached.models.interface import KVSpec
 
 GPU, CPU = "GPU", "CPU"  # vLLM's media: the device tier and the host tier
 
@@ -99,7 +99,8 @@ def encode_batch(ts: float, events: Sequence[Event], data_parallel_rank: int | N
     return msgpack.packb(batch, use_bin_type=True)
 
 
-_KINDS = {0: "full_attention", RECURRENT: "mamba"}  # a window's kind (others: sliding_window)
+# A group's kind in stored events, as vLLM names its KV cache specs.
+_KINDS = {"full": "full_attention", "sliding": "sliding_window", "recurrent": "mamba"}
 
 
 class _Listener:
@@ -120,13 +121,13 @@ class KVEventLog:
 
     Args:
       block_size: tokens per block.
-      windows: each KV cache group's window (0: full attention; ``RECURRENT``: a state
-        group), which names the group's kind in stored events.
+      specs: what each KV cache group's layers keep, which names the group's kind (and
+        sliding window) in stored events.
     """
 
-    def __init__(self, block_size: int, windows: Sequence[int]) -> None:
+    def __init__(self, block_size: int, specs: Sequence[KVSpec]) -> None:
         self.block_size = block_size
-        self.windows = tuple(windows)
+        self.specs = tuple(specs)
         self._meta: dict[tuple[int, bytes], tuple[bytes | None, tuple[int, ...]]] = {}
         self._live: dict[tuple[int, bytes], set[str]] = {}  # (group, key) -> media
         self._events: list[Event] = []
@@ -152,8 +153,8 @@ class KVEventLog:
         self._meta.setdefault((group, key), (parent, tuple(int(t) for t in tokens)))
 
     def _kind(self, group: int) -> tuple[str, int | None]:
-        w = self.windows[group]
-        return _KINDS.get(w, "sliding_window"), (w if w > 0 else None)
+        spec = self.specs[group]
+        return _KINDS[spec.kind], (spec.window or None)
 
     def stored(self, group: int, medium: str, keys: Sequence[bytes]) -> None:
         """Blocks ``keys`` of ``group`` joined the tier ``medium`` (in chain order)."""

@@ -39,9 +39,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax_kvcached.engine.block_pool import BlockPool
-from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.prefix_cache import PrefixCache
 from jax_kvcached.engine.sequence import Sequence as Seq
+from jax_kvcached.models.interface import KVSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -425,8 +425,13 @@ class RecurrentStateManager(KVGroupManager):
             seq.state_ck = None
 
 
+MANAGERS: dict[str, type[KVGroupManager]] = {
+    m.kind: m for m in (FullAttentionManager, SlidingWindowManager, RecurrentStateManager)
+}
+
+
 def make_manager(
-    window: int,
+    spec: KVSpec,
     group: Any,
     block_size: int,
     pool: BlockPool,
@@ -436,12 +441,12 @@ def make_manager(
     slot_blocks: int = 0,
     interval: int = 0,
 ) -> KVGroupManager:
-    """The manager of a group whose layers attend over ``window`` tokens (0: all;
-    ``kv_groups.RECURRENT``: a recurrent group of ``slot_blocks``-block state slots,
-    checkpointed every ``interval`` tokens)."""
-    args = (group, block_size, pool, prefix_cache, services)
-    if window == RECURRENT:
-        return RecurrentStateManager(*args, slot_blocks=slot_blocks, interval=interval)
-    if window:
-        return SlidingWindowManager(*args, window=window)
-    return FullAttentionManager(*args)
+    """The manager of a group of layers of ``spec``, of its kind (:data:`MANAGERS`): a
+    sliding group's keeps ``spec.window`` tokens, a recurrent group's holds
+    ``slot_blocks``-block state slots, checkpointed every ``interval`` tokens."""
+    options: dict[str, dict[str, int]] = {
+        "sliding": {"window": spec.window},
+        "recurrent": {"slot_blocks": slot_blocks, "interval": interval},
+    }
+    return MANAGERS[spec.kind](group, block_size, pool, prefix_cache, services,
+                               **options.get(spec.kind, {}))  # fmt: skip

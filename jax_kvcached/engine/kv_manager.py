@@ -47,12 +47,12 @@ from jax_kvcached.engine.host_cache import HostCache
 from jax_kvcached.engine.host_tier import HostTier
 from jax_kvcached.engine.kv_events import KVEventLog
 from jax_kvcached.engine.kv_group_managers import GroupServices, KVGroupManager, make_manager
-from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.prefix_cache import PrefixCache, hash_blocks
 from jax_kvcached.engine.prefix_hits import PrefixHits
 from jax_kvcached.engine.sequence import Sequence
 from jax_kvcached.memory.errors import PoolExhausted
 from jax_kvcached.memory.kv_cache import KVCache
+from jax_kvcached.models.interface import FULL, KVSpec
 
 
 class KVManager:
@@ -67,9 +67,9 @@ class KVManager:
       host_cache_blocks: blocks the host tier holds, per KV cache group (0: no tier;
         needs prefix caching). A group's block is its layers' share, so the tier's host
         bytes are those of this many blocks of every layer.
-      windows: each KV cache group's sliding window in tokens (0: full attention; default
-        all full; ``kv_groups.RECURRENT``: a recurrent-state group). A sliding group gives
-        back the blocks below its window.
+      specs: what each KV cache group's layers keep (``models.interface.KVSpec``;
+        default all full attention); each group gets the manager of its kind. A sliding
+        group gives back the blocks below its window.
       slot_blocks: blocks of a recurrent group's state slot (``recurrent.slot_blocks``).
       state_interval: tokens between a recurrent group's prompt checkpoints (besides
         the one at the prompt's end).
@@ -85,7 +85,7 @@ class KVManager:
         max_cached_tokens: int | None = None,
         eviction: str | EvictionPolicy = "lru",
         host_cache_blocks: int = 0,
-        windows: Seq[int] | None = None,
+        specs: Seq[KVSpec] | None = None,
         slot_blocks: int = 0,
         state_interval: int = 512,
         events: KVEventLog | None = None,
@@ -94,12 +94,12 @@ class KVManager:
             raise ValueError(f"host_cache_blocks must be >= 0, got {host_cache_blocks}")
         self.cache = cache
         self.groups = cache.groups
-        self.windows = tuple(int(w) for w in (windows or (0,) * len(self.groups)))
-        if len(self.windows) != len(self.groups) or min(self.windows) < RECURRENT:
-            raise ValueError(
-                f"windows must give each of the {len(self.groups)} KV cache groups a window "
-                f">= 0 (0: full attention) or RECURRENT ({RECURRENT}), got {windows!r}"
-            )
+        self.specs = tuple(specs) if specs is not None else (FULL,) * len(self.groups)
+        if len(self.specs) != len(self.groups) or not all(
+            isinstance(s, KVSpec) for s in self.specs
+        ):  # fmt: skip
+            raise ValueError(f"specs must give each of the {len(self.groups)} KV cache "
+                             f"groups a KVSpec, got {specs!r}")  # fmt: skip
         self.block_size = cache.block_size
         self.max_model_len = max_model_len
         self._fence: Any = None
@@ -128,11 +128,11 @@ class KVManager:
         self.events = events
         # One manager per group, of its type (full attention, a sliding window, state).
         self.managers: list[KVGroupManager] = [
-            make_manager(w, g, self.block_size, self.pools[g.index],
+            make_manager(spec, g, self.block_size, self.pools[g.index],
                          self.prefix_caches[g.index] if self.prefix_caches else None,
                          self._services(g.index), slot_blocks=slot_blocks,
                          interval=state_interval)  # fmt: skip
-            for g, w in zip(self.groups, self.windows, strict=True)
+            for g, spec in zip(self.groups, self.specs, strict=True)
         ]
         # The host tier (None without one).
         self.host_tier: HostTier | None = None
@@ -469,8 +469,8 @@ class KVManager:
         out = self.prefix_cache.stats()
         if len(self.groups) > 1:
             out["groups"] = [
-                {"window": w, **pc.stats()}
-                for w, pc in zip(self.windows, self.prefix_caches, strict=True)
+                {"window": spec.window, **pc.stats()}
+                for spec, pc in zip(self.specs, self.prefix_caches, strict=True)
             ]
         return out
 
@@ -478,10 +478,10 @@ class KVManager:
         """Per KV cache group: its layers, window, mapped memory, blocks in use and
         cached (per device)."""
         out = []
-        for g, w, mgr in zip(self.groups, self.windows, self.managers, strict=True):
+        for g, spec, mgr in zip(self.groups, self.specs, self.managers, strict=True):
             pc = self.prefix_caches[g.index] if self.prefix_caches else None
             out.append({
-                "layers": len(g.layers), "window": w, "kind": mgr.kind,
+                "layers": len(g.layers), "window": spec.window, "kind": mgr.kind,
                 "mapped_bytes": g.mapped_bytes,
                 "used_blocks": g.num_used_blocks,
                 "cached_blocks": pc.num_cached_blocks if pc else 0,
@@ -490,7 +490,9 @@ class KVManager:
 
     def host_stats(self) -> dict[str, Any] | None:
         """The host tier's figures (None without one; see :meth:`HostTier.stats`)."""
-        return self.host_tier.stats(self.windows) if self.host_tier is not None else None
+        if self.host_tier is None:
+            return None
+        return self.host_tier.stats([s.window for s in self.specs])
 
     def close(self) -> None:
         """Gives the host tier's memory back."""

@@ -3,7 +3,7 @@ written inside the step program.
 
 A recurrent layer (Gated DeltaNet, Mamba2) carries a fixed-size state per sequence (its
 conv window and its state matrix) instead of K/V per token. Its layers form one KV cache
-group (``kv_groups.RECURRENT``) whose blocks hold state, not tokens: a sequence's *slot*
+group (a ``recurrent`` ``KVSpec``) whose blocks hold state, not tokens: a sequence's *slot*
 is :func:`slot_blocks` blocks of that group, the same blocks on each of the group's
 layers, and the state is laid out flat over the slot's K and V planes (block order, then
 rows). Pages are mapped as slots are allocated and given back as they are freed, in the

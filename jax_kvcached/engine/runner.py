@@ -43,7 +43,6 @@ from jax_kvcached.engine import executables
 from jax_kvcached.engine.compile_events import compile_events, thread_cache_hits
 from jax_kvcached.engine.device_choices import compiler_options, resolve_attention
 from jax_kvcached.engine.input_builder import InputBuilder, PreparedStep, StepInput
-from jax_kvcached.engine.kv_groups import RECURRENT
 from jax_kvcached.engine.launches import Launches, count_launches
 from jax_kvcached.engine.logit_inputs import entry_sizes
 from jax_kvcached.engine.recurrent import slot_blocks
@@ -143,7 +142,7 @@ class ModelRunner:
         self._context = functools.partial(jax.default_device, cache.device)
         max_len = max_model_len or cfg.max_position_embeddings
         # A recurrent group (its layers' state slots: recurrent.py), or None.
-        rec = [i for i, w in enumerate(cfg.layer_windows()) if w == RECURRENT]
+        rec = [i for i, s in enumerate(cfg.layer_specs()) if s.kind == "recurrent"]
         self.state_group = cache.layer_groups[rec[0]] if rec else None
         self.slot_blocks = slot_blocks(cache, cfg.state_elems) if rec else 0
         if rec and (self.mesh is not None or cache.latent):

@@ -9,7 +9,8 @@ nothing and receives nothing; a pool of a group has a :class:`SharedGroupChannel
 
 from __future__ import annotations
 
-from jax_kvcached.memory.shared_ledger import SharedLedger, TenantRecord
+from jax_kvcached.memory.shared_ledger import SharedLedger
+from jax_kvcached.memory.tenant_record import TenantRecord
 
 
 class GroupChannel:

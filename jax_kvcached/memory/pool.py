@@ -19,8 +19,9 @@ from jax_kvcached.memory.kv_cache import KVCache, dtype_code
 from jax_kvcached.memory.kv_group import check_layer_groups
 from jax_kvcached.memory.ledger import Ledger, LocalLedger, MemoryLimit, Reclaimer
 from jax_kvcached.memory.shards import ShardedBuffer
-from jax_kvcached.memory.shared_ledger import SharedLedger, TenantRecord
+from jax_kvcached.memory.shared_ledger import SharedLedger
 from jax_kvcached.memory.shm_segment import check_group
+from jax_kvcached.memory.tenant_record import TenantRecord
 
 BACKENDS = ("auto", "host", "cuda")
 

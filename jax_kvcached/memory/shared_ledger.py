@@ -43,38 +43,12 @@ from jax_kvcached.memory.ledger import (
     reclaim_in_order,
 )
 from jax_kvcached.memory.shm_segment import Segment, start_time
+from jax_kvcached.memory.tenant_record import TenantRecord, read_records
 
 log = logging.getLogger("jax_kvcached.memory.shared_ledger")
 
 WATCH_S = 0.02  # how often a member's watcher looks at its own rows
 SWEEP_S = 0.5  # how often it sweeps dead processes' rows and republishes its own
-
-
-@dataclasses.dataclass(frozen=True)
-class TenantRecord:
-    """One tenant of a group as its row says (mapped pages of other processes are as
-    last published: at their last charge, release or watcher round)."""
-
-    name: str
-    pid: int
-    member: int  # its pool (a process may hold several pools of one group)
-    pages_per_kv_page: int
-    mapped_pages: int
-    reserved_pages: int  # its pool's reserve (shared by that pool's tenants)
-    limit_pages: int | None
-    guarantee_pages: int
-    request_pages: int
-    given_pages: int
-    idle_pages: int  # what its engine could give back at its last step (-1: unknown)
-    hit_tokens: int
-    query_tokens: int
-    updated_ns: int
-    status: int = 0  # what its owner publishes (serve/: its sleep level)
-    request: int = 0  # posted by another process, not yet cleared by the owner (0: none)
-
-    @property
-    def hit_rate(self) -> float | None:
-        return self.hit_tokens / self.query_tokens if self.query_tokens else None
 
 
 @dataclasses.dataclass
@@ -353,30 +327,7 @@ class SharedLedger:
     def records(self) -> list[TenantRecord]:
         """Every tenant of the group, by name (this process's with fresh usage)."""
         with self._lock, self.segment.locked():
-            seg, out = self.segment, []
-            for i in seg.used_rows():
-                name = seg.name_of(i)
-                keys = ("pid", "member", "pages_per_kv_page", "reserved_pages")
-                g = {f: seg.get(i, f) for f in keys}
-                lim = seg.get(i, "limit_pages")
-                out.append(
-                    TenantRecord(
-                        name=name,
-                        mapped_pages=self._mapped(name, i),
-                        limit_pages=None if lim < 0 else lim,
-                        guarantee_pages=seg.get(i, "guarantee_pages"),
-                        request_pages=seg.get(i, "request_pages"),
-                        given_pages=seg.get(i, "given_pages"),
-                        idle_pages=seg.get(i, "idle_pages"),
-                        hit_tokens=seg.get(i, "hit_tokens"),
-                        query_tokens=seg.get(i, "query_tokens"),
-                        updated_ns=seg.get(i, "updated_ns"),
-                        status=seg.get(i, "status"),
-                        request=seg.get(i, "request"),
-                        **g,
-                    )
-                )
-            return sorted(out, key=lambda r: r.name)
+            return read_records(self.segment, self._mapped)
 
     # -- the status and request words (a channel: serve/ gives them their meaning) ---------
     def publish_status(self, name: str, status: int) -> None:

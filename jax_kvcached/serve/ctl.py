@@ -15,8 +15,9 @@ import time
 from typing import TextIO
 
 from jax_kvcached.memory.config import ipc_name_from_env
-from jax_kvcached.memory.shared_ledger import SharedLedger, TenantRecord
+from jax_kvcached.memory.shared_ledger import SharedLedger
 from jax_kvcached.memory.shm_segment import groups, remove_if_unused
+from jax_kvcached.memory.tenant_record import TenantRecord
 from jax_kvcached.serve.sleep_mailbox import sleep_request, state
 
 MiB = 1 << 20

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jax_kvcached.memory.shared_ledger import TenantRecord
+from jax_kvcached.memory.tenant_record import TenantRecord
 
 WAKE = 3  # a request: wake (1 and 2: sleep at that level)
 
