@@ -60,6 +60,7 @@ from jax_kvcached.engine.sampling import SamplingParams, sample  # noqa: E402
 from jax_kvcached.engine.step_layout import logit_rows  # noqa: E402
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model  # noqa: E402
 from jax_kvcached.models.stack import LayerList, stacked_leaves  # noqa: E402
+from jax_kvcached.serve.config import ServeConfig  # noqa: E402
 
 
 def make_dense_step(model, max_len: int):
@@ -434,10 +435,9 @@ def bench_start(models: list[str], cache_dir: str) -> dict:
     """Seconds from launching ``jax-kvcached serve`` to every model's first answer."""
     with socket_port() as port:
         pass  # a free port, released for the server
-    cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", "--backend", "host",
-           "--port", str(port), "--compile-cache", cache_dir, "--memory", "512MiB"]  # fmt: skip
-    for m in models:
-        cmd += ["--model", m]
+    config = ServeConfig(models=list(models), backend="host", port=port,
+                         compile_cache=cache_dir, memory="512MiB")
+    cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", *config.flags()]
     t0 = time.perf_counter()
     proc = subprocess.Popen(  # run outside the checkout: the installed package
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -28,6 +28,7 @@ as not run. Writes ``benchmarks/results/bench_faults.json``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -42,22 +43,24 @@ import uuid
 from typing import Any
 
 import httpx
-from bench_serving import Process
+from bench_serving import Process, serve_command
+
+from jax_kvcached.engine.config import EngineConfig
+from jax_kvcached.serve.config import ServeConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Serve(Process):
-    """``jax-kvcached serve`` with ``args``, serving ``model`` as ``name``; its log kept."""
+    """``jax-kvcached serve`` of ``config``, serving ``model`` as ``name``; its log kept."""
 
-    def __init__(self, args: list[str], cache: str, model: str = "tiny-llama",
+    def __init__(self, config: ServeConfig, cache: str, model: str = "tiny-llama",
                  name: str = "m") -> None:  # fmt: skip
         super().__init__()
         self.name = name
-        self.launch([sys.executable, "-m", "jax_kvcached.cli", "serve", "--model",
-                     f"{name}={model}",
-                     "--port", str(self.port), "--compile-cache", cache, "--backend", "host",
-                     "--no-access-log", *args])  # fmt: skip
+        config = dataclasses.replace(config, models=[f"{name}={model}"], port=self.port,
+                                     compile_cache=cache, backend="host", access_log=False)
+        self.launch(serve_command(sys.executable, config))
 
     def complete(self, prompt: Any, max_tokens: int, timeout: float = 600) -> httpx.Response:
         body = {"model": self.name, "prompt": prompt, "max_tokens": max_tokens,
@@ -131,7 +134,8 @@ def remove_group(group: str) -> None:
 # -- cases ---------------------------------------------------------------------------------
 def case_kill9(cache: str) -> dict:
     group = f"faults-{uuid.uuid4().hex[:8]}"
-    flags = ["--group", group, "--memory", "64MiB", "--page-size", "256KiB", "--max-batch", "4"]
+    flags = ServeConfig(group=group, memory="64MiB", page_size="256KiB",
+                        engine=EngineConfig(max_batch=4))
     prompts = [[7 + i, 8, 9, 10 + i] for i in range(4)]
     a = Serve(flags, cache, name="a").ready()
     b = Serve(flags, cache, name="b").ready()
@@ -178,8 +182,9 @@ def case_burst(cache: str, n: int = 12) -> dict:
     prompts = [rng.integers(5, 250, 400).tolist() for _ in range(n)]
     # tiny-llama's KV is 2 KiB a token: a 600-token request needs 1.2 MiB, and the budget
     # holds about two of them while eight are admitted at once.
-    srv = Serve(["--memory", "3MiB", "--page-size", "64KiB", "--max-batch", "8",
-                 "--max-cached-tokens", "0", "--admin-key", "k"], cache).ready()  # fmt: skip
+    srv = Serve(ServeConfig(memory="3MiB", page_size="64KiB", admin_key="k",
+                            engine=EngineConfig(max_batch=8, max_cached_tokens=0)),
+                cache).ready()  # fmt: skip
     try:
         ref = [srv.complete(p, 200).json()["choices"][0]["text"] for p in prompts]
         statuses: dict = {}
@@ -225,7 +230,7 @@ def _umount(path: str) -> None:
 
 
 def _store_run(cache: str) -> dict:
-    srv = Serve([], cache)
+    srv = Serve(ServeConfig(), cache)
     try:
         srv.ready()
         answered = srv.complete([1, 2, 3], 4).status_code
@@ -286,11 +291,11 @@ def case_store(cache: str) -> dict:
     return out
 
 
-HOST_TIER_FLAGS = ["--host-cache-tokens", "8192", "--max-cached-tokens", "512"]
+HOST_TIER = EngineConfig(host_cache_tokens=8192, max_cached_tokens=512)
 
 
 def spill_to_host_tier(srv: Serve) -> list[int]:
-    """Caches a 2000-token prompt and pushes it off the device (with HOST_TIER_FLAGS:
+    """Caches a 2000-token prompt and pushes it off the device (with HOST_TIER:
     past 512 cached tokens blocks go to the host tier); returns the prompt, whose next
     request is restored from the host tier."""
     import numpy as np
@@ -303,8 +308,8 @@ def spill_to_host_tier(srv: Serve) -> list[int]:
 
 def _sigterm_during(cache: str, phase: str, delay: float, deadline: float) -> dict:
     group = f"faults-{uuid.uuid4().hex[:8]}"
-    flags = ["--group", group, "--memory", "1GiB", "--shutdown-timeout", str(deadline),
-             "--admin-key", "k", *HOST_TIER_FLAGS]
+    flags = ServeConfig(group=group, memory="1GiB", shutdown_timeout=deadline, admin_key="k",
+                        engine=HOST_TIER)
     srv = Serve(flags, cache, model="smollm2-135m").ready()
     admin = {"Authorization": "Bearer k"}
     try:
@@ -349,7 +354,7 @@ def _sigterm_during(cache: str, phase: str, delay: float, deadline: float) -> di
 def _restore_probe(cache: str) -> float:
     """The host tier's restores in the restore phase's setup, run without a signal (that
     phase's prompt does come back from the host tier)."""
-    srv = Serve(["--memory", "1GiB", *HOST_TIER_FLAGS], cache, model="smollm2-135m").ready()
+    srv = Serve(ServeConfig(memory="1GiB", engine=HOST_TIER), cache, model="smollm2-135m").ready()
     try:
         srv.complete(spill_to_host_tier(srv), 1)
         metrics = httpx.get(srv.url + "/metrics").text
@@ -406,7 +411,7 @@ def _never_reader(port: int, socks: list) -> None:
 def case_slow_clients(cache: str, slow: int = 64, never: int = 8, n: int = 30) -> dict:
     import numpy as np
 
-    srv = Serve(["--memory", "256MiB", "--max-batch", "16"], cache).ready()
+    srv = Serve(ServeConfig(memory="256MiB", engine=EngineConfig(max_batch=16)), cache).ready()
     stop, socks = threading.Event(), []
     try:
         _latencies(srv, 5)  # warm
@@ -465,9 +470,9 @@ def case_bad_checkpoint(cache: str) -> dict:
     for name, path, want in (("gguf", bad_gguf, bad_gguf),
                              ("safetensors", folder, os.path.join(folder, "model.safetensors"))):
         t = time.monotonic()
-        p = subprocess.run([sys.executable, "-m", "jax_kvcached.cli", "serve", "--model",
-                            f"m={path}", "--port", "0", "--compile-cache", cache, "--backend",
-                            "host"], capture_output=True, text=True, timeout=300)  # fmt: skip
+        config = ServeConfig(models=[f"m={path}"], port=0, compile_cache=cache, backend="host")
+        p = subprocess.run(serve_command(sys.executable, config), capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
         err = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.startswith("error:")]
         runs[name] = {"exit": p.returncode, "error": err[-1] if err else None,
                       "names_the_file": bool(err) and want in err[-1],

@@ -28,6 +28,8 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import Process, Server  # noqa: E402
 
+from jax_kvcached.serve.config import ServeConfig  # noqa: E402
+
 MODEL = "smollm2-135m"
 SERVED = "m"  # the name both servers answer to (bench_serving's Server probes it)
 
@@ -134,9 +136,9 @@ def main() -> None:
     path = pretrained_path(MODEL)
     work = tempfile.mkdtemp(prefix="kvcached-guidellm-")
     tok = tokenizer_dir(path, work)
-    extra = ["--quantization", args.quantization, *args.serve_args.split()]
-    ours = Server(sys.executable, f"{SERVED}={MODEL}", extra,
-                  os.path.join(work, "xla-cache"))  # fmt: skip
+    ours = Server(sys.executable, f"{SERVED}={MODEL}", args.serve_args.split(),
+                  os.path.join(work, "xla-cache"),
+                  ServeConfig(quantization=args.quantization))  # fmt: skip
     llama = LlamaServer(args.llama_python, path, args.threads, ctx=4096)
     runs: dict[str, list[dict]] = {"jax_kvcached": [], "llama_cpp": []}
     try:

@@ -14,6 +14,9 @@ default (2 KV heads); SmolLM2-135M's 3 do not split in two.
 from __future__ import annotations
 
 import argparse
+import atexit
+import dataclasses
+import functools
 import json
 import os
 import re
@@ -30,7 +33,10 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_serving import free_port  # noqa: E402
+from bench_serving import free_port, serve_command  # noqa: E402
+
+from jax_kvcached.engine.config import EngineConfig  # noqa: E402
+from jax_kvcached.serve.config import ServeConfig  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                    "bench_multihost.json")  # fmt: skip
@@ -40,6 +46,16 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
 SECRET = secrets.token_hex(16)
 
 
+@functools.cache
+def secret_file() -> str:
+    """That secret in a file only this user may read (``--dist-secret-file``)."""
+    fd, path = tempfile.mkstemp(prefix="kvcached-dist-", suffix=".secret")  # (mode 600)
+    with os.fdopen(fd, "w") as f:
+        f.write(SECRET)
+    atexit.register(os.unlink, path)
+    return path
+
+
 def env() -> dict[str, str]:
     out = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out["JAX_PLATFORMS"] = "cpu"
@@ -47,17 +63,19 @@ def env() -> dict[str, str]:
     return out
 
 
-def launch(args: list[str], log: Any) -> subprocess.Popen:
-    """A ``jax-kvcached serve`` process (this interpreter's package)."""
-    return subprocess.Popen([sys.executable, "-m", "jax_kvcached.cli", "serve", *args],
-                            stdout=log, stderr=subprocess.STDOUT, env=env(),
+def launch(config: ServeConfig, log: Any) -> subprocess.Popen:
+    """A ``jax-kvcached serve`` process of ``config`` (this interpreter's package)."""
+    return subprocess.Popen(serve_command(sys.executable, config), stdout=log,
+                            stderr=subprocess.STDOUT, env=env(),
                             cwd=tempfile.gettempdir())  # fmt: skip
 
 
-def ranks(common: list[str], port: int, nnodes: int, logs: list[Any]) -> list[subprocess.Popen]:
-    """``nnodes`` ranks of one server on loopback (rank 0 answers on ``port``)."""
-    dist = ["--nnodes", str(nnodes), "--dist-init-addr", f"127.0.0.1:{free_port()}"]
-    return [launch([*common, *dist, "--node-rank", str(r), "--port", str(port)], logs[r])
+def ranks(config: ServeConfig, port: int, nnodes: int, logs: list[Any]) -> list[subprocess.Popen]:
+    """``nnodes`` ranks of one server of ``config`` on loopback (rank 0 answers on
+    ``port``)."""
+    addr = f"127.0.0.1:{free_port()}"
+    return [launch(dataclasses.replace(config, nnodes=nnodes, dist_init_addr=addr,
+                                       node_rank=r, port=port), logs[r])
             for r in range(nnodes)]  # fmt: skip
 
 
@@ -132,15 +150,16 @@ def main() -> None:
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 200, args.prompt_tokens).tolist() for _ in range(args.requests)]
-    common = ["--model", f"m={args.model}", "--no-access-log", "--max-batch", "8",
-              "--page-size", "64KiB", "--memory", "64MiB"]  # fmt: skip
+    common = ServeConfig(models=[f"m={args.model}"], access_log=False, page_size="64KiB",
+                         memory="64MiB", dist_secret_file=secret_file(),
+                         engine=EngineConfig(max_batch=8))  # fmt: skip
     rows = []
     want = None
     for nnodes in (1, 2):
         port = free_port()
         logs = [tempfile.NamedTemporaryFile("w+", suffix=".log") for _ in range(nnodes)]
         procs = (ranks(common, port, nnodes, logs) if nnodes > 1
-                 else [launch([*common, "--port", str(port)], logs[0])])  # fmt: skip
+                 else [launch(dataclasses.replace(common, port=port), logs[0])])  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
             wait_ready(url, procs)

@@ -31,9 +31,11 @@ import time
 import numpy as np
 
 import jax_kvcached as kv
+from jax_kvcached.engine.config import EngineConfig
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.engine.sampling import SamplingParams
 from jax_kvcached.models import BUILTIN_CONFIGS, build_model
+from jax_kvcached.serve.config import ServeConfig
 from jax_kvcached.serve.loop import ServingLoop
 
 MiB = 1 << 20
@@ -324,14 +326,13 @@ def start_servers(config: str, budget: int, page: int, max_batch: int, group: st
     servers = {}
     for i, (name, preset) in enumerate(PROC_MODELS.items()):
         port = free_port()
-        cmd = [
-            sys.executable, "-m", "jax_kvcached.cli", "serve", "--model", f"{name}={preset}",
-            "--memory", str(budget if config == "elastic" else share), "--page-size", str(page),
-            "--backend", "host", "--max-batch", str(max_batch), "--max-queue", "10000",
-            "--max-cached-tokens", "0", "--seed", str(i), "--port", str(port),
-        ]  # fmt: skip
-        if config == "elastic":
-            cmd += ["--group", group]
+        flags = ServeConfig(
+            models=[f"{name}={preset}"], memory=str(budget if config == "elastic" else share),
+            page_size=str(page), backend="host", max_queue=10000, seed=i, port=port,
+            group=group if config == "elastic" else None,
+            engine=EngineConfig(max_batch=max_batch, max_cached_tokens=0),
+        ).flags()  # fmt: skip
+        cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", *flags]
         env = {k: v for k, v in os.environ.items() if k != "KVCACHED_IPC_NAME"}
         proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd="/"

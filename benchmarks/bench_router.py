@@ -40,6 +40,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import Process, Server, free_port  # noqa: E402
 
+from jax_kvcached.engine.config import EngineConfig  # noqa: E402
+from jax_kvcached.serve.config import ServeConfig  # noqa: E402
+
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_router.json")
 ADMIN = "bench-admin"
 WORDS = ("river stone light market garden winter letter engine window forest silver "
@@ -169,10 +172,10 @@ def main() -> None:
     cache_dir = tempfile.mkdtemp(prefix="bench-router-cc-")
     events = [port_pair(), port_pair()]
     workers = [
-        Server(sys.executable, f"m={args.model}",
-               ["--max-cached-tokens", str(args.cached_tokens), "--admin-key", ADMIN,
-                "--kv-events", f"tcp://*:{port}", "--kv-events-replay", f"tcp://*:{port + 1}"],
-               cache_dir)  # fmt: skip
+        Server(sys.executable, f"m={args.model}", [], cache_dir, ServeConfig(
+            admin_key=ADMIN, engine=EngineConfig(
+                max_cached_tokens=args.cached_tokens, kv_events=f"tcp://*:{port}",
+                kv_events_replay=f"tcp://*:{port + 1}")))  # fmt: skip
         for port in events
     ]
     prompts = workload(args.systems, args.system_tokens, args.requests, seed=0)

@@ -20,6 +20,7 @@ Prints a table per part and writes JSON (and a plot of the rates with matplotlib
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -29,10 +30,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import numpy as np
+
+from jax_kvcached.serve.config import ServeConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -106,11 +110,18 @@ class Process:
 class Server(Process):
     """A ``jax-kvcached serve`` subprocess on a free loopback port."""
 
-    def __init__(self, python: str, model: str, extra: list[str], cache_dir: str) -> None:
+    def __init__(self, python: str, model: str, extra: list[str], cache_dir: str,
+                 config: ServeConfig | None = None) -> None:  # fmt: skip
         super().__init__()
-        self.launch([python, "-m", "jax_kvcached.cli", "serve", "--model", model, "--port",
-                     str(self.port), "--compile-cache", cache_dir, "--no-access-log",
-                     *extra])  # fmt: skip
+        config = dataclasses.replace(config or ServeConfig(), models=[model], port=self.port,
+                                     compile_cache=cache_dir, access_log=False)  # fmt: skip
+        self.launch(serve_command(python, config, extra))
+
+
+def serve_command(python: str, config: ServeConfig, extra: Sequence[str] = ()) -> list[str]:
+    """``jax-kvcached serve`` with ``config``'s flags (built from the config dataclasses,
+    so checked as the server checks them), then ``extra``: flags a user passed through."""
+    return [python, "-m", "jax_kvcached.cli", "serve", *config.flags(), *extra]
 
 
 def stream(url: str, prompt: list[int], max_tokens: int, out: dict) -> None:

@@ -34,7 +34,9 @@ from typing import Any
 
 import httpx
 import numpy as np
-from bench_serving import Process
+from bench_serving import Process, serve_command
+
+from jax_kvcached.serve.config import ServeConfig
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ADMIN = {"Authorization": "Bearer soak"}
@@ -49,11 +51,9 @@ def kv_groups(url: str) -> list[dict[str, Any]]:
 class SoakServer(Process):
     def __init__(self, models: list[str], cache: str, extra: list[str]) -> None:
         super().__init__()
-        cmd = [sys.executable, "-m", "jax_kvcached.cli", "serve", "--port", str(self.port),
-               "--compile-cache", cache, "--admin-key", "soak", "--no-access-log", *extra]
-        for m in models:
-            cmd += ["--model", m]
-        self.launch(cmd)  # fmt: skip
+        config = ServeConfig(models=list(models), port=self.port, compile_cache=cache,
+                             admin_key="soak", access_log=False)
+        self.launch(serve_command(sys.executable, config, extra))
 
     def sample(self) -> dict[str, float]:
         pid = self.proc.pid

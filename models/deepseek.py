@@ -24,7 +24,9 @@ def deepseek_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     layer (one KV head of the latent's width)."""
     check_silu(cfg)
     _, scaling, _ = hf_rope(cfg)
-    mla = mla_from_hf(cfg, scaling)
+    # (DeepSeek-V2 always interleaves; V3's config may say rope_interleave)
+    mla = mla_from_hf(cfg, scaling, interleave=True if cfg["model_type"] == "deepseek_v2"
+                      else None)  # fmt: skip
     return hf_common(cfg, num_kv_heads=1, head_dim=mla.latent_dim, mla=mla,
                      moe=deepseek_moe_from_hf(cfg, cfg["model_type"]))  # fmt: skip
 

@@ -81,14 +81,19 @@ def softmax_scale(qk_head_dim: int, rope: dict[str, Any] | None) -> float:
     return scale
 
 
-def mla_from_hf(cfg: dict[str, Any], rope: dict[str, Any] | None) -> MLAConfig:
-    """The latent attention of a DeepSeek-V2 / V3 config.json; ``rope``: its YaRN
-    parameters (None: plain RoPE), whose ``mscale_all_dim`` scales the softmax."""
+def mla_from_hf(
+    cfg: dict[str, Any], rope: dict[str, Any] | None, *, interleave: bool | None = None
+) -> MLAConfig:
+    """The latent attention of a config.json with MLA fields; ``rope``: its YaRN
+    parameters (None: plain RoPE), whose ``mscale_all_dim`` scales the softmax;
+    ``interleave``: the family's RoPE layout (None: the config's ``rope_interleave``,
+    default true)."""
     if cfg.get("attention_bias"):
         raise ValueError("deepseek: attention_bias is not supported")
     q_lora = cfg.get("q_lora_rank")
     nope, r = int(cfg["qk_nope_head_dim"]), int(cfg["qk_rope_head_dim"])
-    interleave = cfg.get("model_type") == "deepseek_v2" or bool(cfg.get("rope_interleave", True))
+    if interleave is None:
+        interleave = bool(cfg.get("rope_interleave", True))
     return MLAConfig(
         kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=nope, qk_rope_head_dim=r,
         v_head_dim=int(cfg["v_head_dim"]), q_lora_rank=int(q_lora) if q_lora else None,

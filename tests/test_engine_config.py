@@ -32,6 +32,14 @@ def test_every_command_line_field_is_a_serve_flag_and_round_trips():
     d = from_cli_args(_serve_args())
     assert d == ServeConfig() and d.engine == EngineConfig() and d.model_sources == [
         "smollm2-135m"]  # fmt: skip
+    # A config's own flags parse back to it (benchmarks start servers from configs).
+    assert from_cli_args(_serve_args(*c.flags())) == c and d.flags() == []
+    assert "--no-warmup" in c.flags() and c.flags().count("--model") == 2
+    odd = ServeConfig(reasoning_parser="qwen3", structured_outputs_in_reasoning=True,
+                      engine=EngineConfig(kv_events_token_ids=False, kv_events="tcp://*:5557"))
+    assert from_cli_args(_serve_args(*odd.flags())) == odd
+    with pytest.raises(ValueError, match="EngineConfig.kv_dtype has no command-line flag"):
+        ServeConfig(engine=EngineConfig(kv_dtype="bfloat16")).flags()
     switches = [flag_of(cls, f.name) for cls in (ServeConfig, EngineConfig)
                 for f in dataclasses.fields(cls)
                 if f.metadata.get("cli") and isinstance(f.default, bool)]  # fmt: skip

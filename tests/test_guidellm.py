@@ -15,6 +15,8 @@ from bench_guidellm import SERVED, run_guidellm, tokenizer_dir  # noqa: E402
 from bench_serving import Server  # noqa: E402
 from conftest import COMPILE_CACHE  # noqa: E402
 
+from jax_kvcached.serve.config import ServeConfig  # noqa: E402
+
 GUIDELLM = shutil.which("guidellm") or os.path.join(os.path.dirname(sys.executable), "guidellm")
 # guidellm comes with the test extra: missing, the test fails (CI must not pass without it).
 assert os.path.exists(GUIDELLM), "guidellm is not installed: pip install -e '.[test]'"
@@ -24,8 +26,8 @@ def test_guidellm_runs_against_serve_without_an_error(tmp_path):
     from jax_kvcached.models.pretrained import pretrained_path
 
     tok = tokenizer_dir(pretrained_path("smollm2-135m"), str(tmp_path))
-    server = Server(sys.executable, f"{SERVED}=smollm2-135m", ["--no-warmup"],
-                    COMPILE_CACHE)  # (shapes compile as the requests need them)
+    server = Server(sys.executable, f"{SERVED}=smollm2-135m", [], COMPILE_CACHE,
+                    ServeConfig(warmup=False))  # (shapes compile as the requests need them)
     args = argparse.Namespace(concurrency=2, prompt_tokens=48, output_tokens=8, requests=4)
     try:
         server.first_answer()

@@ -239,7 +239,7 @@ def test_the_shared_readers_name_no_family():
     assert {"gemma3", "qwen3next", "gpt_oss", "deepseek2", "granitemoehybrid"} <= names
     root = pathlib.Path(m.__file__).parent
     for shared in ("config.py", "gguf.py", "loader.py", "pretrained.py", "registry.py",
-                   "family.py", "moe.py", "stack.py", "hybrid.py"):  # fmt: skip
+                   "family.py", "moe.py", "stack.py", "hybrid.py", "mla.py"):  # fmt: skip
         tree = ast.parse((root / shared).read_text())
         found = {n.value for n in ast.walk(tree)
                  if isinstance(n, ast.Constant) and n.value in names}  # fmt: skip

@@ -5,6 +5,7 @@ unreachable coordinator fail at start."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,13 +14,25 @@ import httpx
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
-from bench_multihost import env, launch, mapped_bytes, ranks, stop, wait_ready  # noqa: E402
-from bench_serving import free_port  # noqa: E402
+from bench_multihost import (  # noqa: E402
+    env,
+    launch,
+    mapped_bytes,
+    ranks,
+    secret_file,
+    stop,
+    wait_ready,
+)
+from bench_serving import free_port, serve_command  # noqa: E402
+
+from jax_kvcached.engine.config import EngineConfig  # noqa: E402
+from jax_kvcached.serve.config import ServeConfig  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 1, 7] * 6, [11, 12, 13, 14] * 9, [200, 3, 9] * 15]
 # 8 KiB pages: a tiny-llama block plane is 4 KiB with both KV heads, 2 KiB with one.
-COMMON = ["--model", "m=tiny-llama", "--no-warmup", "--page-size", "8KiB", "--memory", "16MiB",
-          "--no-access-log", "--max-batch", "4", "--dist-timeout", "120"]  # fmt: skip
+COMMON = ServeConfig(models=["m=tiny-llama"], warmup=False, page_size="8KiB", memory="16MiB",
+                     access_log=False, dist_timeout=120, dist_secret_file=secret_file(),
+                     engine=EngineConfig(max_batch=4))  # fmt: skip
 
 
 def greedy(url):
@@ -34,7 +47,7 @@ def greedy(url):
 
 def test_two_ranks_serve_the_same_text_with_half_the_kv_per_device(tmp_path):
     port = free_port()
-    one = launch([*COMMON, "--port", str(port)], open(tmp_path / "one.log", "w"))
+    one = launch(dataclasses.replace(COMMON, port=port), open(tmp_path / "one.log", "w"))
     try:
         wait_ready(f"http://127.0.0.1:{port}", [one])
         want = greedy(f"http://127.0.0.1:{port}")
@@ -90,20 +103,17 @@ def test_unreachable_coordinator_and_mismatched_flags_fail_at_start(tmp_path):
     addr = f"127.0.0.1:{free_port()}"
     for rank, message in ((1, f"rank 1: rank 0 did not answer at --dist-init-addr {addr}"),
                           (0, "rank 0: 0 of the 1 other ranks joined within --dist-timeout")):
-        out = subprocess.run(
-            [sys.executable, "-m", "jax_kvcached.cli", "serve", *COMMON, "--nnodes", "2",
-             "--node-rank", str(rank), "--dist-init-addr", addr, "--dist-timeout", "3",
-             "--port", str(free_port())],
-            capture_output=True, text=True, env=env(), timeout=240,
-        )  # fmt: skip
+        alone = dataclasses.replace(COMMON, nnodes=2, node_rank=rank, dist_init_addr=addr,
+                                    dist_timeout=3, port=free_port())
+        out = subprocess.run(serve_command(sys.executable, alone), capture_output=True,
+                             text=True, env=env(), timeout=240)  # fmt: skip
         assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
     # Two ranks whose model flags differ: both refuse, naming the flag.
-    addr = f"127.0.0.1:{free_port()}"
-    dist = ["--nnodes", "2", "--dist-init-addr", addr]
+    dist = dataclasses.replace(COMMON, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}")
     procs = [
-        launch([*COMMON, *dist, "--node-rank", "0", "--port", str(free_port())],
+        launch(dataclasses.replace(dist, node_rank=0, port=free_port()),
                open(tmp_path / "r0.log", "w")),
-        launch([*COMMON, *dist, "--node-rank", "1", "--max-batch", "2"],
+        launch(dataclasses.replace(dist, node_rank=1, engine=EngineConfig(max_batch=2)),
                open(tmp_path / "r1.log", "w")),
     ]  # fmt: skip
     try:

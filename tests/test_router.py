@@ -20,6 +20,9 @@ from bench_router import ADMIN, Router, counters, port_pair, smg, vllm_router  #
 from bench_serving import Server, free_port  # noqa: E402
 from conftest import COMPILE_CACHE  # noqa: E402
 
+from jax_kvcached.engine.config import EngineConfig  # noqa: E402
+from jax_kvcached.serve.config import ServeConfig  # noqa: E402
+
 # smg and vllm-router come with the test extra: a missing one fails the tests that need it
 # (CI must not pass without them), naming what to install.
 SMG = shutil.which("smg") or os.path.join(os.path.dirname(sys.executable), "smg")
@@ -37,11 +40,10 @@ def replicas():
     out = []
     try:
         for port in events:  # one after the other: the second starts from the compile cache
-            w = Server(sys.executable, "m=tiny-llama",
-                       ["--max-cached-tokens", "-1", "--admin-key", ADMIN, "--max-batch", "2",
-                        "--no-warmup",
-                        "--kv-events", f"tcp://*:{port}", "--kv-events-replay",
-                        f"tcp://*:{port + 1}"], cache)  # fmt: skip
+            w = Server(sys.executable, "m=tiny-llama", [], cache, ServeConfig(
+                admin_key=ADMIN, warmup=False, engine=EngineConfig(
+                    max_cached_tokens=-1, max_batch=2, kv_events=f"tcp://*:{port}",
+                    kv_events_replay=f"tcp://*:{port + 1}")))  # fmt: skip
             out.append(w)
             w.first_answer()
         yield out, events

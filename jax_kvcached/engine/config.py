@@ -2,8 +2,9 @@
 
 vLLM's ``engine/arg_utils.py`` is the model: a dataclass whose fields carry their help,
 flag and choices (:func:`option`); :func:`add_cli_args` turns any such dataclass into
-argparse flags and :func:`from_cli_args` back into the dataclass, so the library, the
-server and the command line share one definition and one validation. A rule broken
+argparse flags, :func:`from_cli_args` back into the dataclass and :func:`to_cli_args`
+a config into its flags, so the library, the server, the command line and the scripts
+that start servers share one definition and one validation. A rule broken
 raises :class:`ConfigError` naming the field (the CLI names the flag instead).
 
 This module imports neither JAX nor Flax (``jax-kvcached top`` and ``ctl`` start
@@ -114,6 +115,33 @@ def from_cli_args(cls: Any, args: argparse.Namespace, **extra: Any) -> Any:
                 value = []
             kw[f.name] = value
     return cls(**kw, **extra)
+
+
+def to_cli_args(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that give config dataclass ``config`` (its command-line fields that
+    differ from their defaults): :func:`from_cli_args` of them is ``config`` again, so
+    scripts that start a server build its command line from a checked config. A
+    library-only field set (not in ``skip``) has no flag: ValueError naming it."""
+    out: list[str] = []
+    for f in dataclasses.fields(config):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        value = getattr(config, f.name)
+        if value == default or f.name in skip:
+            continue
+        if not f.metadata.get("cli"):
+            raise ValueError(f"{type(config).__name__}.{f.name} has no command-line flag "
+                             f"(set to {value!r})")  # fmt: skip
+        flag = flag_of(type(config), f.name)
+        if isinstance(default, bool):
+            out.append(flag)
+        elif value is None:
+            raise ValueError(f"{flag} has no form for None (its default is {default!r})")
+        elif f.metadata.get("append"):
+            for item in value:
+                out += [flag, str(item)]
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def _positive(name: str, value: int | None) -> None:

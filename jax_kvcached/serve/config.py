@@ -12,7 +12,7 @@ import os
 import re
 from typing import Any, ClassVar
 
-from jax_kvcached.engine.config import ConfigError, EngineConfig, option
+from jax_kvcached.engine.config import ConfigError, EngineConfig, option, to_cli_args
 from jax_kvcached.serve.reasoning import PARSERS as REASONING_PARSERS
 from jax_kvcached.serve.tools import PARSERS as TOOL_PARSERS
 
@@ -309,6 +309,10 @@ class ServeConfig:
             raise ConfigError("nnodes", "serves one model across hosts (several given)")
         if self.idle_sleep is not None:
             raise ConfigError("idle_sleep", "is not supported across hosts (--nnodes > 1)")
+
+    def flags(self) -> list[str]:
+        """The ``serve`` command line of this config: its flags, then its engine's."""
+        return to_cli_args(self, skip=("engine",)) + to_cli_args(self.engine)
 
     @property
     def model_sources(self) -> list[str]:
