@@ -33,6 +33,7 @@ from .llama import (
     rms_normalize,
     rope_inv_freq,
 )
+from .lora import TARGETS, lora_of
 from .stack import run_layers, stack_layers
 
 
@@ -63,12 +64,14 @@ class Gemma3Layer(nnx.Module):
     def __call__(self, x, positions, inv_freq, attend_layer, carry):
         a, carry = self.self_attn(self.input_layernorm(x), positions, inv_freq, attend_layer, carry)
         x = x + self.post_attention_layernorm(a)
-        m = self.mlp(self.pre_feedforward_layernorm(x))
+        m = self.mlp(self.pre_feedforward_layernorm(x), getattr(attend_layer, "lora", (None, None)))
         return x + self.post_feedforward_layernorm(m), carry
 
 
 class Gemma3Model(nnx.Module):
     """Gemma 3 text decoder; ``model(tokens, positions, attend)`` returns fp32 logits."""
+
+    lora_targets = TARGETS  # (models/lora.py)
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> None:
         if not cfg.tie_word_embeddings:
@@ -97,10 +100,17 @@ class Gemma3Model(nnx.Module):
             dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta)
         )
         local = np.asarray([w > 0 for w in cfg.layer_windows()])
+        lora = lora_of(attend)
 
         def body(layer, x, i, carry):
             inv = jnp.where(jnp.asarray(local)[i], local_freq, global_freq)
-            return layer(x, positions, inv, lambda q, k, v, c: attend(i, q, k, v, c), carry)
+
+            def attend_layer(q, k, v, c):
+                return attend(i, q, k, v, c)
+
+            if lora is not None:
+                attend_layer.lora = (lora, i)
+            return layer(x, positions, inv, attend_layer, carry)
 
         x = self.embed_tokens(tokens)
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)

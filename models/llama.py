@@ -26,6 +26,7 @@ from . import registry
 from .config import ModelConfig, hf_common
 from .family import Family, GGUFArch
 from .interface import Attend
+from .lora import TARGETS, LoRABatch, add_delta, lora_of
 from .mla import MLAttention, mla_tp_plan, mla_weights
 from .moe import MoE, MoEConfig, expert_weights, moe_from_hf
 from .norm import rms_normalize
@@ -72,6 +73,10 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         h, kvh, d = self.shape
         q, k, v = project(x, [self.q_proj, self.k_proj, self.v_proj])
+        lora, i = getattr(attend_layer, "lora", (None, None))  # (the step's adapters)
+        if lora is not None:
+            q, k, v = (add_delta(y, x, lora, i, name) for y, name in
+                       ((q, "q_proj"), (k, "k_proj"), (v, "v_proj")))  # fmt: skip
         q = q.reshape(b, t, h, d)
         k = k.reshape(b, t, kvh, d)
         if self.q_norm is not None:
@@ -89,7 +94,8 @@ class Attention(nnx.Module):
             out, carry = attend_layer(q, k, v, carry, sinks=self.sinks[...])
         else:
             out, carry = attend_layer(q, k, v, carry)
-        return self.o_proj(out.reshape(b, t, h * d).astype(x.dtype)), carry
+        out = out.reshape(b, t, h * d).astype(x.dtype)
+        return add_delta(self.o_proj(out), out, lora, i, "o_proj"), carry
 
 
 # Gated MLP activations by name: SwiGLU (Llama family), GELU-tanh (Gemma).
@@ -112,9 +118,14 @@ class MLP(nnx.Module):
         self.down_proj = nnx.Linear(units, cfg.hidden_size, **kw)
         self.act = act
 
-    def __call__(self, x):
+    def __call__(self, x, lora: tuple[LoRABatch | None, Any] = (None, None)):
         gate, up = project(x, [self.gate_proj, self.up_proj])
-        return self.down_proj(_ACTIVATIONS[self.act](gate) * up)
+        batch, i = lora  # (the step's adapters, this layer)
+        if batch is not None:
+            gate = add_delta(gate, x, batch, i, "gate_proj")
+            up = add_delta(up, x, batch, i, "up_proj")
+        h = _ACTIVATIONS[self.act](gate) * up
+        return add_delta(self.down_proj(h), h, batch, i, "down_proj")
 
 
 class DecoderLayer(nnx.Module):
@@ -140,7 +151,10 @@ class DecoderLayer(nnx.Module):
     def __call__(self, x, positions, inv_freq, attend_layer, carry):
         a, carry = self.self_attn(self.input_layernorm(x), positions, inv_freq, attend_layer, carry)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), carry
+        h = self.post_attention_layernorm(x)
+        if isinstance(self.mlp, MLP):
+            return x + self.mlp(h, getattr(attend_layer, "lora", (None, None))), carry
+        return x + self.mlp(h), carry
 
 
 class LlamaModel(nnx.Module):
@@ -150,6 +164,9 @@ class LlamaModel(nnx.Module):
     DecoderLayer with stacked parameters (or, when dense and mixture-of-experts layers
     mix, an ``nnx.List`` of one stack per run: ``layer_starts``); ``scan_layers`` False
     unrolls them."""
+
+    # The projections a LoRA adapter may target in this model (models/lora.py).
+    lora_targets = TARGETS
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs) -> None:
         self.config = cfg
@@ -187,11 +204,14 @@ class LlamaModel(nnx.Module):
         """The final-normed hidden states ``(..., hidden)`` of tokens ``(B, T)``, and the
         attention's carry after the last layer."""
         inv_freq = rope_inv_freq(self.config)
+        lora = lora_of(attend)
 
         def body(layer, x, i, carry):
             def attend_layer(q, k, v, c, **kw):
                 return attend(i, q, k, v, c, **kw)
 
+            if lora is not None:
+                attend_layer.lora = (lora, i)
             return layer(x, positions, inv_freq, attend_layer, carry)
 
         x = self.embed_tokens(tokens)

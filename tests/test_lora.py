@@ -1,0 +1,122 @@
+"""LoRA adapters, model side: PEFT folders read and checked against the base, and the
+logits of a batch mixing two adapters and base-only rows equal transformers + PEFT's
+for each row alone (plain and rsLoRA scaling, attention and MLP targets)."""
+
+import copy
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import peft
+import pytest
+import torch
+import transformers
+
+from jax_kvcached.engine.attention import no_cache_attention
+from jax_kvcached.models.loader import load_checkpoint
+from jax_kvcached.models.lora import (
+    AdapterError,
+    LoRABatch,
+    LoRASlots,
+    check_base,
+    read_peft,
+)
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A random Llama folder and two PEFT adapters of it: rank 4 on every projection,
+    and rank 2 with rsLoRA on q and v (random A and B: PEFT's default B is zeros)."""
+    root = tmp_path_factory.mktemp("lora")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(root / "base")
+    adapters = {}
+    for name, kw in (("all4", dict(r=4, lora_alpha=8, target_modules=ALL)),
+                     ("qv2", dict(r=2, lora_alpha=4, use_rslora=True,
+                                  target_modules=["q_proj", "v_proj"]))):  # fmt: skip
+        torch.manual_seed(len(adapters) + 1)
+        model = peft.get_peft_model(copy.deepcopy(hf),
+                                    peft.LoraConfig(init_lora_weights=False, **kw))
+        model.save_pretrained(root / name)
+        adapters[name] = model.eval()
+    return hf, str(root), adapters
+
+
+def _ours(model, cfg, ids, slots, lora):
+    attend = no_cache_attention(cfg)
+
+    def with_adapters(*args, **kw):
+        return attend(*args, **kw)
+
+    if lora is not None:
+        with_adapters.lora = LoRABatch(*lora.arrays(), jnp.asarray(slots, jnp.int32))
+    pos = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return np.asarray(model(jnp.asarray(ids), pos, with_adapters))
+
+
+def test_a_batch_of_two_adapters_and_the_base_matches_peft_row_by_row(base):
+    hf, root, adapters = base
+    cfg, model = load_checkpoint(f"{root}/base", dtype=jnp.float32)
+    slots = LoRASlots(cfg, max_loras=3, max_rank=8)
+    for slot, name in ((1, "all4"), (3, "qv2")):
+        adapter = read_peft(f"{root}/{name}", cfg, max_rank=8)
+        check_base(adapter, model)
+        slots.set(slot, adapter)
+    ids = np.random.default_rng(0).integers(0, 300, (3, 12))
+    row_slots = np.repeat(np.asarray([1, 0, 3]), 12)  # per token, rows flattened
+    got = _ours(model, cfg, ids, row_slots, slots)
+    refs = [adapters["all4"], hf, adapters["qv2"]]
+    with torch.no_grad():
+        want = [r(torch.tensor(ids[i : i + 1])).logits[0].numpy() for i, r in enumerate(refs)]
+    for i in range(3):
+        np.testing.assert_allclose(got[i], want[i], atol=2e-4 * max(1, np.abs(want[i]).max()))
+    # the adapters change the logits (the test could tell them apart), the base row not
+    plain = _ours(model, cfg, ids, np.zeros(36, np.int32), None)
+    assert np.abs(got[0] - plain[0]).max() > 1e-2 and np.abs(got[2] - plain[2]).max() > 1e-3
+    np.testing.assert_allclose(got[1], plain[1], atol=1e-5)
+    # an emptied slot is the base again, with the same shapes (no new program)
+    slots.set(1, None)
+    again = _ours(model, cfg, ids, row_slots, slots)
+    np.testing.assert_allclose(again[0], plain[0], atol=1e-5)
+
+
+def _edit(folder, tmp_path, **changes):
+    import shutil
+
+    out = tmp_path / "edited"
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (out / "adapter_config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
+def test_an_adapter_that_cannot_serve_the_base_is_an_error_naming_file_and_field(base, tmp_path):
+    hf, root, _ = base
+    cfg, model = load_checkpoint(f"{root}/base", dtype=jnp.float32)
+    for changes, words in [
+        (dict(r=4, use_dora=True), "use_dora"),
+        (dict(bias="all"), "bias"),
+        (dict(target_modules=["embed_tokens"]), "embed_tokens"),
+        (dict(r=3), "lora_A"),  # the tensors' rank is 4
+        (dict(peft_type="IA3"), "peft_type"),
+    ]:
+        with pytest.raises(AdapterError, match=words) as e:
+            read_peft(_edit(f"{root}/all4", tmp_path, **changes), cfg, max_rank=8)
+        assert "adapter_config.json" in str(e.value) or "safetensors" in str(e.value)
+    with pytest.raises(AdapterError, match="max LoRA rank 2"):
+        read_peft(f"{root}/all4", cfg, max_rank=2)
+    with pytest.raises(AdapterError, match="no adapter_config.json"):
+        read_peft(str(tmp_path), cfg, max_rank=8)
+    other = cfg.__class__(**{**cfg.__dict__, "hidden_size": 64, "head_dim": 16})
+    with pytest.raises(AdapterError, match="another model"):
+        read_peft(f"{root}/all4", other, max_rank=8)
+    few = cfg.__class__(**{**cfg.__dict__, "num_layers": 1})
+    with pytest.raises(AdapterError, match="the base has 1 layers"):
+        read_peft(f"{root}/all4", few, max_rank=8)
