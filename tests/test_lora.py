@@ -120,3 +120,90 @@ def test_an_adapter_that_cannot_serve_the_base_is_an_error_naming_file_and_field
     few = cfg.__class__(**{**cfg.__dict__, "num_layers": 1})
     with pytest.raises(AdapterError, match="the base has 1 layers"):
         read_peft(f"{root}/all4", few, max_rank=8)
+
+
+@pytest.fixture(scope="module")
+def engine(base):
+    """An engine of the base with two adapter slots of rank up to 8, compiled."""
+    from conftest import host_pool
+
+    from jax_kvcached.engine.engine import Engine
+
+    _, root, _ = base
+    _, model = load_checkpoint(f"{root}/base", dtype=jnp.float32)
+    pool = host_pool()
+    eng = Engine(model, pool, name="lora", max_batch=4, max_model_len=128, max_loras=2,
+                 max_lora_rank=8)  # fmt: skip
+    eng.compile()
+    yield eng
+    pool.close()
+
+
+def test_the_engine_serves_two_adapters_and_the_base_in_one_batch(base, engine):
+    """Greedy tokens of [all4, base, qv2] in one continuous batch equal transformers +
+    PEFT's generate for each; loading the adapters compiled nothing; their prefixes are
+    cached apart; accounting stays exact."""
+    from conftest import check_group_accounting, hf_greedy
+
+    from jax_kvcached.engine.sampling import SamplingParams
+
+    hf, root, adapters = base
+    engine.load_adapter("all4", f"{root}/all4")
+    engine.load_adapter("qv2", f"{root}/qv2")
+    try:
+        prompt = np.random.default_rng(1).integers(0, 300, 40).tolist()
+        greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+        outs = engine.generate([prompt] * 3, greedy, adapter=["all4", None, "qv2"])
+        for out, ref in zip(outs, [adapters["all4"], hf, adapters["qv2"]], strict=True):
+            assert out.token_ids == hf_greedy(ref, prompt, 8)
+        assert len({tuple(o.token_ids) for o in outs}) == 3  # (three different answers)
+        assert engine.runner.compiles_after_warmup == 0
+        # a prefix is cached per adapter: the same prompt hits under its own adapter only
+        again = engine.generate([prompt + [7]] * 2, greedy, adapter=["qv2", "all4"])
+        assert all(o.cached_tokens >= 32 for o in again)
+        fresh = engine.generate(prompt + [8], greedy, adapter="all4")[0]
+        assert fresh.cached_tokens >= 32
+        with pytest.raises(ValueError, match="in use"):
+            rid = engine.add_request(prompt, greedy, adapter="qv2")
+            engine.unload_adapter("qv2")
+        engine.abort(rid)
+        check_group_accounting(engine)
+    finally:
+        for name in engine.adapters.names():
+            engine.unload_adapter(name)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'all4'.*loaded: none"):
+        engine.generate(prompt, greedy, adapter="all4")
+    # a reloaded name is another adapter to the prefix cache
+    engine.load_adapter("all4", f"{root}/qv2")
+    try:
+        out = engine.generate(prompt + [7], greedy, adapter="all4")[0]
+        assert out.cached_tokens == 0 and out.token_ids == again[0].token_ids
+    finally:
+        engine.unload_adapter("all4")
+    assert engine.num_waiting == 0
+
+
+def test_slots_are_bounded_and_an_engine_without_them_says_so(base, engine):
+    from conftest import host_pool
+
+    from jax_kvcached.engine.engine import Engine
+
+    _, root, _ = base
+    engine.load_adapter("a", f"{root}/all4")
+    engine.load_adapter("b", f"{root}/qv2")
+    try:
+        with pytest.raises(ValueError, match="all 2 LoRA slots hold adapters"):
+            engine.load_adapter("c", f"{root}/all4")
+        with pytest.raises(ValueError, match="loaded already"):
+            engine.load_adapter("a", f"{root}/all4")
+    finally:
+        engine.unload_adapter("a")
+        engine.unload_adapter("b")
+    _, model = load_checkpoint(f"{root}/base", dtype=jnp.float32)
+    pool = host_pool()
+    try:
+        plain = Engine(model, pool, name="plain", max_batch=2)
+        with pytest.raises(ValueError, match="takes no LoRA adapters"):
+            plain.load_adapter("a", f"{root}/all4")
+    finally:
+        pool.close()

@@ -179,6 +179,7 @@ class EngineConfig:
                                  "host_cache_bytes", "state_checkpoint_tokens"),
         "engine: KV-cache events": ("kv_events", "kv_events_replay", "kv_events_topic",
                                     "kv_events_token_ids", "kv_events_curve_dir"),
+        "engine: LoRA adapters": ("max_loras", "max_lora_rank"),
     }  # fmt: skip
 
     name: str = option("model", "the KV cache's name in the pool", cli=False)
@@ -265,6 +266,12 @@ class EngineConfig:
         "holds server.key_secret and clients/*.key (zmq.auth.create_certificates); "
         "bound endpoints only (default: none, unauthenticated)", metavar="DIR",
     )  # fmt: skip
+    max_loras: int = option(
+        0, "LoRA adapters held on the device at once, each in a slot of the step's stacks "
+        "(default 0: no adapters; serve --enable-lora makes it 1 unless given)", metavar="N",
+    )  # fmt: skip
+    max_lora_rank: int = option(16, "the highest LoRA rank an adapter may have (default 16)",
+                                metavar="R")  # fmt: skip
     command_buffers: bool | None = option(None, "CUDA graphs (None: on on CUDA)", cli=False)
     fuse_sampling: bool | None = option(None, "sample inside decode steps (None: on CUDA)",
                                         cli=False)  # fmt: skip
@@ -273,13 +280,15 @@ class EngineConfig:
         if isinstance(self.max_batch, bool) or self.max_batch <= 0:
             raise ConfigError("max_batch", f"must be positive, got {self.max_batch!r}")
         for name in ("max_num_batched_tokens", "max_prefill_tokens", "block_size", "log_every",
-                     "state_checkpoint_tokens"):  # fmt: skip
+                     "state_checkpoint_tokens", "max_lora_rank"):  # fmt: skip
             _positive(name, getattr(self, name))
         check_budgets(self.max_batch, self.max_num_batched_tokens, self.max_prefill_tokens)
         if isinstance(self.stall_ratio, bool) or not (
             isinstance(self.stall_ratio, (int, float)) and 1 < self.stall_ratio < float("inf")
         ):
             raise ConfigError("stall_ratio", f"must be a number above 1, got {self.stall_ratio!r}")
+        if isinstance(self.max_loras, bool) or self.max_loras < 0:
+            raise ConfigError("max_loras", f"must be >= 0 (0: no adapters), got {self.max_loras}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.max_cached_tokens is not None and self.max_cached_tokens < -1:

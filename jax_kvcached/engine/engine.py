@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_kvcached.engine.adapters import AdapterTable
 from jax_kvcached.engine.compile_events import compile_events, fresh_compiles
 from jax_kvcached.engine.config import EngineConfig
 from jax_kvcached.engine.detokenizer import TextStream
@@ -140,6 +141,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
                 max_num_batched_tokens=c.max_num_batched_tokens,
                 max_prefill_tokens=c.max_prefill_tokens, max_model_len=self.max_model_len,
                 command_buffers=c.command_buffers, fuse_sampling=c.fuse_sampling,
+                max_loras=c.max_loras, max_lora_rank=c.max_lora_rank,
             )  # fmt: skip
             host_blocks = host_cache_blocks(
                 c.host_cache_tokens, c.host_cache_bytes, c.block_size,
@@ -181,6 +183,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self.log_every = c.log_every
         self.overlap = c.overlap
         self._ids = itertools.count()
+        self.adapters = AdapterTable(self.runner.lora, model)  # LoRA adapters by name
         # Structured outputs: compiled for this model's tokenizer.
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, cfg.eos_ids)
         self._by_id: dict[int, Sequence] = {}
@@ -205,14 +208,15 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         on_token: Callable[[int, int, bool], None] | None = None,
         *,
         cache_salt: str | None = None,
-        adapter_id: str | None = None,
+        adapter: str | None = None,
         fork_of: int | None = None,
         on_logprobs: Callable[[int, Any], None] | None = None,
     ) -> int:
         """Queues a request; ``on_token(request_id, token, finished)`` streams its output.
 
-        Requests share cached prefixes only with the same model, ``cache_salt`` and
-        ``adapter_id``. ``fork_of``: an active request with the same prompt (and keys)
+        ``adapter``: a loaded LoRA adapter's name (:meth:`load_adapter`; None: the base
+        model). Requests share cached prefixes only with the same model, ``cache_salt``
+        and adapter. ``fork_of``: an active request with the same prompt (and keys)
         whose prompt is not computed yet; this one then shares its prompt's KV blocks
         instead of computing them (``n`` samples of one prompt: one prefill).
         ``on_logprobs(request_id, (logprob, [(id, logprob)...]))`` streams each token's
@@ -221,18 +225,32 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         ids = list(self.prompt(prompt).token_ids)
         params = self.checked_params(len(ids), params)
         with self._lock:
+            lora = self.adapters.get(adapter) if adapter is not None else None
             rid = next(self._ids)
             seq = Sequence(rid, ids, params, on_token, on_logprobs=on_logprobs)
+            seq.adapter_slot = lora.slot if lora is not None else 0
             if params.structured is not None:
                 seq.grammar = self.grammars.state(params.structured)
             if params.stop:
                 seq.detok = TextStream(self.tokenizer.decode, list(params.stop))
-            seq.extra = extra_key_bytes(self.name, cache_salt, adapter_id)
+            seq.extra = extra_key_bytes(self.name, cache_salt, lora and lora.key)
             parent = self._by_id.get(fork_of) if fork_of is not None else None
             if not self._forks.wait(parent, seq):
                 self.scheduler.add(seq)
             self._by_id[rid] = seq
         return rid
+
+    def load_adapter(self, name: str, path: str) -> Any:
+        """Loads the PEFT LoRA adapter in folder ``path`` as ``name`` (its weights in a
+        free slot: nothing recompiles); an AdapterError names what does not fit."""
+        with self._lock:
+            return self.adapters.load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Drops adapter ``name`` (ValueError while a request uses it)."""
+        with self._lock:
+            self.adapters.unload(name, lambda slot: [
+                s for s in self._by_id.values() if s.adapter_slot == slot])  # fmt: skip
 
     def abort(self, request_id: int) -> bool:
         """Drops a queued or running request and frees its blocks; False if it is not

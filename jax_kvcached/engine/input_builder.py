@@ -52,6 +52,7 @@ class StepInput:
     state: tuple[list[int], list[int], list[int], int] | None = None
     # A structured output samples here: its mask waits for its previous token.
     constrained: bool = False
+    adapter: int = 0  # the LoRA adapter slot of its tokens (0: the base model alone)
 
 
 @dataclasses.dataclass
@@ -131,6 +132,7 @@ class InputBuilder:
             else:
                 row = StepInput(s.token_ids[start:end], start, first, more)
             row.state = state
+            row.adapter = s.adapter_slot
             if end == known + s.num_pending:  # it reaches the end of its sequence: it samples
                 row.params, row.sample_step = s.params, s.num_output
                 if s.params.processes_logits:
@@ -182,6 +184,7 @@ class InputBuilder:
         state_blocks = np.zeros((3, max_rows, ns), np.int32)
         state_rows = np.zeros((2, max_rows), np.int32)
         state_rows[1] = -1
+        lora = np.zeros(lay.shapes["lora"], np.int32)
         sg = self.state_group
         at = 0
         starts: list[int] = []
@@ -234,6 +237,10 @@ class InputBuilder:
             seeds[i], steps[i] = p.seed or 0, x.sample_step
             if x.targets is not None:
                 targets[at : at + n] = x.targets
+            if x.adapter:
+                if not lay.lora:
+                    raise ValueError("a step input names a LoRA adapter; this runner has none")
+                lora[at : at + n] = x.adapter
             starts.append(at)
             at += n
         for group, blocks in zip(self.groups, written, strict=True):
@@ -261,7 +268,7 @@ class InputBuilder:
             q_start=ragged["q_start"], q_lens=ragged["q_lens"], src=src, last=last,
             item_seq=ragged["item_seq"], item_rows=ragged["item_rows"],
             item_pos=ragged["item_pos"], params=params, flags=np.asarray([flags], np.int32),
-            state_blocks=state_blocks, state_rows=state_rows,
+            state_blocks=state_blocks, state_rows=state_rows, lora=lora,
         )  # fmt: skip
         return PreparedStep(
             shape=shape, packed=packed, num_rows=len(batch), logit_rows=rows, params=params,

@@ -128,8 +128,11 @@ class OfflineAPI:
         on_token: Callable[[int, int, bool], None] | None = None,
         *,
         cache_salt: str | None = None,
+        adapter: str | Seq[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for every prompt (batched continuously); outputs in prompt order.
+        ``adapter``: a loaded LoRA adapter's name for every prompt, or one per prompt
+        (None: the base model).
 
         ``prompts``: a list of prompts (strings, token-id lists), or one prompt (a string
         or a flat list of token ids), as the OpenAI ``prompt`` field reads them; one
@@ -140,10 +143,16 @@ class OfflineAPI:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("one SamplingParams per prompt")
+        adapters = [adapter] * len(prompts) if adapter is None or isinstance(adapter, str) else (
+            list(adapter))  # fmt: skip
+        if len(adapters) != len(prompts):
+            raise ValueError("one adapter (or None) per prompt")
         encoded = [self.encode(p) for p in prompts]  # validate all before queueing any
+        for a in set(adapters) - {None}:
+            self.adapters.get(a)  # (a name not loaded: before any is queued)
         ids = [
-            self.add_request(e, q, on_token, cache_salt=cache_salt)
-            for e, q in zip(encoded, params, strict=True)
+            self.add_request(e, q, on_token, cache_salt=cache_salt, adapter=a)
+            for e, q, a in zip(encoded, params, adapters, strict=True)
         ]
         self.run()
         by_id = self.take_finished(ids)

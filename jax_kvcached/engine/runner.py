@@ -56,10 +56,26 @@ from jax_kvcached.engine.step_shapes import StepShapes
 from jax_kvcached.engine.step_weights import StepWeights
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.kv_cache import KVCache
+from jax_kvcached.models.lora import LoRASlots, lora_targets
 from jax_kvcached.models.sharding import shard_model
 
 log = logging.getLogger(__name__)
 
+
+
+def lora_slots(model: Any, mesh: Any, device: Any, max_loras: int, max_rank: int
+               ) -> LoRASlots | None:  # fmt: skip
+    """The adapter slots of a runner (None: ``max_loras`` 0); ValueError for a model or a
+    placement that does not take adapters."""
+    if not max_loras:
+        return None
+    if mesh is not None:
+        raise ValueError("LoRA adapters over a device mesh (tensor parallelism) are not "
+                         "served yet")  # fmt: skip
+    if not lora_targets(model):
+        raise ValueError(f"{model.config.model_type}: LoRA adapters are not served for "
+                         "this family")  # fmt: skip
+    return LoRASlots(model.config, max_loras, max_rank, device)
 
 
 def src_rows(src: np.ndarray, rows: int) -> np.ndarray:
@@ -102,6 +118,8 @@ class ModelRunner:
         scan_layers: bool | None = None,
         command_buffers: bool | None = None,
         fuse_sampling: bool | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         cfg = model.config
         if (cache.num_layers, cache.num_kv_heads, cache.head_dim) != (
@@ -150,12 +168,14 @@ class ModelRunner:
                 f"{cfg.model_type}: recurrent-state layers run on one device with a K/V "
                 "cache (tensor parallelism over them is not supported yet)"
             )
+        # LoRA adapters' slots (models/lora.py), inputs of every step (None: no adapters).
+        self.lora = lora_slots(model, self.mesh, cache.device, max_loras, max_lora_rank)
         self.shapes = StepShapes(
             cache.backend, self.attention, max_batch=max_batch,
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
             max_blocks=-(-max_len // cache.block_size), block_size=cache.block_size,
             groups=cache.num_groups, query_per_kv=cfg.num_heads // cfg.num_kv_heads,
-            slot_blocks=self.slot_blocks,
+            slot_blocks=self.slot_blocks, lora=self.lora is not None,
         )  # fmt: skip
         shapes = self.shapes
         self.max_blocks, self.max_batch = shapes.max_blocks, max_batch
@@ -309,7 +329,7 @@ class ModelRunner:
             return self._jitted_sample.lower(logits, params)
         t, nb = key
         packed = jax.ShapeDtypeStruct((self.shapes.layout(key).size,), jnp.int32)
-        args = (self.weights.arrays, self.cache.view, packed, self.last_tokens, t, nb, self.token)
+        args = (self._weights_arg(), self.cache.view, packed, self.last_tokens, t, nb, self.token)
         with self._context():
             return self._jitted.lower(*args)
 
@@ -385,7 +405,7 @@ class ModelRunner:
             return self._jitted_process, (logits, *args)
         t, nb = key
         packed = np.zeros(self.shapes.layout(key).size, np.int32)
-        args = (self.weights.arrays, self.cache.view, packed, self.last_tokens, t, nb, self.token)
+        args = (self._weights_arg(), self.cache.view, packed, self.last_tokens, t, nb, self.token)
         return self._jitted, args
 
     def compile(
@@ -420,6 +440,10 @@ class ModelRunner:
                     progress(done, len(todo))
         self.warm = True
         return time.perf_counter() - t0
+
+    def _weights_arg(self) -> tuple[list[jax.Array], Any]:
+        """A step's first argument: the weights, and the LoRA slots' stacks (or None)."""
+        return self.weights.arrays, self.lora.arrays() if self.lora is not None else None
 
     # -- sleep -----------------------------------------------------------------------------
     def state_arrays(self) -> list[jax.Array]:
@@ -466,7 +490,7 @@ class ModelRunner:
         program = self._program(step.shape)
         with self._context():
             (logits, scores, sampled, lps), self.token = program(
-                self.weights.arrays, self.cache.view, step.packed, self.last_tokens, self.token
+                self._weights_arg(), self.cache.view, step.packed, self.last_tokens, self.token
             )
             self.dispatches += 1
             scores = scores if step.has_targets else None

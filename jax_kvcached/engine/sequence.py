@@ -60,6 +60,7 @@ class Sequence:
     # The matcher of a structured output (params.structured): the next token's mask, and
     # each sampled token (engine.structured).
     grammar: GrammarState | ThinkingGrammar | None = None
+    adapter_slot: int = 0  # its LoRA adapter's slot in the runner's stacks (0: none)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)

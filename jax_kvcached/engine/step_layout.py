@@ -31,6 +31,8 @@ name                    shape           what
                                         read from, written to, checkpointed to (0: none)
 ``state_rows``          (2, S)          starts from a zero state (1/0); the step's tokens
                                         before its checkpoint (-1: none)
+``lora``                (t,) or (0,)    each token's LoRA adapter slot (0: the base alone;
+                                        empty in an engine without adapters)
 ======================  ==============  ===================================================
 
 ``nS`` is the blocks of one state slot (0 without a recurrent group:
@@ -52,7 +54,7 @@ NUM_PARAMS = 5  # sampling parameters per row (see sampler_programs.sample_rows)
 
 SEGMENTS = ("tokens", "positions", "slots", "targets", "token_slot", "tables", "kv_lens",
             "q_start", "q_lens", "src", "last", "item_seq", "item_rows", "item_pos", "params",
-            "flags", "state_blocks", "state_rows")  # fmt: skip
+            "flags", "state_blocks", "state_rows", "lora")  # fmt: skip
 
 
 def logit_rows(t: int, max_rows: int) -> int:
@@ -73,6 +75,7 @@ class StepLayout:
     tile: int  # Q
     groups: int = 1  # G
     slot_blocks: int = 0  # nS: blocks of a recurrent state slot (0: no recurrent group)
+    lora: bool = False  # each token's adapter slot travels (an engine with adapters)
 
     @property
     def rows(self) -> int:
@@ -89,6 +92,7 @@ class StepLayout:
             "item_rows": (self.items, self.tile), "item_pos": (self.items, self.tile),
             "params": (NUM_PARAMS, self.rows), "flags": (1,),
             "state_blocks": (3, s, self.slot_blocks), "state_rows": (2, s),
+            "lora": (t if self.lora else 0,),
         }  # fmt: skip
 
     @functools.cached_property

@@ -40,6 +40,7 @@ from jax_kvcached.engine.sampling import MAX_LOGPROBS
 from jax_kvcached.engine.step_layout import LOGPROBS, SAMPLE, StepLayout
 from jax_kvcached.memory import ops
 from jax_kvcached.memory.kv_cache import KVCache
+from jax_kvcached.models.lora import LoRABatch
 
 
 def attention_fn(impl: str, cache: KVCache, nb: int, token: jax.Array) -> Callable:
@@ -86,7 +87,8 @@ class StepSpec:
 
 def make_step(spec: StepSpec) -> Callable:
     """``step(weights, view, packed, prev, t, nb, token) -> (outputs, token)`` (``t`` and
-    ``nb`` static): ``outputs`` = (logits ``(R, vocab)``, prompt scores, sampled tokens
+    ``nb`` static; ``weights``: the model's flat weights and the LoRA slots' stacks or
+    None): ``outputs`` = (logits ``(R, vocab)``, prompt scores, sampled tokens
     ``(max_rows,)``, log-probabilities of the sampled tokens), R = :func:`logit_rows`;
     the last two None unless ``spec.fused(t)``."""
     graphdef, cache, max_rows = spec.graphdef, spec.cache, spec.max_rows
@@ -101,6 +103,7 @@ def make_step(spec: StepSpec) -> Callable:
     logprobs = per_device(logprob_rows, (None, None, None), None)
 
     def step(weights, view, packed, prev, t, nb, token):
+        weights, adapters = weights  # (the LoRA slots' stacks, or None)
         state = spec.join(weights)
         layout = spec.layout((t, nb))
         a = layout.unpack(packed)
@@ -153,6 +156,8 @@ def make_step(spec: StepSpec) -> Callable:
                               q_lens=a["q_lens"], chunk=chunk)  # fmt: skip
 
         attend.recur = recur
+        if adapters is not None:  # each token's adapter (models/lora.py)
+            attend.lora = LoRABatch(*adapters, a["lora"])
         hidden, chain = model.hidden_states(tokens[None], positions[None], attend, token)
         hidden = hidden[0]  # (t, E)
         logits = model.logits(hidden[jnp.clip(last[:rows], 0, t - 1)])  # (rows, vocab)

@@ -70,6 +70,7 @@ class StepShapes:
       groups: KV cache groups (block tables per sequence).
       query_per_kv: query heads per KV head (the Pallas kernel's tile).
       slot_blocks: blocks of a recurrent group's state slot (0: none).
+      lora: a step carries each token's LoRA adapter slot.
     """
 
     def __init__(
@@ -85,6 +86,7 @@ class StepShapes:
         groups: int = 1,
         query_per_kv: int = 1,
         slot_blocks: int = 0,
+        lora: bool = False,
     ) -> None:
         budget = max_num_batched_tokens or default_token_budget(backend)
         # A budget given caps every step unless max_prefill_tokens says otherwise.
@@ -96,6 +98,7 @@ class StepShapes:
         self.block_size = block_size
         self.groups = groups
         self.slot_blocks = slot_blocks
+        self.lora = lora
         self.query_per_kv = query_per_kv
         self.max_batch = max_batch
         self.max_blocks = max_blocks
@@ -144,7 +147,8 @@ class StepShapes:
             t, nb = shape
             items, tile = self.items(t)
             lay = self._layouts[shape] = StepLayout(t, self.max_rows, nb, items, tile,
-                                                    self.groups, self.slot_blocks)  # fmt: skip
+                                                    self.groups, self.slot_blocks,
+                                                    self.lora)  # fmt: skip
         return lay
 
     def all(self) -> list[tuple[int, int]]:

@@ -100,7 +100,7 @@ def flags(c: ServeConfig) -> dict[str, Any]:
 
 
 # -- messages: plain data, each checked for its form -----------------------------------------
-_KW = {"cache_salt": (str, type(None)), "adapter_id": (str, type(None)),
+_KW = {"cache_salt": (str, type(None)), "adapter": (str, type(None)),
        "fork_of": (int, type(None))}  # fmt: skip
 _TUPLES = ("stop_token_ids", "stop", "logit_bias")  # SamplingParams' tuple fields
 
