@@ -215,6 +215,11 @@ class LoRASlots:
     def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
         return self.a, self.b
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the stacks (every slot, loaded or not)."""
+        return sum(x.nbytes for d in (self.a, self.b) for x in d.values())
+
 
 class LoRABatch:
     """A step's tokens grouped by adapter: each projection's delta for them.

@@ -32,6 +32,11 @@ def test_every_command_line_field_is_a_serve_flag_and_round_trips():
     d = from_cli_args(_serve_args())
     assert d == ServeConfig() and d.engine == EngineConfig() and d.model_sources == [
         "smollm2-135m"]  # fmt: skip
+    # vLLM's LoRA flags: several specs after one flag, or the flag again; one slot at least
+    lora = from_cli_args(_serve_args("--enable-lora", "--lora-modules", "a=/x", "b=/y",
+                                     "--lora-modules", "c=/z"))  # fmt: skip
+    assert lora.lora_modules == ["a=/x", "b=/y", "c=/z"] and lora.engine.max_loras == 1
+    assert from_cli_args(_serve_args(*lora.flags())) == lora
     # A config's own flags parse back to it (benchmarks start servers from configs).
     assert from_cli_args(_serve_args(*c.flags())) == c and d.flags() == []
     assert "--no-warmup" in c.flags() and c.flags().count("--model") == 2
@@ -62,6 +67,10 @@ def test_every_command_line_field_is_a_serve_flag_and_round_trips():
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0"),
     (["--max-queue", "-1"], "--max-queue must be >= 0"),
     (["--port", "70000"], "--port must be in"),
+    (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+    (["--max-loras", "2"], "--max-loras needs --enable-lora"),
+    (["--enable-lora", "--max-loras", "-1"], "--max-loras must be >= 0"),
+    (["--enable-lora", "--max-lora-rank", "0"], "--max-lora-rank must be positive"),
 ])  # fmt: skip
 def test_a_broken_rule_names_its_flag(argv, msg):
     with pytest.raises(ConfigError) as e:

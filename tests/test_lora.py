@@ -207,3 +207,71 @@ def test_slots_are_bounded_and_an_engine_without_them_says_so(base, engine):
             plain.load_adapter("a", f"{root}/all4")
     finally:
         pool.close()
+
+
+def test_the_server_loads_serves_and_unloads_adapters(base, engine):
+    """vLLM's routes with the admin key, /v1/models listing the adapter with its parent,
+    a completion naming the adapter answering as the engine does, bad loads a 400 that
+    names the problem, an unloaded adapter a 404."""
+    import httpx
+    from conftest import check_group_accounting
+
+    from jax_kvcached.engine.sampling import SamplingParams
+    from jax_kvcached.models import ByteTokenizer
+    from jax_kvcached.serve.app import AuthConfig, BackgroundServer, ServedModel, create_app
+    from jax_kvcached.serve.loop import ServingLoop
+
+    _, root, _ = base
+    loop = ServingLoop({"base": engine}).start()
+    auth = AuthConfig(api_key="k", admin_key="adm")
+    app = create_app(loop, {"base": ServedModel(engine, ByteTokenizer())}, auth=auth)
+    http = BackgroundServer(app).start()
+    user, admin = {"Authorization": "Bearer k"}, {"Authorization": "Bearer adm"}
+    prompt = np.random.default_rng(2).integers(0, 256, 20).tolist()
+
+    def complete(model):
+        r = httpx.post(f"{http.url}/v1/completions", headers=user, timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True})  # fmt: skip
+        return r
+
+    def post(path, body, headers=admin):
+        return httpx.post(f"{http.url}{path}", json=body, headers=headers, timeout=120)
+
+    try:
+        load = {"lora_name": "all4", "lora_path": f"{root}/all4"}
+        assert post("/v1/load_lora_adapter", load, user).status_code in (401, 403)
+        r = post("/v1/load_lora_adapter", load)
+        assert r.status_code == 200 and r.json()["base_model_name"] == "base", r.text
+        cards = httpx.get(f"{http.url}/v1/models", headers=user).json()["data"]
+        assert {(c["id"], c.get("parent")) for c in cards} == {("base", None), ("all4", "base")}
+        got = complete("all4")
+        assert got.status_code == 200 and got.json()["model"] == "all4"
+        loop.stop()  # (the engine alone for the reference, then the server again)
+        want = engine.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True),
+                               adapter="all4")[0]  # fmt: skip
+        loop = ServingLoop({"base": engine}).start()
+        app = create_app(loop, {"base": ServedModel(engine, ByteTokenizer())}, auth=auth)
+        http.stop()
+        http = BackgroundServer(app).start()
+        assert got.json()["choices"][0]["text"] == ByteTokenizer().decode(want.token_ids)
+        assert complete("all4").json()["choices"][0]["text"] != complete("base").json()[
+            "choices"][0]["text"]  # fmt: skip
+        for body, status, words in [
+            ({"lora_name": "x", "lora_path": f"{root}/nowhere"}, 400, "adapter_config.json"),
+            ({"lora_name": "base", "lora_path": f"{root}/qv2"}, 400, "taken"),
+            ({"lora_name": "all4", "lora_path": f"{root}/qv2"}, 400, "taken"),
+            ({"lora_path": f"{root}/qv2"}, 400, "lora_name"),
+        ]:  # fmt: skip
+            r = post("/v1/load_lora_adapter", body)
+            assert r.status_code == status and words in r.json()["error"]["message"], r.text
+        assert post("/v1/unload_lora_adapter", {"lora_name": "all4"}).status_code == 200
+        gone = complete("all4")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        assert post("/v1/unload_lora_adapter", {"lora_name": "all4"}).status_code == 404
+    finally:
+        http.stop()
+        loop.stop()
+        for name in engine.adapters.names():
+            engine.unload_adapter(name)
+    check_group_accounting(engine)

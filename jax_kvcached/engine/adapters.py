@@ -49,9 +49,22 @@ class AdapterTable:
 
     def load(self, name: str, path: str) -> Adapter:
         """Reads, checks and places adapter ``name`` from PEFT folder ``path``."""
+        return self.place(self.read(name, path))
+
+    def read(self, name: str, path: str) -> Adapter:
+        """Adapter ``name`` read from PEFT folder ``path`` and checked against the base
+        (not placed: :meth:`place`)."""
         slots = self._need_slots()
         if not isinstance(name, str) or not name:
             raise ValueError("an adapter needs a name")
+        self._check_free(name)
+        adapter = read_peft(path, self._model.config, slots.max_rank, name)
+        check_base(adapter, self._model)
+        return adapter
+
+    def _check_free(self, name: str) -> list[int]:
+        """The free slots (ValueError when ``name`` is loaded or none is free)."""
+        slots = self._need_slots()
         if name in self._by_name:
             raise ValueError(f"an adapter named {name!r} is loaded already (unload it first)")
         free = sorted(set(range(1, slots.max_loras + 1))
@@ -60,10 +73,15 @@ class AdapterTable:
             raise ValueError(f"all {slots.max_loras} LoRA slots hold adapters "
                              f"({', '.join(sorted(self._by_name))}): unload one, or start "
                              "with a larger --max-loras")  # fmt: skip
-        adapter = read_peft(path, self._model.config, slots.max_rank, name)
-        check_base(adapter, self._model)
-        slots.set(free[0], adapter)
-        self._by_name[name] = Loaded(adapter, free[0], f"{name}#{next(self._generation)}")
+        return free
+
+    def place(self, adapter: Adapter) -> Adapter:
+        """Puts a read adapter in a free slot (checked again: the table may have changed
+        since it was read)."""
+        slot = self._check_free(adapter.name)[0]
+        self._need_slots().set(slot, adapter)
+        self._by_name[adapter.name] = Loaded(adapter, slot,
+                                             f"{adapter.name}#{next(self._generation)}")
         return adapter
 
     def unload(self, name: str, users: Callable[[int], Iterable[Any]]) -> None:
@@ -87,8 +105,11 @@ class AdapterTable:
     def names(self) -> list[str]:
         return sorted(self._by_name)
 
-    def stats(self) -> list[dict[str, Any]]:
-        """Each loaded adapter: name, path, rank, slot and float32 bytes."""
-        return [{"name": n, "path": x.adapter.path, "rank": x.adapter.rank, "slot": x.slot,
-                 "bytes": x.adapter.nbytes}
-                for n, x in sorted(self._by_name.items())]  # fmt: skip
+    def stats(self) -> dict[str, Any]:
+        """The slots (their device bytes, per device) and each loaded adapter: name,
+        path, rank, slot and float32 bytes."""
+        return {"max_loras": self.max_loras,
+                "slot_bytes": self.slots.nbytes if self.slots is not None else 0,
+                "adapters": [{"name": n, "path": x.adapter.path, "rank": x.adapter.rank,
+                              "slot": x.slot, "bytes": x.adapter.nbytes}
+                             for n, x in sorted(self._by_name.items())]}  # fmt: skip

@@ -45,13 +45,15 @@ def option(
     choices: Any = None,
     metavar: str | None = None,
     append: bool = False,
+    many: bool = False,
 ) -> Any:
     """A dataclass field with its command-line form: ``flag`` (default ``--field-name``;
     a bool field is a switch: ``--no-x`` when it defaults to True), ``kind`` (the
     argument's type, default the default's), ``choices``, ``metavar``, ``append`` (a
-    repeatable flag collecting a list); ``cli=False``: library only."""
+    repeatable flag collecting a list; ``many``: each taking one or more values);
+    ``cli=False``: library only."""
     md = {"help": help, "cli": cli, "flag": flag, "kind": kind, "choices": choices,
-          "metavar": metavar, "append": append}  # fmt: skip
+          "metavar": metavar, "append": append or many, "many": many}  # fmt: skip
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=md)
     return dataclasses.field(default=default, metadata=md)
@@ -96,6 +98,8 @@ def add_cli_args(parser: argparse.ArgumentParser, cls: Any) -> None:
         kw: dict[str, Any] = {"dest": f.name, "help": md["help"], "default": default}
         if md.get("append"):
             kw.update(action="append", default=None if default == [] else default)
+        if md.get("many"):
+            kw.update(action="extend", nargs="+")
         kind = md.get("kind") or (type(default) if default not in (None, []) else str)
         if kind is not str:
             kw["type"] = kind

@@ -243,8 +243,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
     def load_adapter(self, name: str, path: str) -> Any:
         """Loads the PEFT LoRA adapter in folder ``path`` as ``name`` (its weights in a
         free slot: nothing recompiles); an AdapterError names what does not fit."""
+        adapter = self.adapters.read(name, path)  # (the folder read off the lock)
         with self._lock:
-            return self.adapters.load(name, path)
+            return self.adapters.place(adapter)
 
     def unload_adapter(self, name: str) -> None:
         """Drops adapter ``name`` (ValueError while a request uses it)."""
@@ -525,6 +526,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             "prefix_cache": self.kv.stats(),
             "host_cache": self.kv.host_stats(),
             "kv_cache_groups": self.kv.group_stats(),
+            "lora": self.adapters.stats(),
             "sleeping": self.sleeping,
             "sleep_level": self.sleep_level,
         }

@@ -4,7 +4,8 @@ Routes, one module each under ``routes/``: ``GET /v1/models``; ``POST /v1/comple
 and ``POST /v1/chat/completions`` (``stream: true`` answers server-sent events);
 ``POST /tokenize``, ``POST /detokenize`` and ``GET /version`` (vLLM's shapes); ``GET
 /metrics`` (Prometheus) and ``GET /health``; ``GET|POST /admin/memory`` (per-model limits
-and guarantees). The loop's engines may live in one pool or several.
+and guarantees); ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``. The loop's
+engines may live in one pool or several.
 
 Auth (:class:`AuthConfig`): ``/v1/*`` need ``Authorization: Bearer <api_key>`` when an
 API key is set; ``/admin/*`` need the admin key, and are disabled when no admin key is set
@@ -31,13 +32,13 @@ from jax_kvcached.serve.guard import RequestGuard
 from jax_kvcached.serve.loop import ServingLoop
 from jax_kvcached.serve.metrics import ServerMetrics
 from jax_kvcached.serve.protocol import APIError, error_body
-from jax_kvcached.serve.routes import admin, generate, health, models, tokens
+from jax_kvcached.serve.routes import admin, generate, health, lora, models, tokens
 
 log = logging.getLogger("jax_kvcached.serve")
 
 __all__ = ["AuthConfig", "BackgroundServer", "ServedModel", "create_app"]
 
-ROUTE_MODULES = (models, generate, tokens, health, admin)
+ROUTE_MODULES = (models, generate, tokens, health, admin, lora)
 
 
 def create_app(

@@ -43,6 +43,7 @@ class ServeConfig:
         "tools and reasoning (chat)": ("enable_auto_tool_choice", "tool_call_parser",
                                        "reasoning_parser",
                                        "structured_outputs_in_reasoning"),
+        "LoRA adapters (see also: engine: LoRA adapters)": ("enable_lora", "lora_modules"),
     }  # fmt: skip
 
     models: list[str] = option(
@@ -241,6 +242,16 @@ class ServeConfig:
         False, "hold the thought to a request's structured output too (vLLM's "
         "enable_in_reasoning; default: off, only the answer after </think>)",
     )  # fmt: skip
+    enable_lora: bool = option(
+        False, "serve LoRA adapters: a request's model may name one; "
+        "/v1/load_lora_adapter and /v1/unload_lora_adapter (admin key) change them "
+        "(default: off)",
+    )  # fmt: skip
+    lora_modules: list[str] = option(
+        [], "adapters loaded at start: NAME=PATH (a PEFT folder) or JSON {\"name\", "
+        "\"path\", \"base_model_name\"}; several after one flag, or the flag again",
+        metavar="SPEC", many=True,
+    )  # fmt: skip
     max_body_bytes: int = option(1 << 20, "the largest request body", cli=False)
     max_connections: int = option(
         1024, "concurrent connections and requests the server takes; past them it answers "
@@ -249,6 +260,16 @@ class ServeConfig:
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("lora_modules", "needs --enable-lora")
+        if self.engine.max_loras and not self.enable_lora:
+            raise ConfigError("max_loras", "needs --enable-lora")
+        if self.enable_lora and not self.engine.max_loras:  # (vLLM's default: 1)
+            object.__setattr__(self, "engine", self.engine.replace(max_loras=1))
+        if self.enable_lora and self.nnodes > 1:
+            raise ConfigError("enable_lora", "is not served across hosts (--nnodes > 1) yet")
+        if self.enable_lora and self.tensor_parallel > 1:
+            raise ConfigError("enable_lora", "is not served with --tensor-parallel > 1 yet")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ConfigError("enable_auto_tool_choice", "needs --tool-call-parser")
         if self.tool_call_parser not in (None, *TOOL_PARSERS):

@@ -13,6 +13,8 @@ from starlette.requests import Request
 
 from jax_kvcached.engine.engine import Engine
 from jax_kvcached.models.chat_template import ChatTemplate
+from jax_kvcached.serve.adapters import base_of
+from jax_kvcached.serve.adapters import cards as adapter_cards
 from jax_kvcached.serve.auth import AuthConfig
 from jax_kvcached.serve.loop import ServingLoop
 from jax_kvcached.serve.metrics import ServerMetrics
@@ -122,11 +124,18 @@ class AppContext:
         return parse_json(b"".join(chunks))
 
     def served(self, name: str) -> ServedModel:
-        """The model ``name``; APIError 404 if it is not served."""
-        m = self.models.get(name)
-        if m is None:
-            raise APIError(
-                404, f"the model '{name}' does not exist; have {sorted(self.models)}",
-                param="model", code="model_not_found",
-            )  # fmt: skip
-        return m
+        """The model ``name`` (an adapter's: its base model); APIError 404 if it is not
+        served."""
+        return self.models[self.resolve(name)[0]]
+
+    def resolve(self, name: str) -> tuple[str, str | None]:
+        """(the served model, the LoRA adapter or None) a request's ``model`` names;
+        APIError 404 naming what is served."""
+        if name in self.models:
+            return name, None
+        base = base_of(self.models, name)
+        if base is None:
+            have = sorted(self.models) + [c["id"] for c in adapter_cards(self.models)]
+            raise APIError(404, f"the model '{name}' does not exist; have {have}",
+                           param="model", code="model_not_found")  # fmt: skip
+        return base, name

@@ -18,6 +18,8 @@ from jax_kvcached.memory.config import ipc_name_from_env, parse_bytes
 from jax_kvcached.memory.pool import Pool, device_memory_bytes
 from jax_kvcached.models.chat_template import ChatTemplate
 from jax_kvcached.progress import Log
+from jax_kvcached.serve.adapters import load as load_adapter
+from jax_kvcached.serve.adapters import parse_spec
 from jax_kvcached.serve.compile_cache import enable_compile_cache
 from jax_kvcached.serve.config import DTYPES, ServeConfig
 from jax_kvcached.serve.context import ServedModel
@@ -240,6 +242,11 @@ def serve(config: ServeConfig) -> None:
             check_source(spec.source)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"--model {spec.name}={spec.source}: {e}") from None
+    for text in c.lora_modules:  # (their folders read at load; the form checked here)
+        lora = parse_spec(text)
+        if not os.path.isfile(os.path.join(lora.path, "adapter_config.json")):
+            raise FileNotFoundError(f"--lora-modules {lora.name}: {lora.path!r} is not a PEFT "
+                                    "adapter folder (no adapter_config.json)")  # fmt: skip
     auth = c.auth()
     host, port, shutdown_timeout, log_level = c.host, c.port, c.shutdown_timeout, c.log_level
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
@@ -438,6 +445,12 @@ def _load(
                 "%s: host tier of %d tokens (%.1f MiB%s)", spec.name, hc["capacity_tokens"],
                 hc["capacity_bytes"] / 2**20, ", page-locked" if hc["pinned_memory"] else "",
             )  # fmt: skip
+    for text in c.lora_modules:  # (--enable-lora: the adapters named at start)
+        try:
+            adapter = load_adapter(models, parse_spec(text))
+        except ValueError as e:
+            raise ValueError(f"--lora-modules: {e}") from None
+        log.info("LoRA adapter %s: rank %d, %s", adapter.name, adapter.rank, adapter.path)
     if c.warmup:
         # /health counts every model's programs: earlier models' totals stay added.
         base = [0, 0]

@@ -181,6 +181,7 @@ class ServingLoop:
         on_event: EventCallback,
         fork_of: Request | None = None,
         cache_salt: str | None = None,
+        adapter: str | None = None,
     ) -> Request:
         """Queues a request. Raises UnknownModel, ValueError (bad prompt), Overloaded or
         Unavailable; never blocks. A :class:`Prompt` of the model's engine is not
@@ -188,9 +189,11 @@ class ServingLoop:
         just before; this one shares its prompt's KV (one prefill for n samples) if the
         loop has not computed that prompt yet (:meth:`submit_samples` makes sure).
         ``cache_salt``: the request shares cached prefix blocks only with requests of the
-        same salt (OpenAI's / vLLM's ``cache_salt``)."""
+        same salt (OpenAI's / vLLM's ``cache_salt``). ``adapter``: a LoRA adapter of the
+        model's engine (None: the base)."""
         ids = self._prompt(model, prompt)
-        req = Request(model, ids, params, on_event, fork_of=fork_of, cache_salt=cache_salt)
+        req = Request(model, ids, params, on_event, fork_of=fork_of, cache_salt=cache_salt,
+                      adapter=adapter)  # fmt: skip
         self._queue(model, [req])
         return req
 
@@ -201,6 +204,7 @@ class ServingLoop:
         params: Sequence[SamplingParams],
         on_events: Sequence[EventCallback],
         cache_salt: str | None = None,
+        adapter: str | None = None,
     ) -> list[Request]:
         """Queues ``len(params)`` samples of one prompt at once (``n`` / ``best_of``): the
         first computes the prompt, the others fork it. All are handed to the engine in the
@@ -210,8 +214,9 @@ class ServingLoop:
         if not params or len(params) != len(on_events):
             raise ValueError("submit_samples: one event callback per sample, at least one")
         ids = self._prompt(model, prompt)
-        first = Request(model, ids, params[0], on_events[0], cache_salt=cache_salt)
-        reqs = [first] + [Request(model, ids, p, cb, fork_of=first, cache_salt=cache_salt)
+        kw = dict(cache_salt=cache_salt, adapter=adapter)
+        first = Request(model, ids, params[0], on_events[0], **kw)
+        reqs = [first] + [Request(model, ids, p, cb, fork_of=first, **kw)
                           for p, cb in zip(params[1:], on_events[1:], strict=True)]  # fmt: skip
         self._queue(model, reqs)
         return reqs
@@ -399,7 +404,7 @@ class ServingLoop:
         try:
             rid = engine.add_request(
                 req.prompt, req.params, self._streamer(req), fork_of=parent,
-                on_logprobs=on_lp, cache_salt=req.cache_salt,
+                on_logprobs=on_lp, cache_salt=req.cache_salt, adapter=req.adapter,
             )  # fmt: skip
         except Exception as e:  # validated in submit(); never stop the loop for it
             self._close(req, "error", e)

@@ -81,6 +81,11 @@ class _LoopCollector:
         )
         yield gauge("kvcached_host_cache_entries", "Blocks held by the host tier.", "host_entries")
         yield gauge(
+            "kvcached_lora_slot_bytes",
+            "Device memory of the model's LoRA adapter slots (0: no adapters), per device.",
+            "lora_slot_bytes",
+        )  # fmt: skip
+        yield gauge(
             "kvcached_host_hit_rate",
             "Prompt tokens restored from the host tier (of those looked up).",
             "host_hit_rate",

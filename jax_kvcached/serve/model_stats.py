@@ -39,6 +39,9 @@ def model_stats(e: dict[str, Any], pool_limit: int, loop: dict[str, Any]) -> dic
         "host_bytes": hc.get("bytes", 0),
         "host_capacity_bytes": hc.get("capacity_bytes", 0),
         "kv_cache_groups": e["kv_cache_groups"],
+        # LoRA adapters: their slots' device bytes and the adapters loaded
+        "lora_slot_bytes": e["lora"]["slot_bytes"],
+        "lora_adapters": [a["name"] for a in e["lora"]["adapters"]],
         "sleeping": e["sleeping"],
         "sleep_level": e["sleep_level"],
         **loop,

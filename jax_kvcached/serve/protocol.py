@@ -117,6 +117,7 @@ class GenerationRequest:
     structured: Structured | None = None
     structured_param: str = "response_format"  # the field that gave it
     tools: Tools | None = None  # chat: its tools and tool_choice (serve/tools.py)
+    adapter: str | None = None  # the LoRA adapter ``model`` named (``model``: its base)
 
     def sampling(
         self, max_tokens: int, index: int = 0, defaults: dict[str, float] | None = None,

@@ -51,3 +51,4 @@ class Request:
     closed: bool = False  # done, failed or cancelled: no more events
     fork_of: Request | None = None  # shares this earlier request's prompt KV (n samples)
     cache_salt: str | None = None  # shares cached prefixes only with the same salt
+    adapter: str | None = None  # the LoRA adapter it runs with (None: the base model)

@@ -31,8 +31,16 @@ def _sleep_body(body: Any, fields: set[str]) -> str:
 
 
 def routes(ctx: AppContext) -> list[Route]:
+    def model(name: str) -> str:
+        """A served model's name (404 for an unknown one; 400 for a LoRA adapter)."""
+        base, adapter = ctx.resolve(name)
+        if adapter is not None:
+            raise APIError(400, f"{name!r} is a LoRA adapter of {base!r}: name the model",
+                           param="model")  # fmt: skip
+        return base
+
     async def command(name: str, call: Any) -> Response:
-        ctx.served(name)  # 404 first
+        model(name)  # 404 first
         try:
             out = await run_in_threadpool(call)
         except ValueError as e:
@@ -73,7 +81,7 @@ def routes(ctx: AppContext) -> list[Route]:
             name = body.get("model")
             if not isinstance(name, str):
                 raise APIError(400, "'model' must be a string", param="model")
-            pool = ctx.served(name).engine.pool
+            pool = ctx.models[model(name)].engine.pool
             for field in ("guarantee", "limit"):  # the guarantee first (it may rise with it)
                 if field not in body:
                     continue
@@ -91,6 +99,7 @@ def routes(ctx: AppContext) -> list[Route]:
                             "kv_cache_groups": m.engine.kv.group_stats(),
                             "sleeping": m.engine.sleeping,
                             "sleep_level": m.engine.sleep_level,
+                            "lora": m.engine.stats()["lora"],
                             **m.engine.runner.weight_bytes()}  # fmt: skip
         pools = [
             {
@@ -124,7 +133,7 @@ def routes(ctx: AppContext) -> list[Route]:
             if not isinstance(name, str | None):
                 raise APIError(400, "'model' must be a string", param="model")
         if name is not None:
-            ctx.served(name)  # 404 first
+            model(name)  # 404 first
         names = list(ctx.models) if name is None else [name]
         evicted = {}
         for n in names:

@@ -181,7 +181,7 @@ def start(
             # The samples of one prompt go to the loop together: one prefill, the rest fork.
             handles = ctx.loop.submit_samples(
                 req.model, prompt, [p for p, _ in samples], [g.on_event for _, g in samples],
-                cache_salt=req.cache_salt,
+                cache_salt=req.cache_salt, adapter=req.adapter,
             )  # fmt: skip
             for j, ((_, gen), handle) in enumerate(zip(samples, handles, strict=True)):
                 gen.handle = handle
@@ -394,8 +394,11 @@ async def generate(
 ) -> Response:
     """A completion or chat request of ``tenant``'s (its cached prefixes are its own)."""
     req = parse(await ctx.read_json(request))
-    req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))
-    note(request, model=req.model)
+    asked = req.model  # (a LoRA adapter's name: its base model runs it)
+    base, adapter = ctx.resolve(asked)
+    req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt), model=base,
+                              adapter=adapter)  # fmt: skip
+    note(request, model=asked)
     arrival = time.perf_counter()
     # The chat template and the tokenizer run in a worker thread: a large request must
     # not stall every other connection (and /health) while it is rendered.
@@ -412,7 +415,7 @@ async def generate(
 
     rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
     obj = "chat.completion" if req.chat else "text_completion"
-    head = {"id": rid, "object": obj, "created": int(time.time()), "model": req.model}
+    head = {"id": rid, "object": obj, "created": int(time.time()), "model": asked}
     head["seed"] = choices[0].gen.handle.params.seed  # (drawn if none given): replayable
     build = _Response(req, m)
 

@@ -1,4 +1,5 @@
-"""``GET /v1/models`` and ``GET /v1/models/{id}``: the served models."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the served models, and the LoRA
+adapters loaded onto them (``parent``: their base)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from jax_kvcached.serve.adapters import cards as adapter_cards
 from jax_kvcached.serve.context import AppContext
 
 
@@ -22,12 +24,14 @@ def routes(ctx: AppContext) -> list[Route]:
 
     async def list_models(request: Request) -> Response:
         ctx.auth.check(request, admin=False)
-        return JSONResponse({"object": "list", "data": [card(n) for n in ctx.models]})
+        data = [card(n) for n in ctx.models] + adapter_cards(ctx.models)
+        return JSONResponse({"object": "list", "data": data})
 
     async def get_model(request: Request) -> Response:
         ctx.auth.check(request, admin=False)
         name = request.path_params["model"]
-        ctx.served(name)  # 404 model_not_found for an unknown one
+        if ctx.resolve(name)[1] is not None:  # (404 model_not_found for an unknown one)
+            return JSONResponse(next(c for c in adapter_cards(ctx.models) if c["id"] == name))
         return JSONResponse(card(name))
 
     return [
