@@ -275,3 +275,35 @@ def test_the_server_loads_serves_and_unloads_adapters(base, engine):
         for name in engine.adapters.names():
             engine.unload_adapter(name)
     check_group_accounting(engine)
+
+
+def test_kv_events_name_the_adapter_of_each_stored_chain(base):
+    """An adapter's blocks are stored with its lora_id and lora_name (vLLM's fields), the
+    base's with none; the two chains of one prompt are two events, never one."""
+    from conftest import host_pool
+    from test_kv_events import endpoints, receive_all, subscribe
+
+    from jax_kvcached.engine.engine import Engine
+    from jax_kvcached.engine.sampling import SamplingParams
+
+    _, root, _ = base
+    _, model = load_checkpoint(f"{root}/base", dtype=jnp.float32)
+    pool = host_pool()
+    ep, _ = endpoints()
+    eng = Engine(model, pool, name="events", max_batch=2, max_loras=1, kv_events=ep)
+    try:
+        eng.load_adapter("qv2", f"{root}/qv2")
+        sub = subscribe(ep)
+        prompt = list(range(3, 3 + 40))
+        greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+        eng.generate([prompt, prompt], greedy, adapter=["qv2", None])
+        assert eng.kv_event_publisher.flush()
+        stored = [e for _, _, b in receive_all(sub) for e in b.events
+                  if type(e).__name__ == "BlockStored"]  # fmt: skip
+        loras = sorted(((e.lora_id, e.lora_name, len(e.block_hashes)) for e in stored
+                        if e.token_ids[:16] == prompt[:16]), key=str)  # fmt: skip
+        assert loras == [(1, "qv2", 2), (None, None, 2)], loras
+        sub.close(linger=0)
+    finally:
+        eng.close()
+        pool.close()

@@ -26,6 +26,7 @@ class Loaded:
 
     adapter: Adapter
     slot: int
+    id: int  # its load generation: a reloaded name is another adapter
     key: str  # the prefix-cache key part (name and load generation)
 
 
@@ -80,8 +81,8 @@ class AdapterTable:
         since it was read)."""
         slot = self._check_free(adapter.name)[0]
         self._need_slots().set(slot, adapter)
-        self._by_name[adapter.name] = Loaded(adapter, slot,
-                                             f"{adapter.name}#{next(self._generation)}")
+        gen = next(self._generation)
+        self._by_name[adapter.name] = Loaded(adapter, slot, gen, f"{adapter.name}#{gen}")
         return adapter
 
     def unload(self, name: str, users: Callable[[int], Iterable[Any]]) -> None:

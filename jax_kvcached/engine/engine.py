@@ -228,7 +228,8 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             lora = self.adapters.get(adapter) if adapter is not None else None
             rid = next(self._ids)
             seq = Sequence(rid, ids, params, on_token, on_logprobs=on_logprobs)
-            seq.adapter_slot = lora.slot if lora is not None else 0
+            if lora is not None:
+                seq.adapter_slot, seq.lora = lora.slot, (lora.id, lora.adapter.name)
             if params.structured is not None:
                 seq.grammar = self.grammars.state(params.structured)
             if params.stop:

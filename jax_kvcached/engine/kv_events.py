@@ -50,8 +50,8 @@ class BlockStored:
     group_idx: int
     kv_cache_spec_kind: str
     kv_cache_spec_sliding_window: int | None = None
-    lora_id: None = None  # (no adapters here)
-    lora_name: None = None
+    lora_id: int | None = None  # the LoRA adapter's (its load generation; None: the base)
+    lora_name: str | None = None
 
 
 @dataclasses.dataclass
@@ -146,11 +146,11 @@ class KVEventLog:
         for g, c in enumerate(host_caches):
             c.listener = self.listener(g, CPU)
 
-    def describe(self, group: int, key: bytes, parent: bytes | None, tokens: Sequence[int]
-                 ) -> None:  # fmt: skip
-        """What a block's stored events carry: its parent's key and its tokens (before
-        the cache stores it; kept while any tier holds it)."""
-        self._meta.setdefault((group, key), (parent, tuple(int(t) for t in tokens)))
+    def describe(self, group: int, key: bytes, parent: bytes | None, tokens: Sequence[int],
+                 lora: tuple[int, str] | None = None) -> None:  # fmt: skip
+        """What a block's stored events carry: its parent's key, its tokens and its LoRA
+        adapter's (id, name) (before the cache stores it; kept while any tier holds it)."""
+        self._meta.setdefault((group, key), (parent, tuple(int(t) for t in tokens), lora))
 
     def _kind(self, group: int) -> tuple[str, int | None]:
         spec = self.specs[group]
@@ -164,18 +164,21 @@ class KVEventLog:
                 if medium in media:
                     continue  # (stored once)
                 media.add(medium)
-                parent, tokens = self._meta.get((group, key), (None, ()))
+                parent, tokens, lora = self._meta.get((group, key), (None, (), None))
+                lora_id, lora_name = lora or (None, None)
                 h = external_hash(key)
                 p = external_hash(parent) if parent is not None else None
                 last = self._events[-1] if self._events else None
                 if (isinstance(last, BlockStored) and last.medium == medium
-                        and last.group_idx == group and last.block_hashes[-1] == p):
+                        and last.group_idx == group and last.block_hashes[-1] == p
+                        and last.lora_id == lora_id):
                     last.block_hashes.append(h)  # the chain goes on: one event
                     last.token_ids.extend(tokens)
                 else:
                     kind, window = self._kind(group)
                     self._events.append(BlockStored(
-                        [h], p, list(tokens), self.block_size, medium, group, kind, window))
+                        [h], p, list(tokens), self.block_size, medium, group, kind, window,
+                        lora_id, lora_name))
             self._cv.notify()
 
     def removed(self, group: int, medium: str, keys: Sequence[bytes]) -> None:

@@ -188,7 +188,7 @@ class KVGroupManager(abc.ABC):
                 continue
             if events is not None:
                 events.describe(g, hs[i], hs[i - 1] if i else None,
-                                seq.token_ids[i * self.block_size:][:self.block_size])
+                                seq.token_ids[i * self.block_size:][:self.block_size], seq.lora)
             if self.prefix_cache.insert(hs[i], table[i], i):
                 self.services.wrote(table[i])  # (the newest step wrote it)
         seq.inserted[g] = full
@@ -409,7 +409,7 @@ class RecurrentStateManager(KVGroupManager):
         events = self.services.events
         for j, (k, b) in enumerate(zip(keys, blocks, strict=True)):
             if events is not None:  # (the state after prefix h: no tokens of its own)
-                events.describe(self.index, k, keys[j - 1] if j else h, ())
+                events.describe(self.index, k, keys[j - 1] if j else h, (), seq.lora)
             pc.insert(k, b, j)
             self.services.wrote(b)
         self.pool.free_blocks(blocks)  # idle: the cache keeps them

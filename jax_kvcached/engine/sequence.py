@@ -61,6 +61,7 @@ class Sequence:
     # each sampled token (engine.structured).
     grammar: GrammarState | ThinkingGrammar | None = None
     adapter_slot: int = 0  # its LoRA adapter's slot in the runner's stacks (0: none)
+    lora: tuple[int, str] | None = None  # its adapter's (id, name), as KV events carry it
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
