@@ -13,6 +13,7 @@ has none).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -101,6 +102,7 @@ class Gemma3Model(nnx.Module):
         )
         local = np.asarray([w > 0 for w in cfg.layer_windows()])
         lora = lora_of(attend)
+        order = itertools.count()  # (unrolled, the bodies run in layer order)
 
         def body(layer, x, i, carry):
             inv = jnp.where(jnp.asarray(local)[i], local_freq, global_freq)
@@ -109,7 +111,7 @@ class Gemma3Model(nnx.Module):
                 return attend(i, q, k, v, c)
 
             if lora is not None:
-                attend_layer.lora = (lora, i)
+                attend_layer.lora = (lora, lora.layer(i, next(order)))
             return layer(x, positions, inv, attend_layer, carry)
 
         x = self.embed_tokens(tokens)

@@ -16,6 +16,7 @@ an int32 scalar and ``carry`` whatever state the attention threads from layer to
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import jax
@@ -205,13 +206,14 @@ class LlamaModel(nnx.Module):
         attention's carry after the last layer."""
         inv_freq = rope_inv_freq(self.config)
         lora = lora_of(attend)
+        order = itertools.count()  # (unrolled, the bodies run in layer order)
 
         def body(layer, x, i, carry):
             def attend_layer(q, k, v, c, **kw):
                 return attend(i, q, k, v, c, **kw)
 
             if lora is not None:
-                attend_layer.lora = (lora, i)
+                attend_layer.lora = (lora, lora.layer(i, next(order)))
             return layer(x, positions, inv_freq, attend_layer, carry)
 
         x = self.embed_tokens(tokens)

@@ -181,20 +181,28 @@ def _weights(folder: str, base: ModelConfig, rank: int, scaling: float,
 
 class LoRASlots:
     """``max_loras`` adapter slots of rank ``max_rank`` for base ``cfg``: per target, A
-    ``(layers, max_loras, in, max_rank)`` and B ``(layers, max_loras, max_rank, out)``
-    float32 device arrays (slot ``s`` of a step's tokens is row ``s - 1``; 0: none)."""
+    ``(max_loras, in, max_rank)`` and B ``(max_loras, max_rank, out)`` float32 device
+    arrays per layer (slot ``s`` of a step's tokens is row ``s - 1``; 0: none): a list of
+    one array per layer when the layers run unrolled (a CPU: XLA would copy each slice of
+    a stacked array before its dot), else stacked ``(layers, ...)`` for a scan."""
 
     def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int,
-                 device: Any = None) -> None:  # fmt: skip
+                 device: Any = None, *, unroll: bool = True) -> None:  # fmt: skip
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_rank must be >= 1, got {max_loras}, {max_rank}")
         self.max_loras, self.max_rank, self.num_layers = max_loras, max_rank, cfg.num_layers
-        self.shapes = projection_shapes(cfg)
-        zeros = (lambda s: jax.device_put(jnp.zeros(s, jnp.float32), device)) if device else (
-            lambda s: jnp.zeros(s, jnp.float32))  # fmt: skip
+        self.shapes, self.unroll = projection_shapes(cfg), unroll
         n, r, layers = max_loras, max_rank, cfg.num_layers
-        self.a = {t: zeros((layers, n, fin, r)) for t, (fin, _) in self.shapes.items()}
-        self.b = {t: zeros((layers, n, r, fout)) for t, (_, fout) in self.shapes.items()}
+
+        def zeros(shape: tuple[int, ...]) -> Any:
+            def one(s: tuple[int, ...]) -> jax.Array:
+                x = jnp.zeros(s, jnp.float32)
+                return jax.device_put(x, device) if device is not None else x
+
+            return [one(shape) for _ in range(layers)] if unroll else one((layers, *shape))
+
+        self.a = {t: zeros((n, fin, r)) for t, (fin, _) in self.shapes.items()}
+        self.b = {t: zeros((n, r, fout)) for t, (_, fout) in self.shapes.items()}
 
     def set(self, slot: int, adapter: Adapter | None) -> None:
         """Puts ``adapter`` in ``slot`` (1..max_loras); None empties it."""
@@ -209,8 +217,12 @@ class LoRASlots:
                 for (layer, target), (wa, wb) in adapter.weights.items():
                     if target == t:
                         a[layer, :, : adapter.rank], b[layer, : adapter.rank] = wa, wb
-            self.a[t] = self.a[t].at[:, slot - 1].set(a)
-            self.b[t] = self.b[t].at[:, slot - 1].set(b)
+            if self.unroll:
+                self.a[t] = [x.at[slot - 1].set(a[i]) for i, x in enumerate(self.a[t])]
+                self.b[t] = [x.at[slot - 1].set(b[i]) for i, x in enumerate(self.b[t])]
+            else:
+                self.a[t] = self.a[t].at[:, slot - 1].set(a)
+                self.b[t] = self.b[t].at[:, slot - 1].set(b)
 
     def arrays(self) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
         return self.a, self.b
@@ -218,7 +230,8 @@ class LoRASlots:
     @property
     def nbytes(self) -> int:
         """Device bytes of the stacks (every slot, loaded or not)."""
-        return sum(x.nbytes for d in (self.a, self.b) for x in d.values())
+        return sum(x.nbytes for d in (self.a, self.b) for v in d.values()
+                   for x in (v if isinstance(v, list) else [v]))  # fmt: skip
 
 
 class LoRABatch:
@@ -230,12 +243,19 @@ class LoRABatch:
     def __init__(self, a: dict[str, jax.Array], b: dict[str, jax.Array], slots: jax.Array,
                  impl: str = "auto") -> None:  # fmt: skip
         self.a, self.b, self.impl = a, b, impl
-        n = next(iter(a.values())).shape[1]
+        first = next(iter(a.values()))
+        self.per_layer = isinstance(first, list)
+        n = (first[0] if self.per_layer else first).shape[-3]  # (the slots)
         slots = slots.reshape(-1).astype(jnp.int32)
         key = jnp.where(slots > 0, slots, n + 1)  # the base-only tokens last
         self.order = jnp.argsort(key, stable=True)
         self.inverse = jnp.argsort(self.order)
         self.sizes = jnp.zeros((n + 2,), jnp.int32).at[key].add(1)[1 : n + 1]
+
+    def layer(self, index: Any, order: int) -> Any:
+        """The layer key of :meth:`delta`: the layer's place in the model (``order``, a
+        Python int) for per-layer arrays, else its int32 ``index`` (traced under a scan)."""
+        return order if self.per_layer else index
 
     def delta(self, layer: Any, target: str, x: jax.Array) -> jax.Array | None:
         """The adapters' addition to projection ``target``'s output for input ``x``

@@ -63,8 +63,8 @@ log = logging.getLogger(__name__)
 
 
 
-def lora_slots(model: Any, mesh: Any, device: Any, max_loras: int, max_rank: int
-               ) -> LoRASlots | None:  # fmt: skip
+def lora_slots(model: Any, mesh: Any, device: Any, max_loras: int, max_rank: int, *,
+               unroll: bool) -> LoRASlots | None:  # fmt: skip
     """The adapter slots of a runner (None: ``max_loras`` 0); ValueError for a model or a
     placement that does not take adapters."""
     if not max_loras:
@@ -75,7 +75,7 @@ def lora_slots(model: Any, mesh: Any, device: Any, max_loras: int, max_rank: int
     if not lora_targets(model):
         raise ValueError(f"{model.config.model_type}: LoRA adapters are not served for "
                          "this family")  # fmt: skip
-    return LoRASlots(model.config, max_loras, max_rank, device)
+    return LoRASlots(model.config, max_loras, max_rank, device, unroll=unroll)
 
 
 def src_rows(src: np.ndarray, rows: int) -> np.ndarray:
@@ -169,7 +169,8 @@ class ModelRunner:
                 "cache (tensor parallelism over them is not supported yet)"
             )
         # LoRA adapters' slots (models/lora.py), inputs of every step (None: no adapters).
-        self.lora = lora_slots(model, self.mesh, cache.device, max_loras, max_lora_rank)
+        self.lora = lora_slots(model, self.mesh, cache.device, max_loras, max_lora_rank,
+                               unroll=not self.scan_layers)  # fmt: skip
         self.shapes = StepShapes(
             cache.backend, self.attention, max_batch=max_batch,
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_tokens=max_prefill_tokens,
