@@ -13,7 +13,8 @@
 #       MoE preset gives the CPU's tokens, latent attention and sinks, recurrent state:
 #       the Qwen3-Next and Granite 4.0-H presets give the CPU's tokens and restore a
 #       state checkpoint, structured outputs: the grammar's token mask behind the step
-#       gives the CPU's texts); the engine's decode step per step
+#       gives the CPU's texts, LoRA: ragged_dot's deltas match each token's adapter and
+#       an adapter gives the CPU's tokens); the engine's decode step per step
 #       (programs, launches, host time) with command buffers on and off; paged vs dense
 #       decode at batch 1/8/32 for the bench model.
 #   scripts/gpu-check.sh smollm2   the same two for SmolLM2-135M's architecture in bf16
@@ -27,9 +28,10 @@
 #   (The attention kernels, VMM, K/V write and OpenAI-feature benchmarks ran on the H200
 #   on 2026-12-04: docs/gpu.md; their scripts take --backend cuda / run as before.)
 #
-# Structured outputs need llguidance, which the device has no index for: put its wheel
-# in .wheels/ (`pip download llguidance --no-deps -d .wheels`, 3 MB, ignored by git) and
-# carry it (run's carry [".wheels"]); the script installs it first.
+# Structured outputs need llguidance (and LoRA's test safetensors), which the device has
+# no index for: put their wheels in .wheels/ (`pip download llguidance safetensors
+# --no-deps -d .wheels`, 4 MB, ignored by git) and carry it (run's carry [".wheels"]);
+# the script installs them first.
 # The bf16-vs-fp32 greedy test needs SmolLM2's GGUF (98 MB, over what a run carries) under
 # .models/ in the checkout (`KVCACHED_MODEL_CACHE=.models jax-kvcached download`); without
 # it that one test fails saying the file is missing. Logs go to $OUT (default
@@ -44,7 +46,8 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
 if [ -d "$PWD/.wheels" ]; then
-  python3 -m pip install -q --no-index --find-links "$PWD/.wheels" llguidance 2>&1 | tail -2
+  python3 -m pip install -q --no-index --find-links "$PWD/.wheels" llguidance safetensors \
+    2>&1 | tail -2
 fi
 # Build and install once per source tree (a warm machine keeps the install between parts).
 SRC=$(find ffi jax_kvcached models CMakeLists.txt pyproject.toml -type f | sort | xargs sha1sum \
