@@ -183,22 +183,53 @@ def test_the_engine_serves_two_adapters_and_the_base_in_one_batch(base, engine):
     assert engine.num_waiting == 0
 
 
-def test_slots_are_bounded_and_an_engine_without_them_says_so(base, engine):
+def test_more_adapters_than_slots_take_turns(base, engine):
+    """Three adapters on two slots, one batch: the third waits for an idle slot and
+    evicts the least recently used adapter; every answer equals its adapter's alone, an
+    evicted adapter placed again finds its cached prefix, and past max_cpu_loras an
+    adapter's weights are read from its folder again. Accounting stays exact."""
+    from conftest import check_group_accounting
+
+    from jax_kvcached.engine.sampling import SamplingParams
+
+    _, root, _ = base
+    greedy = SamplingParams(max_tokens=6, ignore_eos=True)
+    prompt = np.random.default_rng(3).integers(0, 300, 40).tolist()
+    names = {"a": "all4", "b": "qv2", "c": "all4"}
+    for name, folder in names.items():
+        engine.load_adapter(name, f"{root}/{folder}")
+    table = engine.adapters
+    try:
+        with pytest.raises(ValueError, match="loaded already"):
+            engine.load_adapter("a", f"{root}/all4")
+        alone = {n: engine.generate(prompt, greedy, adapter=n)[0] for n in ("a", "b")}
+        evictions = table.evictions
+        outs = engine.generate([prompt] * 3, greedy, adapter=["a", "b", "c"])
+        assert [o.token_ids for o in outs] == [alone["a"].token_ids, alone["b"].token_ids,
+                                               alone["a"].token_ids]  # fmt: skip
+        assert table.evictions > evictions  # (c took a slot a or b gave up)
+        assert [a["slot"] for a in table.stats()["adapters"]].count(None) == 1
+        back = engine.generate(prompt, greedy, adapter="a")[0]  # (placed again if evicted)
+        assert back.token_ids == alone["a"].token_ids and back.cached_tokens >= 32
+        table.max_cpu_loras = 1  # (past it, a placement reads the folder again)
+        reads = table.reads
+        for n in ("b", "c", "a", "b"):
+            assert engine.generate(prompt, greedy, adapter=n)[0].token_ids == alone[
+                names[n][:1] == "q" and "b" or "a"].token_ids  # fmt: skip
+        assert table.reads > reads
+        check_group_accounting(engine)
+    finally:
+        table.max_cpu_loras = None
+        for name in engine.adapters.names():
+            engine.unload_adapter(name)
+
+
+def test_an_engine_without_slots_says_so(base):
     from conftest import host_pool
 
     from jax_kvcached.engine.engine import Engine
 
     _, root, _ = base
-    engine.load_adapter("a", f"{root}/all4")
-    engine.load_adapter("b", f"{root}/qv2")
-    try:
-        with pytest.raises(ValueError, match="all 2 LoRA slots hold adapters"):
-            engine.load_adapter("c", f"{root}/all4")
-        with pytest.raises(ValueError, match="loaded already"):
-            engine.load_adapter("a", f"{root}/all4")
-    finally:
-        engine.unload_adapter("a")
-        engine.unload_adapter("b")
     _, model = load_checkpoint(f"{root}/base", dtype=jnp.float32)
     pool = host_pool()
     try:

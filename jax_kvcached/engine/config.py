@@ -183,7 +183,7 @@ class EngineConfig:
                                  "host_cache_bytes", "state_checkpoint_tokens"),
         "engine: KV-cache events": ("kv_events", "kv_events_replay", "kv_events_topic",
                                     "kv_events_token_ids", "kv_events_curve_dir"),
-        "engine: LoRA adapters": ("max_loras", "max_lora_rank"),
+        "engine: LoRA adapters": ("max_loras", "max_lora_rank", "max_cpu_loras"),
     }  # fmt: skip
 
     name: str = option("model", "the KV cache's name in the pool", cli=False)
@@ -276,6 +276,10 @@ class EngineConfig:
     )  # fmt: skip
     max_lora_rank: int = option(16, "the highest LoRA rank an adapter may have (default 16)",
                                 metavar="R")  # fmt: skip
+    max_cpu_loras: int | None = option(
+        None, "adapters whose weights stay in host memory; the others are read from their "
+        "folder again when a request needs them (default: all)", kind=int, metavar="N",
+    )  # fmt: skip
     command_buffers: bool | None = option(None, "CUDA graphs (None: on on CUDA)", cli=False)
     fuse_sampling: bool | None = option(None, "sample inside decode steps (None: on CUDA)",
                                         cli=False)  # fmt: skip
@@ -293,6 +297,9 @@ class EngineConfig:
             raise ConfigError("stall_ratio", f"must be a number above 1, got {self.stall_ratio!r}")
         if isinstance(self.max_loras, bool) or self.max_loras < 0:
             raise ConfigError("max_loras", f"must be >= 0 (0: no adapters), got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < max(1, self.max_loras):
+            raise ConfigError("max_cpu_loras", f"must be at least --max-loras "
+                              f"({max(1, self.max_loras)}), got {self.max_cpu_loras}")  # fmt: skip
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("max_model_len", f"must be >= 2, got {self.max_model_len}")
         if self.max_cached_tokens is not None and self.max_cached_tokens < -1:

@@ -183,7 +183,8 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self.log_every = c.log_every
         self.overlap = c.overlap
         self._ids = itertools.count()
-        self.adapters = AdapterTable(self.runner.lora, model)  # LoRA adapters by name
+        self.adapters = AdapterTable(self.runner.lora, model, c.max_cpu_loras)  # by name
+        self._lora_waiting: deque[Sequence] = deque()  # their adapter waits for a slot
         # Structured outputs: compiled for this model's tokenizer.
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, cfg.eos_ids)
         self._by_id: dict[int, Sequence] = {}
@@ -229,30 +230,46 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             rid = next(self._ids)
             seq = Sequence(rid, ids, params, on_token, on_logprobs=on_logprobs)
             if lora is not None:
-                seq.adapter_slot, seq.lora = lora.slot, (lora.id, lora.adapter.name)
+                seq.lora = (lora.id, lora.name)
             if params.structured is not None:
                 seq.grammar = self.grammars.state(params.structured)
             if params.stop:
                 seq.detok = TextStream(self.tokenizer.decode, list(params.stop))
             seq.extra = extra_key_bytes(self.name, cache_salt, lora and lora.key)
             parent = self._by_id.get(fork_of) if fork_of is not None else None
-            if not self._forks.wait(parent, seq):
+            if lora is not None and not self._place_adapter(seq):
+                self._lora_waiting.append(seq)  # (every slot's adapter in use)
+            elif not self._forks.wait(parent, seq):
                 self.scheduler.add(seq)
             self._by_id[rid] = seq
         return rid
 
     def load_adapter(self, name: str, path: str) -> Any:
-        """Loads the PEFT LoRA adapter in folder ``path`` as ``name`` (its weights in a
-        free slot: nothing recompiles); an AdapterError names what does not fit."""
+        """Registers the PEFT LoRA adapter in folder ``path`` as ``name``; it takes a
+        device slot when a request uses it (nothing recompiles). An AdapterError names
+        what does not fit."""
         adapter = self.adapters.read(name, path)  # (the folder read off the lock)
         with self._lock:
-            return self.adapters.place(adapter)
+            return self.adapters.register(adapter)
 
     def unload_adapter(self, name: str) -> None:
         """Drops adapter ``name`` (ValueError while a request uses it)."""
         with self._lock:
-            self.adapters.unload(name, lambda slot: [
-                s for s in self._by_id.values() if s.adapter_slot == slot])  # fmt: skip
+            self.adapters.unload(name, lambda n: sum(
+                1 for s in self._by_id.values() if s.lora and s.lora[1] == n))  # fmt: skip
+
+    def _admit_adapters(self) -> None:
+        """Requests whose adapter waited for a slot go to the scheduler, in order, while
+        slots are free or idle."""
+        while self._lora_waiting and self._place_adapter(self._lora_waiting[0]):
+            self.scheduler.add(self._lora_waiting.popleft())
+
+    def _place_adapter(self, seq: Sequence) -> bool:
+        """Gives ``seq`` its adapter's slot (placing the adapter); False: none is free."""
+        slot = self.adapters.acquire(seq.lora[1], lambda k: any(
+            s.adapter_slot == k for s in self._by_id.values()))  # fmt: skip
+        seq.adapter_slot = slot or 0
+        return slot is not None
 
     def abort(self, request_id: int) -> bool:
         """Drops a queued or running request and frees its blocks; False if it is not
@@ -261,6 +278,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             seq = self._by_id.pop(request_id, None)
             if seq is None:
                 return False
+            if seq in self._lora_waiting:
+                self._lora_waiting.remove(seq)
+                return True
             if self._forks.abort(seq):  # a fork still waiting for its parent
                 return True
             self._forks.orphan(request_id)
@@ -297,11 +317,12 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._inflight) or bool(self._rejected)
+        return (self.scheduler.has_work or bool(self._inflight) or bool(self._rejected)
+                or bool(self._lora_waiting))  # fmt: skip
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + len(self._lora_waiting)
 
     @property
     def num_running(self) -> int:
@@ -363,6 +384,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         says why: they can never fit). A sleeping engine steps nothing."""
         if self._asleep is not None:
             return []
+        if self._lora_waiting:
+            with self._lock:
+                self._admit_adapters()
         new = self.dispatch() if self.scheduler.has_work else None
         rejected, self._rejected = self._rejected, []
         if new is not None and new.sample_later is not None and len(self._inflight) > 1:
@@ -393,6 +417,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             self._sample_deferred()  # (its tokens feed this step's device-fed rows)
             started = time.perf_counter()
             self.kv.poll()
+            self._admit_adapters()
             out = self.scheduler.schedule()
             # What this step decided, in a few bytes (ranks of one model compare it).
             self.schedule_digest = zlib.crc32(repr(
