@@ -253,9 +253,9 @@ def test_the_server_loads_serves_and_unloads_adapters(base, engine):
     from jax_kvcached.serve.loop import ServingLoop
 
     _, root, _ = base
-    loop = ServingLoop({"base": engine}).start()
+    loop = ServingLoop({"lora": engine}).start()
     auth = AuthConfig(api_key="k", admin_key="adm")
-    app = create_app(loop, {"base": ServedModel(engine, ByteTokenizer())}, auth=auth)
+    app = create_app(loop, {"lora": ServedModel(engine, ByteTokenizer())}, auth=auth)
     http = BackgroundServer(app).start()
     user, admin = {"Authorization": "Bearer k"}, {"Authorization": "Bearer adm"}
     prompt = np.random.default_rng(2).integers(0, 256, 20).tolist()
@@ -273,24 +273,31 @@ def test_the_server_loads_serves_and_unloads_adapters(base, engine):
         load = {"lora_name": "all4", "lora_path": f"{root}/all4"}
         assert post("/v1/load_lora_adapter", load, user).status_code in (401, 403)
         r = post("/v1/load_lora_adapter", load)
-        assert r.status_code == 200 and r.json()["base_model_name"] == "base", r.text
+        assert r.status_code == 200 and r.json()["base_model_name"] == "lora", r.text
+        from jax_kvcached.serve.top import render, scrape
+
+        assert "LoRA adapter slots" in render(scrape(http.url, api_key="k"))  # (top)
+        memory = httpx.get(f"{http.url}/admin/memory", headers=admin).json()
+        assert "models" in memory, memory
+        memory = memory["models"]["lora"]
+        assert [a["name"] for a in memory["lora"]["adapters"]] == ["all4"]
         cards = httpx.get(f"{http.url}/v1/models", headers=user).json()["data"]
-        assert {(c["id"], c.get("parent")) for c in cards} == {("base", None), ("all4", "base")}
+        assert {(c["id"], c.get("parent")) for c in cards} == {("lora", None), ("all4", "lora")}
         got = complete("all4")
         assert got.status_code == 200 and got.json()["model"] == "all4"
         loop.stop()  # (the engine alone for the reference, then the server again)
         want = engine.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True),
                                adapter="all4")[0]  # fmt: skip
-        loop = ServingLoop({"base": engine}).start()
-        app = create_app(loop, {"base": ServedModel(engine, ByteTokenizer())}, auth=auth)
+        loop = ServingLoop({"lora": engine}).start()
+        app = create_app(loop, {"lora": ServedModel(engine, ByteTokenizer())}, auth=auth)
         http.stop()
         http = BackgroundServer(app).start()
         assert got.json()["choices"][0]["text"] == ByteTokenizer().decode(want.token_ids)
-        assert complete("all4").json()["choices"][0]["text"] != complete("base").json()[
+        assert complete("all4").json()["choices"][0]["text"] != complete("lora").json()[
             "choices"][0]["text"]  # fmt: skip
         for body, status, words in [
             ({"lora_name": "x", "lora_path": f"{root}/nowhere"}, 400, "adapter_config.json"),
-            ({"lora_name": "base", "lora_path": f"{root}/qv2"}, 400, "taken"),
+            ({"lora_name": "lora", "lora_path": f"{root}/qv2"}, 400, "taken"),
             ({"lora_name": "all4", "lora_path": f"{root}/qv2"}, 400, "taken"),
             ({"lora_path": f"{root}/qv2"}, 400, "lora_name"),
         ]:  # fmt: skip

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from jax_kvcached.models.lora import Adapter, LoRASlots, check_base, read_peft
@@ -158,3 +158,43 @@ class AdapterTable:
                               "slot": self._resident.get(n), "bytes": r.nbytes,
                               "on_host": n in self._host}
                              for n, r in sorted(self._registered.items())]}  # fmt: skip
+
+
+class AdapterAdmission:
+    """An engine's requests that name an adapter: each takes its adapter's slot when it
+    is added, or waits (in order) until a slot is free or idle. ``active()``: the
+    engine's active sequences (a slot is busy while one of them holds it)."""
+
+    def __init__(self, table: AdapterTable, active: Callable[[], Iterable[Any]]) -> None:
+        self.table, self._active = table, active
+        self.waiting: deque[Any] = deque()
+
+    def place(self, seq: Any) -> bool:
+        """Gives ``seq`` its adapter's slot (placing the adapter); False: none is free."""
+        slot = self.table.acquire(seq.lora[1], lambda k: any(
+            s.adapter_slot == k for s in self._active()))  # fmt: skip
+        seq.adapter_slot = slot or 0
+        return slot is not None
+
+    def submit(self, seq: Any) -> bool:
+        """True: ``seq`` holds its slot and may be scheduled; False: it waits."""
+        if self.place(seq):
+            return True
+        self.waiting.append(seq)
+        return False
+
+    def admit(self, schedule: Callable[[Any], None]) -> None:
+        """Hands the waiting sequences that now get a slot to ``schedule``, in order."""
+        while self.waiting and self.place(self.waiting[0]):
+            schedule(self.waiting.popleft())
+
+    def drop(self, seq: Any) -> bool:
+        """Forgets a waiting ``seq`` (an abort); False if it was not waiting."""
+        if any(s is seq for s in self.waiting):
+            self.waiting = deque(s for s in self.waiting if s is not seq)
+            return True
+        return False
+
+    def users(self, name: str) -> int:
+        """Active requests of adapter ``name``."""
+        return sum(1 for s in self._active() if s.lora and s.lora[1] == name)

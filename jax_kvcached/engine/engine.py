@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_kvcached.engine.adapters import AdapterTable
+from jax_kvcached.engine.adapters import AdapterAdmission, AdapterTable
 from jax_kvcached.engine.compile_events import compile_events, fresh_compiles
 from jax_kvcached.engine.config import EngineConfig
 from jax_kvcached.engine.detokenizer import TextStream
@@ -184,7 +184,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         self.overlap = c.overlap
         self._ids = itertools.count()
         self.adapters = AdapterTable(self.runner.lora, model, c.max_cpu_loras)  # by name
-        self._lora_waiting: deque[Sequence] = deque()  # their adapter waits for a slot
+        self.lora_queue = AdapterAdmission(self.adapters, lambda: self._by_id.values())
         # Structured outputs: compiled for this model's tokenizer.
         self.grammars = GrammarCompiler(tokenizer, cfg.vocab_size, cfg.eos_ids)
         self._by_id: dict[int, Sequence] = {}
@@ -237,9 +237,10 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
                 seq.detok = TextStream(self.tokenizer.decode, list(params.stop))
             seq.extra = extra_key_bytes(self.name, cache_salt, lora and lora.key)
             parent = self._by_id.get(fork_of) if fork_of is not None else None
-            if lora is not None and not self._place_adapter(seq):
-                self._lora_waiting.append(seq)  # (every slot's adapter in use)
-            elif not self._forks.wait(parent, seq):
+            # (an adapter's request without a slot waits: every slot's adapter is in use)
+            if (lora is None or self.lora_queue.submit(seq)) and not self._forks.wait(
+                parent, seq
+            ):  # fmt: skip
                 self.scheduler.add(seq)
             self._by_id[rid] = seq
         return rid
@@ -255,21 +256,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
     def unload_adapter(self, name: str) -> None:
         """Drops adapter ``name`` (ValueError while a request uses it)."""
         with self._lock:
-            self.adapters.unload(name, lambda n: sum(
-                1 for s in self._by_id.values() if s.lora and s.lora[1] == n))  # fmt: skip
-
-    def _admit_adapters(self) -> None:
-        """Requests whose adapter waited for a slot go to the scheduler, in order, while
-        slots are free or idle."""
-        while self._lora_waiting and self._place_adapter(self._lora_waiting[0]):
-            self.scheduler.add(self._lora_waiting.popleft())
-
-    def _place_adapter(self, seq: Sequence) -> bool:
-        """Gives ``seq`` its adapter's slot (placing the adapter); False: none is free."""
-        slot = self.adapters.acquire(seq.lora[1], lambda k: any(
-            s.adapter_slot == k for s in self._by_id.values()))  # fmt: skip
-        seq.adapter_slot = slot or 0
-        return slot is not None
+            self.adapters.unload(name, self.lora_queue.users)
 
     def abort(self, request_id: int) -> bool:
         """Drops a queued or running request and frees its blocks; False if it is not
@@ -278,8 +265,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             seq = self._by_id.pop(request_id, None)
             if seq is None:
                 return False
-            if seq in self._lora_waiting:
-                self._lora_waiting.remove(seq)
+            if self.lora_queue.drop(seq):
                 return True
             if self._forks.abort(seq):  # a fork still waiting for its parent
                 return True
@@ -318,11 +304,11 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
     @property
     def has_work(self) -> bool:
         return (self.scheduler.has_work or bool(self._inflight) or bool(self._rejected)
-                or bool(self._lora_waiting))  # fmt: skip
+                or bool(self.lora_queue.waiting))  # fmt: skip
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self._lora_waiting)
+        return len(self.scheduler.waiting) + len(self.lora_queue.waiting)
 
     @property
     def num_running(self) -> int:
@@ -384,9 +370,9 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
         says why: they can never fit). A sleeping engine steps nothing."""
         if self._asleep is not None:
             return []
-        if self._lora_waiting:
+        if self.lora_queue.waiting:
             with self._lock:
-                self._admit_adapters()
+                self.lora_queue.admit(self.scheduler.add)
         new = self.dispatch() if self.scheduler.has_work else None
         rejected, self._rejected = self._rejected, []
         if new is not None and new.sample_later is not None and len(self._inflight) > 1:
@@ -417,7 +403,7 @@ class Engine(RequestIntake, OfflineAPI, SleepMode):
             self._sample_deferred()  # (its tokens feed this step's device-fed rows)
             started = time.perf_counter()
             self.kv.poll()
-            self._admit_adapters()
+            self.lora_queue.admit(self.scheduler.add)
             out = self.scheduler.schedule()
             # What this step decided, in a few bytes (ranks of one model compare it).
             self.schedule_digest = zlib.crc32(repr(

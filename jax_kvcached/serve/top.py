@@ -138,6 +138,8 @@ def render(m: dict[str, Any], prev: dict[str, Any] | None = None, dt: float = 1.
             f"{_ms(p50):>10}{_ms(p99):>8}"
         )
     lines += _kv_group_lines(m)
+    lines += [f"{model[:15]:<16}LoRA adapter slots {size(v)}"
+              for model, v in sorted(_by_model(m, "kvcached_lora_slot_bytes").items()) if v]
     lines += _group_lines(m)
     return "\n".join(ln[:WIDTH] for ln in lines)
 
