@@ -70,10 +70,11 @@ def launch(config: ServeConfig, log: Any) -> subprocess.Popen:
                             cwd=tempfile.gettempdir())  # fmt: skip
 
 
-def ranks(config: ServeConfig, port: int, nnodes: int, logs: list[Any]) -> list[subprocess.Popen]:
+def ranks(config: ServeConfig, port: int, nnodes: int, logs: list[Any],
+          addr: str | None = None) -> list[subprocess.Popen]:  # fmt: skip
     """``nnodes`` ranks of one server of ``config`` on loopback (rank 0 answers on
-    ``port``)."""
-    addr = f"127.0.0.1:{free_port()}"
+    ``port``; ``addr``: the coordinator's HOST:PORT, PORT+1 free too)."""
+    addr = addr or f"127.0.0.1:{free_port()}"
     return [launch(dataclasses.replace(config, nnodes=nnodes, dist_init_addr=addr,
                                        node_rank=r, port=port), logs[r])
             for r in range(nnodes)]  # fmt: skip

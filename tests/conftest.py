@@ -120,6 +120,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def dist_addr() -> str:
+    """A loopback ``--dist-init-addr`` whose PORT and PORT+1 (the step channel) are both
+    free now (a free PORT alone once met PORT+1 taken by another test's connection)."""
+    import socket
+
+    for _ in range(200):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+            if port >= 65534:
+                continue
+            try:
+                with socket.socket() as b:
+                    b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return f"127.0.0.1:{port}"
+    raise RuntimeError("no two free adjacent loopback ports")
+
+
 _DENSE: dict[int, tuple] = {}  # id(model) -> (model, jitted logits_at)
 
 

@@ -24,6 +24,7 @@ from bench_multihost import (  # noqa: E402
     wait_ready,
 )
 from bench_serving import free_port, serve_command  # noqa: E402
+from conftest import dist_addr  # noqa: E402
 
 from jax_kvcached.engine.config import EngineConfig  # noqa: E402
 from jax_kvcached.serve.config import ServeConfig  # noqa: E402
@@ -56,7 +57,7 @@ def test_two_ranks_serve_the_same_text_with_half_the_kv_per_device(tmp_path):
         stop([one])
     port = free_port()
     logs = [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
-    procs = ranks(COMMON, port, 2, logs)
+    procs = ranks(COMMON, port, 2, logs, dist_addr())
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, procs)
@@ -100,7 +101,7 @@ def test_bad_distributed_flags_fail_at_start(args, message):
 
 def test_unreachable_coordinator_and_mismatched_flags_fail_at_start(tmp_path):
     # A rank alone: the others never come; a clear error within --dist-timeout.
-    addr = f"127.0.0.1:{free_port()}"
+    addr = dist_addr()
     for rank, message in ((1, f"rank 1: rank 0 did not answer at --dist-init-addr {addr}"),
                           (0, "rank 0: 0 of the 1 other ranks joined within --dist-timeout")):
         alone = dataclasses.replace(COMMON, nnodes=2, node_rank=rank, dist_init_addr=addr,
@@ -109,7 +110,7 @@ def test_unreachable_coordinator_and_mismatched_flags_fail_at_start(tmp_path):
                              text=True, env=env(), timeout=240)  # fmt: skip
         assert out.returncode == 2 and message in out.stderr, out.stderr[-2000:]
     # Two ranks whose model flags differ: both refuse, naming the flag.
-    dist = dataclasses.replace(COMMON, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    dist = dataclasses.replace(COMMON, nnodes=2, dist_init_addr=dist_addr())
     procs = [
         launch(dataclasses.replace(dist, node_rank=0, port=free_port()),
                open(tmp_path / "r0.log", "w")),

@@ -12,7 +12,7 @@ import struct
 import threading
 
 import pytest
-from conftest import free_port
+from conftest import dist_addr
 
 from jax_kvcached.engine.config import ConfigError
 from jax_kvcached.engine.sampling import SamplingParams
@@ -132,7 +132,7 @@ def test_the_secret_is_required_strong_and_private(tmp_path, monkeypatch):
 
 def test_rank_0_refuses_a_pickle_and_a_stranger_then_admits_its_follower(tmp_path,
                                                                        secret_env):  # fmt: skip
-    addr = f"127.0.0.1:{free_port()}"
+    addr = dist_addr()
     host, port = "127.0.0.1", int(addr.rsplit(":", 1)[1]) + 1
     got: dict = {}
     t = threading.Thread(target=lambda: got.update(leader=distributed.connect(_config(0, addr))))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import free_port, tp_pool
+from conftest import dist_addr, tp_pool
 from jax.sharding import Mesh
 
 import jax_kvcached as kv
@@ -210,7 +210,7 @@ WORKER = textwrap.dedent(
 
 def test_two_processes_with_gloo_equal_one_process(tmp_path):
     changes = json.dumps({"num_heads": 8, "num_kv_heads": 4, "head_dim": 16})
-    addr = f"127.0.0.1:{free_port()}"
+    addr = dist_addr()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = [
         subprocess.Popen(
