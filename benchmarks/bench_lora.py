@@ -81,6 +81,20 @@ def decode_rate(eng: Engine, prompts: list[list[int]], adapters: list[str | None
     return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
 
+def interleaved_medians(cases: dict[str, tuple[Engine, list[str | None]]],
+                        prompts: list[list[int]], tokens: int, rounds: int) -> dict[str, float]:
+    """Each case's median decode rate (``cases``: name -> (engine, each prompt's
+    adapter)) over ``rounds`` rounds that take the cases in turn, after a warm-up round
+    that meets every program and places every adapter."""
+    for eng, ads in cases.values():
+        decode_rate(eng, prompts, ads, 4)
+    rates: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(rounds):
+        for key, (eng, ads) in cases.items():
+            rates[key].append(decode_rate(eng, prompts, ads, tokens))
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
 def numpy_adapters(cfg, n: int, rank: int, folder: str) -> list[str]:
     """``n`` random PEFT-format adapters written with numpy alone (fast, for many)."""
     from safetensors.numpy import save_file
@@ -131,13 +145,7 @@ def bench_overhead(pre, args, paths) -> dict:
         "adapter_rows": (lora, names),
         "mixed_rows": (lora, [a if i % 2 else None for i, a in enumerate(names)]),
     }
-    for eng, ads in cases.values():  # (warm: every program met once, every adapter placed)
-        decode_rate(eng, prompts, ads, 4)
-    rates: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(args.rounds):
-        for key, (eng, ads) in cases.items():
-            rates[key].append(decode_rate(eng, prompts, ads, args.tokens))
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    med = interleaved_medians(cases, prompts, args.tokens, args.rounds)
     lora.unload_adapter("a0")  # loading and unloading after warm-up compiles nothing
     lora.load_adapter("a0", paths[-1])
     decode_rate(lora, prompts, names, 4)
@@ -169,16 +177,9 @@ def bench_distinct(pre, args, paths) -> dict:
     cases = {"base": (plain, [None] * 32)}
     for k in (1, 8, 32):
         cases[f"{k}_adapters"] = (lora, [f"d{i % k}" for i in range(32)])
-    for eng, ads in cases.values():
-        decode_rate(eng, prompts, ads, 4)
-    rates: dict[str, list[float]] = {k: [] for k in cases}
-    for _ in range(args.rounds):
-        for key, (eng, ads) in cases.items():
-            rates[key].append(decode_rate(eng, prompts, ads, args.tokens))
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    med = interleaved_medians(cases, prompts, args.tokens, args.rounds)
     out = {"batch": 32, "decode_tok_s": med,
-           "vs_base": {k: med[k] / med["base"] for k in cases if k != "base"},
-           "compiles_after_first_round": lora.runner.compiles_after_warmup}  # fmt: skip
+           "vs_base": {k: med[k] / med["base"] for k in cases if k != "base"}}  # fmt: skip
     for eng in (plain, lora):
         eng.close()
     pool.close()

@@ -297,13 +297,6 @@ def lora_of(attend: Any) -> LoRABatch | None:
     return getattr(attend, "lora", None)
 
 
-def with_lora(proj: Any, x: jax.Array, lora: LoRABatch | None, layer: Any, target: str
-              ) -> jax.Array:  # fmt: skip
-    """``proj(x)`` plus the adapters' delta of ``target``."""
-    y = proj(x)
-    return add_delta(y, x, lora, layer, target)
-
-
 def add_delta(y: jax.Array, x: jax.Array, lora: LoRABatch | None, layer: Any, target: str
               ) -> jax.Array:  # fmt: skip
     """``y`` (projection ``target`` of ``x``) plus the adapters' delta."""

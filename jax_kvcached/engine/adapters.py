@@ -85,10 +85,6 @@ class AdapterTable:
         self._keep(adapter)
         return reg
 
-    def load(self, name: str, path: str) -> Registered:
-        """Reads, checks and registers adapter ``name`` from PEFT folder ``path``."""
-        return self.register(self.read(name, path))
-
     def _keep(self, adapter: Adapter) -> None:
         self._host[adapter.name] = adapter
         self._host.move_to_end(adapter.name)
