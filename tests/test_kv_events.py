@@ -346,8 +346,11 @@ def test_curve_admits_only_known_subscribers(pool, tmp_path):
     assert mismatch != zmq.EVENT_HANDSHAKE_SUCCEEDED
     eng.generate([list(range(3, 53))], SamplingParams(max_tokens=2, temperature=0.0))
     assert eng.kv_event_publisher.flush()
-    (e,) = [e for _, _, b in receive_all(router) for e in b.events]
-    assert e.token_ids == list(range(3, 51))  # the allowed subscriber reads them
+    # (one chain; under load its blocks may arrive in more than one batch: CI saw it)
+    events = [e for _, _, b in receive_all(router) for e in b.events]
+    assert events and all(type(e).__name__ == "BlockStored" for e in events), events
+    tokens = [t for e in events for t in e.token_ids]
+    assert tokens == list(range(3, 51))  # the allowed subscriber reads them
     assert not stranger.poll(0) and not plain.poll(0)
     eng.close()
     ctx.destroy(linger=0)  # (the subscribers and their monitors)
